@@ -1,0 +1,86 @@
+use super::{Model, div_ceil};
+use crate::Limit;
+
+/// GCRA: one theoretical arrival time (TAT). A request of cost `c` fits when pushing the
+/// TAT by `c` emission intervals keeps it within `burst` intervals of now.
+///
+/// The emission interval is `window / limit` milliseconds, rarely a whole number, so the
+/// TAT is kept exactly as `tat + frac / limit` ms (`frac < limit`), and distances are
+/// scaled by `limit`: `burst` intervals are `burst * window` scaled units. It decides
+/// exactly like [`TokenBucket`](super::TokenBucket) while storing one timestamp.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Gcra {
+    tat: u64,
+    frac: u64,
+}
+
+impl Gcra {
+    fn tolerance(limit: &Limit) -> u64 {
+        u64::from(limit.burst()) * limit.window_ms()
+    }
+
+    /// How far the TAT is ahead of now, scaled by `limit`, at most the tolerance.
+    fn ahead(&self, now: u64, limit: &Limit) -> u64 {
+        if self.tat < now {
+            return 0;
+        }
+        let tolerance = Self::tolerance(limit);
+        let ahead_ms = self.tat - now;
+        // Only a clock that stepped back gets here; clamp before multiplying.
+        if ahead_ms > div_ceil(tolerance, u64::from(limit.limit())) {
+            return tolerance;
+        }
+        (ahead_ms * u64::from(limit.limit()) + self.frac).min(tolerance)
+    }
+}
+
+impl Model for Gcra {
+    fn normalize(&mut self, _now: u64, _limit: &Limit) {}
+
+    fn fits(&self, now: u64, limit: &Limit, cost: u64) -> bool {
+        self.ahead(now, limit) + cost * limit.window_ms() <= Self::tolerance(limit)
+    }
+
+    fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
+        let over = self.ahead(now, limit) + cost * limit.window_ms() - Self::tolerance(limit);
+        div_ceil(over, u64::from(limit.limit()))
+    }
+
+    fn commit(&mut self, now: u64, limit: &Limit, cost: u64) {
+        let ahead = self.ahead(now, limit) + cost * limit.window_ms();
+        self.tat = now + ahead / u64::from(limit.limit());
+        self.frac = ahead % u64::from(limit.limit());
+    }
+
+    fn remaining(&self, now: u64, limit: &Limit) -> u64 {
+        (Self::tolerance(limit) - self.ahead(now, limit)) / limit.window_ms()
+    }
+
+    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
+        div_ceil(self.ahead(now, limit), u64::from(limit.limit()))
+    }
+
+    fn expires_at(&self, _limit: &Limit) -> u64 {
+        self.tat + u64::from(self.frac > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{Limit, algorithm::tests::run};
+
+    #[test]
+    fn spaces_requests_by_the_emission_interval() {
+        let limit = Limit::gcra(10, Duration::from_secs(1))
+            .unwrap()
+            .with_burst(1)
+            .unwrap();
+        let d = run(&limit, &[(1000, 1), (1050, 1), (1100, 1)]);
+        assert!(d[0].allowed);
+        assert!(!d[1].allowed);
+        assert_eq!(d[1].retry_after_ms, 50);
+        assert!(d[2].allowed);
+    }
+}

@@ -1,0 +1,240 @@
+//! The reference model: every algorithm as a pure state transition.
+//!
+//! `(state, now, limit, cost) -> (state', decision)`, with no I/O and no clock reads. The
+//! in-memory store runs this model; the Lua functions in `lua/` implement the same
+//! integer arithmetic, and the conformance tests hold the two equal decision by decision.
+//!
+//! All arithmetic is on integers. Time is whole milliseconds; the bucket algorithms count
+//! in units of `1 / window_ms` of a token, so that refilling `limit` tokens per window is
+//! exactly `limit` units per millisecond: nothing is ever rounded. [`Limit`]'s validation
+//! keeps every intermediate value below 2^53, where Lua's doubles are exact.
+//!
+//! Each decision happens in two steps: every limit of a request is asked whether the cost
+//! *fits*, and only when all of them say yes is it *committed* to each. Denied requests
+//! consume nothing.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Limit, algorithm::{self, State}};
+//!
+//! let limits = [Limit::fixed_window(2, Duration::from_secs(1))?];
+//! let mut states = [State::new(limits[0].algorithm())];
+//! assert!(algorithm::check(&mut states, &limits, 0, 1).is_allowed());
+//! assert!(algorithm::check(&mut states, &limits, 10, 1).is_allowed());
+//! let denied = algorithm::check(&mut states, &limits, 20, 1);
+//! assert!(!denied.is_allowed());
+//! assert_eq!(denied.retry_after(), Duration::from_millis(980));
+//! # Ok::<(), tollgate::ConfigError>(())
+//! ```
+
+mod fixed_window;
+mod gcra;
+mod sliding_window;
+mod sliding_window_counter;
+mod token_bucket;
+
+pub use fixed_window::FixedWindow;
+pub use gcra::Gcra;
+pub use sliding_window::SlidingWindow;
+pub use sliding_window_counter::SlidingWindowCounter;
+pub use token_bucket::TokenBucket;
+
+use crate::{Algorithm, Decision, Limit, LimitDecision};
+
+/// The state one algorithm keeps for one key and limit. `State::new` is the state of a key
+/// that does not exist yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub enum State {
+    FixedWindow(FixedWindow),
+    SlidingWindow(SlidingWindow),
+    SlidingWindowCounter(SlidingWindowCounter),
+    TokenBucket(TokenBucket),
+    Gcra(Gcra),
+}
+
+/// The questions the driver asks each algorithm. `now` is in milliseconds, `cost` in
+/// requests; all of them assume [`normalize`](Model::normalize) ran first at `now`.
+pub(crate) trait Model {
+    /// Brings the state to `now` without changing any decision it will make (drops
+    /// expired entries, refills, rolls windows).
+    fn normalize(&mut self, now: u64, limit: &Limit);
+    /// Whether `cost` fits now.
+    fn fits(&self, now: u64, limit: &Limit, cost: u64) -> bool;
+    /// Milliseconds until `cost` fits (only asked when it does not, and `cost` is at most
+    /// the limit's capacity).
+    fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64;
+    /// Consumes `cost`.
+    fn commit(&mut self, now: u64, limit: &Limit, cost: u64);
+    /// Whole units left.
+    fn remaining(&self, now: u64, limit: &Limit) -> u64;
+    /// Milliseconds until the limit is fully restored.
+    fn reset_after(&self, now: u64, limit: &Limit) -> u64;
+    /// When the state is worth nothing more than a missing key (its TTL).
+    fn expires_at(&self, limit: &Limit) -> u64;
+}
+
+macro_rules! dispatch {
+    ($self:expr, $s:ident => $body:expr) => {
+        match $self {
+            State::FixedWindow($s) => $body,
+            State::SlidingWindow($s) => $body,
+            State::SlidingWindowCounter($s) => $body,
+            State::TokenBucket($s) => $body,
+            State::Gcra($s) => $body,
+        }
+    };
+}
+
+impl State {
+    /// The state of a key not seen yet.
+    pub fn new(algorithm: Algorithm) -> Self {
+        match algorithm {
+            Algorithm::FixedWindow => Self::FixedWindow(FixedWindow::default()),
+            Algorithm::SlidingWindow => Self::SlidingWindow(SlidingWindow::default()),
+            Algorithm::SlidingWindowCounter => {
+                Self::SlidingWindowCounter(SlidingWindowCounter::default())
+            }
+            Algorithm::TokenBucket => Self::TokenBucket(TokenBucket::default()),
+            Algorithm::Gcra => Self::Gcra(Gcra::default()),
+        }
+    }
+
+    /// The algorithm this state belongs to.
+    pub fn algorithm(&self) -> Algorithm {
+        match self {
+            Self::FixedWindow(_) => Algorithm::FixedWindow,
+            Self::SlidingWindow(_) => Algorithm::SlidingWindow,
+            Self::SlidingWindowCounter(_) => Algorithm::SlidingWindowCounter,
+            Self::TokenBucket(_) => Algorithm::TokenBucket,
+            Self::Gcra(_) => Algorithm::Gcra,
+        }
+    }
+
+    /// The time (ms) from which this state decides exactly like a missing key, so that a
+    /// store may forget it: the TTL the Redis script sets.
+    pub fn expires_at(&self, limit: &Limit) -> u64 {
+        dispatch!(self, s => s.expires_at(limit))
+    }
+
+    fn model(&mut self) -> &mut dyn Model {
+        dispatch!(self, s => s as &mut dyn Model)
+    }
+}
+
+/// Decides one request of `cost` against `limits` at `now` (ms), all-or-nothing, and
+/// updates `states` (one per limit, same order) only when every limit has room.
+///
+/// # Panics
+///
+/// When `states` and `limits` differ in length or a state belongs to another algorithm
+/// than its limit: both are bugs in the caller.
+pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Decision {
+    assert_eq!(states.len(), limits.len(), "one state per limit");
+    let cost = u64::from(cost);
+    let mut decisions = Vec::with_capacity(limits.len());
+    for (state, limit) in states.iter_mut().zip(limits) {
+        assert_eq!(
+            state.algorithm(),
+            limit.algorithm(),
+            "state of another algorithm"
+        );
+        let model = state.model();
+        model.normalize(now, limit);
+        let fits = cost <= u64::from(limit.capacity()) && model.fits(now, limit, cost);
+        let retry_after_ms = if fits {
+            0
+        } else if cost > u64::from(limit.capacity()) {
+            // Never fits: report one window, the longest any limit asks anyone to wait.
+            limit.window_ms()
+        } else {
+            model.wait(now, limit, cost)
+        };
+        decisions.push(LimitDecision {
+            allowed: fits,
+            limit: limit.limit(),
+            remaining: 0,
+            reset_after_ms: 0,
+            retry_after_ms,
+        });
+    }
+    let all_fit = decisions.iter().all(|d| d.allowed);
+    for ((state, limit), decision) in states.iter_mut().zip(limits).zip(&mut decisions) {
+        let model = state.model();
+        if all_fit {
+            model.commit(now, limit, cost);
+        }
+        decision.remaining = model.remaining(now, limit);
+        decision.reset_after_ms = model.reset_after(now, limit);
+    }
+    Decision::new(decisions)
+}
+
+/// `ceil(a / b)` for `b > 0`.
+#[inline]
+pub(crate) fn div_ceil(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    pub(super) fn run(limit: &Limit, steps: &[(u64, u32)]) -> Vec<LimitDecision> {
+        let limits = std::slice::from_ref(limit);
+        let mut states = [State::new(limit.algorithm())];
+        steps
+            .iter()
+            .map(|&(now, cost)| check(&mut states, limits, now, cost).limits()[0])
+            .collect()
+    }
+
+    #[test]
+    fn multi_limit_is_all_or_nothing() {
+        let per_second = Limit::fixed_window(10, Duration::from_secs(1)).unwrap();
+        let per_hour = Limit::fixed_window(3, Duration::from_secs(3600)).unwrap();
+        let limits = [per_second, per_hour];
+        let mut states = limits.clone().map(|l| State::new(l.algorithm()));
+        for i in 0..3 {
+            assert!(check(&mut states, &limits, i, 1).is_allowed());
+        }
+        let denied = check(&mut states, &limits, 3, 1);
+        assert!(!denied.is_allowed());
+        // The hourly limit denied it, so the per-second one was not charged.
+        assert_eq!(denied.limits()[0].remaining, 7);
+        assert!(denied.limits()[0].allowed);
+        assert!(!denied.limits()[1].allowed);
+        assert_eq!(denied.limits()[1].retry_after_ms, 3_600_000 - 3);
+    }
+
+    #[test]
+    fn cost_above_capacity_is_denied_for_one_window() {
+        let limit = Limit::token_bucket(5, Duration::from_secs(1)).unwrap();
+        let d = run(&limit, &[(0, 6)]);
+        assert!(!d[0].allowed);
+        assert_eq!(d[0].retry_after_ms, 1000);
+        assert_eq!(d[0].remaining, 5);
+    }
+
+    #[test]
+    fn token_bucket_and_gcra_decide_alike() {
+        let tb = Limit::token_bucket(7, Duration::from_millis(900))
+            .unwrap()
+            .with_burst(3)
+            .unwrap();
+        let gcra = Limit::gcra(7, Duration::from_millis(900))
+            .unwrap()
+            .with_burst(3)
+            .unwrap();
+        let mut now = 5_000;
+        let steps: Vec<(u64, u32)> = (0..500u64)
+            .map(|i| {
+                now += (i * 37) % 211;
+                (now, (i % 3) as u32 + 1)
+            })
+            .collect();
+        assert_eq!(run(&tb, &steps), run(&gcra, &steps));
+    }
+}

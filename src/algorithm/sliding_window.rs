@@ -1,0 +1,107 @@
+use std::collections::VecDeque;
+
+use super::Model;
+use crate::Limit;
+
+/// Sliding window log: the time of every request still inside the window, so that at
+/// most `limit` fall in *any* interval of `window`. An entry at `t` counts while
+/// `now - t < window`. Entries stay sorted by time even when the clock steps back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// `(time, units)`, oldest first; one element per millisecond that had requests.
+    entries: VecDeque<(u64, u64)>,
+    count: u64,
+}
+
+impl Model for SlidingWindow {
+    fn normalize(&mut self, now: u64, limit: &Limit) {
+        while let Some(&(at, units)) = self.entries.front() {
+            if at + limit.window_ms() > now {
+                break;
+            }
+            self.count -= units;
+            self.entries.pop_front();
+        }
+    }
+
+    fn fits(&self, _now: u64, limit: &Limit, cost: u64) -> bool {
+        self.count + cost <= u64::from(limit.limit())
+    }
+
+    fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
+        // The oldest `count + cost - limit` units must leave the window first.
+        let must_expire = self.count + cost - u64::from(limit.limit());
+        let mut seen = 0;
+        for &(at, units) in &self.entries {
+            seen += units;
+            if seen >= must_expire {
+                return at + limit.window_ms() - now;
+            }
+        }
+        limit.window_ms()
+    }
+
+    fn commit(&mut self, now: u64, _limit: &Limit, cost: u64) {
+        if cost == 0 {
+            return;
+        }
+        self.count += cost;
+        // Almost always appends; a clock that stepped back inserts in order.
+        let at = self.entries.partition_point(|&(t, _)| t <= now);
+        match at.checked_sub(1).map(|i| &mut self.entries[i]) {
+            Some((t, units)) if *t == now => *units += cost,
+            _ => self.entries.insert(at, (now, cost)),
+        }
+    }
+
+    fn remaining(&self, _now: u64, limit: &Limit) -> u64 {
+        u64::from(limit.limit()).saturating_sub(self.count)
+    }
+
+    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
+        self.entries
+            .back()
+            .map_or(0, |&(newest, _)| newest + limit.window_ms() - now)
+    }
+
+    fn expires_at(&self, limit: &Limit) -> u64 {
+        self.entries
+            .back()
+            .map_or(0, |&(newest, _)| newest + limit.window_ms())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{Limit, algorithm::tests::run};
+
+    #[test]
+    fn no_burst_across_a_boundary() {
+        let limit = Limit::sliding_window(3, Duration::from_secs(1)).unwrap();
+        let steps = [
+            (997, 1),
+            (998, 1),
+            (999, 1),
+            (1000, 1),
+            (1996, 1),
+            (1997, 1),
+        ];
+        let d = run(&limit, &steps);
+        let allowed: Vec<bool> = d.iter().map(|d| d.allowed).collect();
+        assert_eq!(allowed, [true, true, true, false, false, true]);
+        // The oldest entry (997) leaves the window at 1997.
+        assert_eq!(d[3].retry_after_ms, 997);
+        assert_eq!(d[4].retry_after_ms, 1);
+    }
+
+    #[test]
+    fn retry_after_counts_the_cost() {
+        let limit = Limit::sliding_window(4, Duration::from_millis(100)).unwrap();
+        let d = run(&limit, &[(0, 1), (10, 1), (20, 2), (30, 3)]);
+        // 4 units used; 3 more need the first three units (at 0, 10, 20) gone: at 120.
+        assert!(!d[3].allowed);
+        assert_eq!(d[3].retry_after_ms, 90);
+    }
+}

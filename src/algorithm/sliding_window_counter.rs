@@ -1,0 +1,118 @@
+use super::Model;
+use crate::Limit;
+
+/// Sliding window counter: the previous aligned window's count, weighted by the part of
+/// it that still overlaps a window ending now, plus the current window's count.
+///
+/// Scaled by the window length so that the weighting stays in integers: the estimate is
+/// `previous * (window - elapsed) + current * window`, compared with `limit * window`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlidingWindowCounter {
+    start: u64,
+    current: u64,
+    previous: u64,
+}
+
+impl SlidingWindowCounter {
+    fn estimate(&self, now: u64, window: u64) -> u64 {
+        let elapsed = now - self.start;
+        self.previous * (window - elapsed) + self.current * window
+    }
+}
+
+impl Model for SlidingWindowCounter {
+    fn normalize(&mut self, now: u64, limit: &Limit) {
+        let window = limit.window_ms();
+        let start = now - now % window;
+        if self.start == start {
+            return;
+        }
+        self.previous = if self.start + window == start {
+            self.current
+        } else {
+            0
+        };
+        self.current = 0;
+        self.start = start;
+    }
+
+    fn fits(&self, now: u64, limit: &Limit, cost: u64) -> bool {
+        let window = limit.window_ms();
+        self.estimate(now, window) + cost * window <= u64::from(limit.limit()) * window
+    }
+
+    fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
+        let window = limit.window_ms();
+        let limit = u64::from(limit.limit());
+        let left_in_window = window - (now - self.start);
+        // Later in this window, as the previous window's weight shrinks?
+        if self.previous > 0 && self.current + cost <= limit {
+            let room = (limit - cost - self.current) * window / self.previous;
+            if room >= 1 {
+                return left_in_window - room;
+            }
+        }
+        // In the next window, where this window's count becomes the weighted one.
+        if self.current == 0 {
+            return left_in_window;
+        }
+        let room = ((limit - cost) * window / self.current).min(window);
+        left_in_window + (window - room)
+    }
+
+    fn commit(&mut self, _now: u64, _limit: &Limit, cost: u64) {
+        self.current += cost;
+    }
+
+    fn remaining(&self, now: u64, limit: &Limit) -> u64 {
+        let window = limit.window_ms();
+        (u64::from(limit.limit()) * window).saturating_sub(self.estimate(now, window)) / window
+    }
+
+    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
+        let left_in_window = limit.window_ms() - (now - self.start);
+        if self.current > 0 {
+            left_in_window + limit.window_ms()
+        } else if self.previous > 0 {
+            left_in_window
+        } else {
+            0
+        }
+    }
+
+    fn expires_at(&self, limit: &Limit) -> u64 {
+        self.start + 2 * limit.window_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{Limit, algorithm::tests::run};
+
+    #[test]
+    fn weights_the_previous_window() {
+        let limit = Limit::sliding_window_counter(10, Duration::from_millis(100)).unwrap();
+        // Ten in the first window; a quarter into the next, 7.5 still count.
+        let mut steps: Vec<(u64, u32)> = (0..10).map(|i| (i, 1)).collect();
+        steps.extend([(125, 1), (125, 1), (125, 1), (126, 1)]);
+        let d = run(&limit, &steps);
+        let allowed: Vec<bool> = d[10..].iter().map(|d| d.allowed).collect();
+        // 7.5 + 1 + 1 = 9.5 fits, 10.5 does not.
+        assert_eq!(allowed, [true, true, false, false]);
+        // At 126: 10 * 74 + 2 * 100 + 100 = 1040 > 1000; the weight must fall to 700:
+        // previous * (100 - e) <= 700 -> e >= 30, at 130.
+        assert_eq!(d[13].retry_after_ms, 4);
+    }
+
+    #[test]
+    fn retry_moves_into_the_next_window_when_needed() {
+        let limit = Limit::sliding_window_counter(2, Duration::from_millis(100)).unwrap();
+        let d = run(&limit, &[(50, 1), (60, 1), (70, 1)]);
+        assert!(!d[2].allowed);
+        // Next window: previous = 2, need 2 * (100 - e) <= 100 -> e >= 50, at 150.
+        assert_eq!(d[2].retry_after_ms, 80);
+        assert_eq!(d[1].reset_after_ms, 140);
+    }
+}

@@ -1,0 +1,118 @@
+use super::{Model, div_ceil};
+use crate::Limit;
+
+/// Token bucket: `burst` tokens, refilled at `limit` per `window`.
+///
+/// Tokens are counted in units of `1 / window_ms` of a token, so the bucket holds
+/// `burst * window_ms` units and refills exactly `limit` units per millisecond.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenBucket {
+    /// `None`: a key not seen yet, which is a full bucket.
+    tokens: Option<u64>,
+    last: u64,
+}
+
+impl TokenBucket {
+    fn capacity(limit: &Limit) -> u64 {
+        u64::from(limit.burst()) * limit.window_ms()
+    }
+
+    fn tokens(&self) -> u64 {
+        self.tokens.unwrap_or_default()
+    }
+
+    /// Milliseconds before refilling starts again (the clock stepped back).
+    fn paused(&self, now: u64) -> u64 {
+        self.last.saturating_sub(now)
+    }
+}
+
+impl Model for TokenBucket {
+    fn normalize(&mut self, now: u64, limit: &Limit) {
+        let capacity = Self::capacity(limit);
+        match self.tokens {
+            None => {
+                self.tokens = Some(capacity);
+                self.last = now;
+            }
+            Some(tokens) if now > self.last => {
+                let elapsed = now - self.last;
+                let to_full = div_ceil(capacity - tokens, u64::from(limit.limit()));
+                self.tokens = Some(if elapsed >= to_full {
+                    capacity
+                } else {
+                    tokens + elapsed * u64::from(limit.limit())
+                });
+                self.last = now;
+            }
+            Some(_) => {}
+        }
+    }
+
+    fn fits(&self, _now: u64, limit: &Limit, cost: u64) -> bool {
+        cost * limit.window_ms() <= self.tokens()
+    }
+
+    fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
+        let missing = cost * limit.window_ms() - self.tokens();
+        self.paused(now) + div_ceil(missing, u64::from(limit.limit()))
+    }
+
+    fn commit(&mut self, _now: u64, limit: &Limit, cost: u64) {
+        self.tokens = Some(self.tokens() - cost * limit.window_ms());
+    }
+
+    fn remaining(&self, _now: u64, limit: &Limit) -> u64 {
+        self.tokens() / limit.window_ms()
+    }
+
+    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
+        let missing = Self::capacity(limit) - self.tokens();
+        if missing == 0 {
+            0
+        } else {
+            self.paused(now) + div_ceil(missing, u64::from(limit.limit()))
+        }
+    }
+
+    fn expires_at(&self, limit: &Limit) -> u64 {
+        let missing = Self::capacity(limit) - self.tokens();
+        self.last + div_ceil(missing, u64::from(limit.limit()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{Limit, algorithm::tests::run};
+
+    #[test]
+    fn refills_continuously() {
+        let limit = Limit::token_bucket(10, Duration::from_secs(1))
+            .unwrap()
+            .with_burst(2)
+            .unwrap();
+        let d = run(
+            &limit,
+            &[(0, 1), (0, 1), (0, 1), (99, 1), (100, 1), (100, 1)],
+        );
+        let allowed: Vec<bool> = d.iter().map(|d| d.allowed).collect();
+        assert_eq!(allowed, [true, true, false, false, true, false]);
+        assert_eq!(d[2].retry_after_ms, 100);
+        assert_eq!(d[3].retry_after_ms, 1);
+        assert_eq!(d[4].reset_after_ms, 200);
+    }
+
+    #[test]
+    fn fractional_rates_are_exact() {
+        // 3 per 10 ms: one token every 3.33 ms, 300 in one second, on top of the burst.
+        let limit = Limit::token_bucket(3, Duration::from_millis(10))
+            .unwrap()
+            .with_burst(2)
+            .unwrap();
+        let steps: Vec<(u64, u32)> = (0..=1000).map(|t| (t, 1)).collect();
+        let allowed = run(&limit, &steps).iter().filter(|d| d.allowed).count();
+        assert_eq!(allowed, 302); // the full bucket at 0, then 300 refills
+    }
+}

@@ -1,0 +1,92 @@
+//! [`Decision`]: what a store decided for one request.
+
+use std::time::Duration;
+
+/// The outcome for one [`Limit`](crate::Limit) of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitDecision {
+    /// Whether this limit alone had room for the request.
+    pub allowed: bool,
+    /// The limit's quota per window.
+    pub limit: u32,
+    /// Units left after this request (before it, when the request was denied).
+    pub remaining: u64,
+    /// Milliseconds until this limit is fully restored.
+    pub reset_after_ms: u64,
+    /// Milliseconds until the same request would fit this limit (0 when it fits now).
+    pub retry_after_ms: u64,
+}
+
+impl LimitDecision {
+    /// Time until this limit is fully restored.
+    pub fn reset_after(&self) -> Duration {
+        Duration::from_millis(self.reset_after_ms)
+    }
+
+    /// Time until the same request would fit this limit.
+    pub fn retry_after(&self) -> Duration {
+        Duration::from_millis(self.retry_after_ms)
+    }
+}
+
+/// What a store decided for one request over all of its limits, all-or-nothing: the
+/// request is allowed only when every limit has room, and a denied request consumes
+/// nothing from any of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    allowed: bool,
+    limits: Vec<LimitDecision>,
+}
+
+impl Decision {
+    /// A decision from per-limit outcomes, in the order of the limits.
+    pub fn new(limits: Vec<LimitDecision>) -> Self {
+        let allowed = limits.iter().all(|l| l.allowed);
+        Self { allowed, limits }
+    }
+
+    /// A decision that allows the request without any limit (used by the fail-open
+    /// policy and when no key applies).
+    pub fn unlimited() -> Self {
+        Self {
+            allowed: true,
+            limits: Vec::new(),
+        }
+    }
+
+    /// Whether the request may pass.
+    pub fn is_allowed(&self) -> bool {
+        self.allowed
+    }
+
+    /// Per-limit outcomes, in the order of the layer's limits.
+    pub fn limits(&self) -> &[LimitDecision] {
+        &self.limits
+    }
+
+    /// Time until the same request would be allowed: the longest wait of the limits that
+    /// denied it, zero when allowed.
+    pub fn retry_after(&self) -> Duration {
+        Duration::from_millis(self.retry_after_ms())
+    }
+
+    pub(crate) fn retry_after_ms(&self) -> u64 {
+        self.limits
+            .iter()
+            .map(|l| l.retry_after_ms)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The most restrictive limit: the one with the fewest units remaining.
+    pub fn tightest(&self) -> Option<&LimitDecision> {
+        self.limits
+            .iter()
+            .min_by_key(|l| (l.remaining, u64::MAX - l.reset_after_ms))
+    }
+
+    /// Units remaining under the most restrictive limit.
+    pub fn remaining(&self) -> Option<u64> {
+        self.tightest().map(|l| l.remaining)
+    }
+}

@@ -1,0 +1,223 @@
+//! The rate-limit fields of a response, written in one place.
+//!
+//! - `RateLimit-Policy: "<name>";q=<limit>;w=<window seconds>` and
+//!   `RateLimit: "<name>";r=<remaining>;t=<seconds until reset>`, one item per limit
+//!   (draft-ietf-httpapi-ratelimit-headers-11). They are appended as new field lines, so
+//!   stacked layers each show their own items. No `pk` is sent: it would give every client
+//!   a stable identifier.
+//! - On denied responses, `Retry-After: <seconds>`, rounded up and never 0, and never
+//!   earlier than any `t` of the same response.
+//! - Optionally the legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
+//!   `X-RateLimit-Reset` (seconds) of the most restrictive limit.
+
+use http::{HeaderMap, HeaderName, HeaderValue, header::RETRY_AFTER};
+
+use crate::{Decision, Limit};
+
+/// `RateLimit-Policy`.
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`.
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `X-RateLimit-Limit`.
+pub static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining`.
+pub static X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset`.
+pub static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// Which rate-limit fields responses carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeaderStyle {
+    /// The IETF `RateLimit-Policy` and `RateLimit` fields (on by default).
+    pub ietf: bool,
+    /// The legacy `X-RateLimit-*` fields (off by default).
+    pub legacy: bool,
+}
+
+impl Default for HeaderStyle {
+    fn default() -> Self {
+        Self {
+            ietf: true,
+            legacy: false,
+        }
+    }
+}
+
+impl HeaderStyle {
+    /// No rate-limit fields at all (denied responses still get `Retry-After`).
+    pub const NONE: Self = Self {
+        ietf: false,
+        legacy: false,
+    };
+}
+
+/// Whole seconds, rounded up.
+pub(crate) fn ceil_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// The policy name of a limit: its name, or `<limit>-per-<window>`.
+pub(crate) fn policy_name(limit: &Limit) -> String {
+    match limit.name() {
+        Some(name) => name.to_owned(),
+        None => format!(
+            "{}-per-{}",
+            limit.limit(),
+            humantime::format_duration(limit.window())
+        )
+        .replace(' ', ""),
+    }
+}
+
+/// The layer's `RateLimit-Policy` value, which never changes: built once.
+pub(crate) fn policy_value(limits: &[Limit]) -> Option<HeaderValue> {
+    let mut value = String::new();
+    for limit in limits {
+        if !value.is_empty() {
+            value.push_str(", ");
+        }
+        value.push('"');
+        value.push_str(&policy_name(limit));
+        value.push_str("\";q=");
+        value.push_str(itoa::Buffer::new().format(limit.limit()));
+        value.push_str(";w=");
+        value.push_str(itoa::Buffer::new().format(ceil_secs(limit.window_ms()).max(1)));
+    }
+    HeaderValue::from_str(&value).ok()
+}
+
+/// What a layer writes, prepared once.
+#[derive(Debug, Clone)]
+pub(crate) struct HeaderWriter {
+    style: HeaderStyle,
+    names: Vec<String>,
+    policy: Option<HeaderValue>,
+}
+
+impl HeaderWriter {
+    pub(crate) fn new(style: HeaderStyle, limits: &[Limit]) -> Self {
+        Self {
+            style,
+            names: limits.iter().map(policy_name).collect(),
+            policy: policy_value(limits),
+        }
+    }
+
+    /// Writes the fields for `decision` into `headers`.
+    pub(crate) fn write(&self, headers: &mut HeaderMap, decision: &Decision) {
+        let retry_after =
+            (!decision.is_allowed()).then(|| ceil_secs(decision.retry_after_ms()).max(1));
+        if let Some(secs) = retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if decision.limits().is_empty() {
+            return;
+        }
+        if self.style.ietf {
+            if let Some(policy) = &self.policy {
+                headers.append(RATELIMIT_POLICY.clone(), policy.clone());
+            }
+            let mut value = String::with_capacity(32 * self.names.len());
+            for (name, limit) in self.names.iter().zip(decision.limits()) {
+                if !value.is_empty() {
+                    value.push_str(", ");
+                }
+                let mut reset = ceil_secs(limit.reset_after_ms);
+                if let Some(retry_after) = retry_after {
+                    reset = reset.min(retry_after);
+                }
+                value.push('"');
+                value.push_str(name);
+                value.push_str("\";r=");
+                value.push_str(itoa::Buffer::new().format(limit.remaining));
+                value.push_str(";t=");
+                value.push_str(itoa::Buffer::new().format(reset));
+            }
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                headers.append(RATELIMIT.clone(), value);
+            }
+        }
+        if self.style.legacy && !headers.contains_key(&X_RATELIMIT_LIMIT) {
+            if let Some(tightest) = decision.tightest() {
+                headers.insert(X_RATELIMIT_LIMIT.clone(), HeaderValue::from(tightest.limit));
+                headers.insert(
+                    X_RATELIMIT_REMAINING.clone(),
+                    HeaderValue::from(tightest.remaining),
+                );
+                headers.insert(
+                    X_RATELIMIT_RESET.clone(),
+                    HeaderValue::from(ceil_secs(tightest.reset_after_ms)),
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::LimitDecision;
+
+    fn decision(allowed: bool, remaining: u64, reset: u64, retry: u64) -> Decision {
+        Decision::new(vec![LimitDecision {
+            allowed,
+            limit: 10,
+            remaining,
+            reset_after_ms: reset,
+            retry_after_ms: retry,
+        }])
+    }
+
+    #[test]
+    fn writes_ietf_fields_and_rounds_retry_after_up() {
+        let limits = [Limit::fixed_window(10, Duration::from_secs(60)).unwrap()];
+        let writer = HeaderWriter::new(HeaderStyle::default(), &limits);
+        let mut headers = HeaderMap::new();
+        writer.write(&mut headers, &decision(false, 0, 1, 1));
+        assert_eq!(headers["retry-after"], "1");
+        assert_eq!(headers["ratelimit-policy"], r#""10-per-1m";q=10;w=60"#);
+        assert_eq!(headers["ratelimit"], r#""10-per-1m";r=0;t=1"#);
+
+        let mut headers = HeaderMap::new();
+        writer.write(&mut headers, &decision(false, 0, 59_001, 1_001));
+        assert_eq!(headers["retry-after"], "2");
+        assert_eq!(headers["ratelimit"], r#""10-per-1m";r=0;t=2"#);
+    }
+
+    #[test]
+    fn appends_rather_than_overwrites() {
+        let inner = [Limit::fixed_window(10, Duration::from_secs(1))
+            .unwrap()
+            .named("inner")
+            .unwrap()];
+        let outer = [Limit::fixed_window(10, Duration::from_millis(500)).unwrap()];
+        let mut headers = HeaderMap::new();
+        HeaderWriter::new(HeaderStyle::default(), &inner)
+            .write(&mut headers, &decision(true, 9, 1000, 0));
+        HeaderWriter::new(HeaderStyle::default(), &outer)
+            .write(&mut headers, &decision(true, 3, 200, 0));
+        let policies: Vec<_> = headers.get_all("ratelimit-policy").iter().collect();
+        assert_eq!(
+            policies,
+            [r#""inner";q=10;w=1"#, r#""10-per-500ms";q=10;w=1"#]
+        );
+        assert!(!headers.contains_key("retry-after"));
+    }
+
+    #[test]
+    fn legacy_fields_on_request() {
+        let limits = [Limit::fixed_window(10, Duration::from_secs(60)).unwrap()];
+        let style = HeaderStyle {
+            ietf: false,
+            legacy: true,
+        };
+        let mut headers = HeaderMap::new();
+        HeaderWriter::new(style, &limits).write(&mut headers, &decision(true, 4, 30_500, 0));
+        assert_eq!(headers["x-ratelimit-limit"], "10");
+        assert_eq!(headers["x-ratelimit-remaining"], "4");
+        assert_eq!(headers["x-ratelimit-reset"], "31");
+        assert!(!headers.contains_key("ratelimit"));
+    }
+}

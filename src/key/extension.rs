@@ -1,0 +1,79 @@
+use std::{fmt, marker::PhantomData};
+
+use http::Request;
+
+use super::{Key, KeyError, KeyExtractor};
+
+/// A value of type `T` that an earlier layer (typically authentication) put into the
+/// request extensions: rate limits per authenticated user or tenant.
+///
+/// The key is `T`'s `Display` form. Requests without a `T` have no key, so put this layer
+/// *after* (inside) the auth layer.
+///
+/// ```
+/// use http::Request;
+/// use tollgate::key::{ExtensionKey, KeyExtractor};
+///
+/// #[derive(Clone)]
+/// struct UserId(u64);
+/// impl std::fmt::Display for UserId {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+///         write!(f, "user-{}", self.0)
+///     }
+/// }
+///
+/// let mut req = Request::get("/").body(()).unwrap();
+/// req.extensions_mut().insert(UserId(7));
+/// let key = ExtensionKey::<UserId>::new().extract(&req).unwrap();
+/// assert_eq!(key.as_str(), "user-7");
+/// ```
+pub struct ExtensionKey<T> {
+    _marker: PhantomData<fn() -> T>,
+}
+
+impl<T> ExtensionKey<T> {
+    /// Keys requests by their `T` extension.
+    pub fn new() -> Self {
+        Self {
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<T> Default for ExtensionKey<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Clone for ExtensionKey<T> {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl<T> fmt::Debug for ExtensionKey<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExtensionKey")
+            .field("type", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+impl<B, T> KeyExtractor<B> for ExtensionKey<T>
+where
+    T: fmt::Display + Send + Sync + 'static,
+{
+    fn extract(&self, request: &Request<B>) -> Result<Key, KeyError> {
+        request
+            .extensions()
+            .get::<T>()
+            .map(|value| Key::new(value.to_string()))
+            .ok_or_else(|| {
+                KeyError::new(format!(
+                    "no {} in the request extensions",
+                    std::any::type_name::<T>()
+                ))
+            })
+    }
+}

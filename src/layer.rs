@@ -1,0 +1,188 @@
+//! [`RateLimitLayer`]: the configuration, applied with `.layer(..)`.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use tower_layer::Layer;
+
+use crate::{
+    FailurePolicy, Limit, MissingKey,
+    headers::{HeaderStyle, HeaderWriter},
+    key::PeerIp,
+    rejection::DefaultRejection,
+    service::{RateLimit, Shared},
+    store::{MemoryStore, Store},
+};
+
+/// The default time a store call may take before the failure policy applies.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// Applies [`RateLimit`] to a service: see the [crate docs](crate) for an example.
+///
+/// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`]; every other
+/// part is set with a builder method. **Clones of the layer, and every service it makes,
+/// share one budget** (one store), so `Router::layer` applies one limit across all
+/// routes; build a second layer (or name the limits differently) for separate budgets.
+#[derive(Clone)]
+pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
+    limits: Vec<Limit>,
+    key: Arc<K>,
+    cost: C,
+    store: Arc<dyn Store>,
+    on_store_error: FailurePolicy,
+    on_missing_key: MissingKey,
+    timeout: Option<Duration>,
+    headers: HeaderStyle,
+    rejection: R,
+}
+
+impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<K, C, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("limits", &self.limits)
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .field("store", &self.store)
+            .field("on_store_error", &self.on_store_error)
+            .field("on_missing_key", &self.on_missing_key)
+            .field("timeout", &self.timeout)
+            .field("headers", &self.headers)
+            .field("rejection", &self.rejection)
+            .finish()
+    }
+}
+
+impl RateLimitLayer {
+    /// Limits each peer IP to `limit`, in memory.
+    pub fn new(limit: Limit) -> Self {
+        Self {
+            limits: vec![limit],
+            key: Arc::new(PeerIp::new()),
+            cost: 1,
+            store: Arc::new(MemoryStore::new()),
+            on_store_error: FailurePolicy::default(),
+            on_missing_key: MissingKey::default(),
+            timeout: Some(DEFAULT_TIMEOUT),
+            headers: HeaderStyle::default(),
+            rejection: DefaultRejection,
+        }
+    }
+}
+
+impl<K, C, R> RateLimitLayer<K, C, R> {
+    /// Adds another limit. A request passes only when every limit has room, and a denied
+    /// request consumes nothing from any of them; all are decided in one store call.
+    /// Adding a limit equal to one already present changes nothing.
+    pub fn limit(mut self, limit: Limit) -> Self {
+        if !self.limits.contains(&limit) {
+            self.limits.push(limit);
+        }
+        self
+    }
+
+    /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
+    pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R> {
+        RateLimitLayer {
+            limits: self.limits,
+            key: Arc::new(key),
+            cost: self.cost,
+            store: self.store,
+            on_store_error: self.on_store_error,
+            on_missing_key: self.on_missing_key,
+            timeout: self.timeout,
+            headers: self.headers,
+            rejection: self.rejection,
+        }
+    }
+
+    /// Charges each request `cost` units: a fixed `u32` or a closure
+    /// `Fn(&Request<B>) -> u32`. See [`RequestCost`](crate::RequestCost).
+    pub fn cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R> {
+        RateLimitLayer {
+            limits: self.limits,
+            key: self.key,
+            cost,
+            store: self.store,
+            on_store_error: self.on_store_error,
+            on_missing_key: self.on_missing_key,
+            timeout: self.timeout,
+            headers: self.headers,
+            rejection: self.rejection,
+        }
+    }
+
+    /// Keeps the state in `store` (a `RedisStore` to share limits between replicas).
+    pub fn store(mut self, store: impl Store) -> Self {
+        self.store = Arc::new(store);
+        self
+    }
+
+    /// Keeps the state in a store already shared with other layers.
+    pub fn shared_store(mut self, store: Arc<dyn Store>) -> Self {
+        self.store = store;
+        self
+    }
+
+    /// What requests get when the store fails or times out. See [`FailurePolicy`].
+    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+        self.on_store_error = policy;
+        self
+    }
+
+    /// What requests without a key get. See [`MissingKey`].
+    pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
+        self.on_missing_key = policy;
+        self
+    }
+
+    /// How long a store call may take before the failure policy applies
+    /// ([`DEFAULT_TIMEOUT`] by default; `None` waits for the store as long as it takes).
+    /// A call that timed out is never retried: it may already have counted.
+    pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Which rate-limit fields responses carry. See [`HeaderStyle`].
+    pub fn headers(mut self, style: HeaderStyle) -> Self {
+        self.headers = style;
+        self
+    }
+
+    /// Builds the answers to rejected requests with `rejection`. See
+    /// [`OnRejection`](crate::OnRejection).
+    pub fn on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2> {
+        RateLimitLayer {
+            limits: self.limits,
+            key: self.key,
+            cost: self.cost,
+            store: self.store,
+            on_store_error: self.on_store_error,
+            on_missing_key: self.on_missing_key,
+            timeout: self.timeout,
+            headers: self.headers,
+            rejection,
+        }
+    }
+
+    /// The limits, in the order they are reported.
+    pub fn limits(&self) -> &[Limit] {
+        &self.limits
+    }
+}
+
+impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
+    type Service = RateLimit<S, K, C, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let shared = Shared {
+            headers: HeaderWriter::new(self.headers, &self.limits),
+            limits: self.limits.clone().into(),
+            store: self.store.clone(),
+            on_store_error: self.on_store_error.clone(),
+            on_missing_key: self.on_missing_key,
+            timeout: self.timeout,
+            rejection: self.rejection.clone(),
+        };
+        RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
+    }
+}

@@ -1,0 +1,86 @@
+//! Rate limiting for [Tower] services: axum and tonic apps add it with `.layer(..)`.
+//!
+//! For each request a [`KeyExtractor`](key::KeyExtractor) picks who it is counted against
+//! (client IP, an API key header, the authenticated user, ...), a [`Store`] decides it
+//! atomically against one or more [`Limit`]s, and the request either reaches the inner
+//! service or is answered `429 Too Many Requests` with `Retry-After` (gRPC:
+//! `RESOURCE_EXHAUSTED`). Allowed and denied responses carry the IETF `RateLimit-Policy`
+//! and `RateLimit` fields.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{Router, routing::get};
+//! use tollgate::{Limit, RateLimitLayer, key::HeaderKey};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // 10 requests per second and 1000 per hour for each API key, all-or-nothing.
+//! let layer = RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(1))?)
+//!     .limit(Limit::fixed_window(1000, Duration::from_secs(3600))?)
+//!     .key(HeaderKey::new("x-api-key")?);
+//! let app: Router = Router::new().route("/", get(|| async { "hello" })).layer(layer);
+//! # Ok(()) }
+//! ```
+//!
+//! # Algorithms
+//!
+//! | algorithm | guarantee | state per key |
+//! |---|---|---|
+//! | [`fixed_window`](Limit::fixed_window) | at most `limit` per aligned window (up to `2 * limit` across a boundary) | one counter |
+//! | [`sliding_window`](Limit::sliding_window) | at most `limit` in *any* interval of `window` | one entry per request in the window |
+//! | [`sliding_window_counter`](Limit::sliding_window_counter) | approximate sliding window, at most `limit` per aligned window | two counters |
+//! | [`token_bucket`](Limit::token_bucket) | at most `burst + limit * t / window` in any interval `t` | tokens and a timestamp |
+//! | [`gcra`](Limit::gcra) | the same as the token bucket | one timestamp |
+//!
+//! Denied requests consume nothing. Arithmetic is exact integer arithmetic, in the
+//! [reference model](algorithm) and in the Lua scripts alike.
+//!
+//! # Choosing a key
+//!
+//! [`PeerIp`](key::PeerIp) (the default) is the TCP peer. **Behind a proxy or load balancer
+//! every client has the proxy's address: use [`ClientIp`](key::ClientIp) with the proxies'
+//! CIDRs, which reads `X-Forwarded-For` from the right and only from trusted peers.**
+//! See [`key`] for all extractors and for how keys are made safe for Redis.
+//!
+//! # Stores
+//!
+//! - [`MemoryStore`]: in-process, the default. Each process has its own budget.
+//! - `RedisStore` (feature `redis`): one atomic Lua script per decision on Redis 6.2+
+//!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
+//!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
+//!
+//! # Feature flags
+//!
+//! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
+//! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
+//! - `bb8`: build a `RedisStore` from a bb8-redis pool.
+//!
+//! [Tower]: https://docs.rs/tower
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod algorithm;
+pub mod clock;
+mod decision;
+mod error;
+mod future;
+pub mod headers;
+pub mod key;
+mod layer;
+mod limit;
+mod policy;
+mod rejection;
+mod service;
+pub mod store;
+
+pub use decision::{Decision, LimitDecision};
+pub use error::{ConfigError, StoreError, StoreErrorKind};
+pub use future::ResponseFuture;
+pub use headers::HeaderStyle;
+pub use layer::{DEFAULT_TIMEOUT, RateLimitLayer};
+pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW};
+pub use policy::{FailurePolicy, MissingKey, RequestCost};
+pub use rejection::{DefaultRejection, OnRejection, is_grpc};
+pub use service::RateLimit;
+pub use store::{MemoryStore, Store};

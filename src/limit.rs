@@ -1,0 +1,484 @@
+//! [`Limit`]: an algorithm and its quota, validated when it is built.
+
+use std::{fmt, str::FromStr, sync::Arc, time::Duration};
+
+use crate::{ConfigError, key::escape_into};
+
+/// The rate-limit algorithms. Each is implemented twice, with the same integer arithmetic:
+/// as a pure reference model in [`algorithm`](crate::algorithm) (which the in-memory store
+/// runs) and as a Lua function in the Redis script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// At most `limit` per window; windows are aligned to multiples of `window` since the
+    /// Unix epoch, so up to `2 * limit` can pass around a window boundary.
+    FixedWindow,
+    /// At most `limit` in *any* interval of length `window` (an exact log of requests).
+    SlidingWindow,
+    /// The previous window's count weighted by how much of it still overlaps the sliding
+    /// window, plus the current count. O(1) state; approximate.
+    SlidingWindowCounter,
+    /// A bucket of `burst` tokens refilled at `limit / window`.
+    TokenBucket,
+    /// The generic cell rate algorithm: the token bucket's decisions from one timestamp.
+    Gcra,
+}
+
+impl Algorithm {
+    /// The name used in config files and key ids (`fixed_window`, `sliding_window`, ...).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::FixedWindow => "fixed_window",
+            Self::SlidingWindow => "sliding_window",
+            Self::SlidingWindowCounter => "sliding_window_counter",
+            Self::TokenBucket => "token_bucket",
+            Self::Gcra => "gcra",
+        }
+    }
+
+    /// The short code that goes into Redis keys and the script's arguments.
+    pub(crate) const fn code(self) -> u8 {
+        match self {
+            Self::FixedWindow => 1,
+            Self::SlidingWindow => 2,
+            Self::SlidingWindowCounter => 3,
+            Self::TokenBucket => 4,
+            Self::Gcra => 5,
+        }
+    }
+
+    const fn key_tag(self) -> &'static str {
+        match self {
+            Self::FixedWindow => "fw",
+            Self::SlidingWindow => "sw",
+            Self::SlidingWindowCounter => "swc",
+            Self::TokenBucket => "tb",
+            Self::Gcra => "gcra",
+        }
+    }
+
+    const fn has_burst(self) -> bool {
+        matches!(self, Self::TokenBucket | Self::Gcra)
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "fixed_window" => Self::FixedWindow,
+            "sliding_window" => Self::SlidingWindow,
+            "sliding_window_counter" => Self::SlidingWindowCounter,
+            "token_bucket" => Self::TokenBucket,
+            "gcra" => Self::Gcra,
+            other => {
+                return Err(ConfigError::new(
+                    "algorithm",
+                    format!(
+                        "must be one of fixed_window, sliding_window, sliding_window_counter, \
+                         token_bucket, gcra (got {other:?})"
+                    ),
+                ));
+            }
+        })
+    }
+}
+
+/// The longest window a limit may have.
+pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// The largest `limit` of a [`Algorithm::SlidingWindow`]: it keeps one entry per request
+/// in the window, so its memory grows with the limit. Use
+/// [`Algorithm::SlidingWindowCounter`] above this.
+pub const MAX_SLIDING_WINDOW_LIMIT: u32 = 100_000;
+
+/// `capacity * window_ms` must stay below this, so that every intermediate value of the
+/// algorithms is an integer that a Lua double (53-bit mantissa) holds exactly.
+const MAX_CAPACITY_TIMES_WINDOW: u128 = 1 << 50;
+
+/// An algorithm with its quota: `limit` requests per `window` (and a `burst` for the
+/// bucket algorithms).
+///
+/// Built only through the constructors, which reject what cannot work (a zero limit, a
+/// zero window, a zero burst) with a [`ConfigError`] naming the field, so a bad value
+/// fails at startup and never at request time.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::Limit;
+///
+/// let per_second = Limit::token_bucket(10, Duration::from_secs(1))?.with_burst(20)?;
+/// let per_hour = Limit::fixed_window(1000, Duration::from_secs(3600))?.named("hourly")?;
+/// assert_eq!(per_second.burst(), 20);
+/// assert!(Limit::fixed_window(0, Duration::from_secs(1)).is_err());
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Limit {
+    algorithm: Algorithm,
+    limit: u32,
+    window_ms: u64,
+    burst: u32,
+    name: Option<Arc<str>>,
+    /// `[name:]algo:limit:window_ms[:burst]`, the last part of the store key. It names
+    /// every parameter, so changing a limit never reads state written by another.
+    id: Arc<str>,
+}
+
+impl fmt::Debug for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limit")
+            .field("algorithm", &self.algorithm)
+            .field("limit", &self.limit)
+            .field("window", &self.window())
+            .field("burst", &self.burst)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl Limit {
+    /// `limit` and `window` for any `algorithm`; `burst` starts equal to `limit`.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is 0, `window` is under 1ms, not a whole number of milliseconds or
+    /// over [`MAX_WINDOW`], a sliding window's limit is over
+    /// [`MAX_SLIDING_WINDOW_LIMIT`], or `limit * window` is too large to count exactly.
+    pub fn new(algorithm: Algorithm, limit: u32, window: Duration) -> Result<Self, ConfigError> {
+        if limit == 0 {
+            return Err(ConfigError::new("limit", "must be at least 1 (got 0)"));
+        }
+        if window < Duration::from_millis(1) {
+            return Err(ConfigError::new(
+                "window",
+                format!("must be at least 1ms (got {window:?})"),
+            ));
+        }
+        if window.subsec_nanos() % 1_000_000 != 0 {
+            return Err(ConfigError::new(
+                "window",
+                format!("must be a whole number of milliseconds (got {window:?})"),
+            ));
+        }
+        if window > MAX_WINDOW {
+            return Err(ConfigError::new(
+                "window",
+                format!("must be at most 366 days (got {window:?})"),
+            ));
+        }
+        if algorithm == Algorithm::SlidingWindow && limit > MAX_SLIDING_WINDOW_LIMIT {
+            return Err(ConfigError::new(
+                "limit",
+                format!(
+                    "of a sliding_window must be at most {MAX_SLIDING_WINDOW_LIMIT}, since it \
+                     stores one entry per request (got {limit}); use sliding_window_counter"
+                ),
+            ));
+        }
+        let window_ms = window.as_millis() as u64;
+        check_capacity("limit", limit, window_ms)?;
+        Ok(Self::build(algorithm, limit, window_ms, limit, None))
+    }
+
+    /// At most `limit` per aligned window. See [`Algorithm::FixedWindow`].
+    ///
+    /// # Errors
+    ///
+    /// See [`Limit::new`].
+    pub fn fixed_window(limit: u32, window: Duration) -> Result<Self, ConfigError> {
+        Self::new(Algorithm::FixedWindow, limit, window)
+    }
+
+    /// At most `limit` in any interval of `window`. See [`Algorithm::SlidingWindow`].
+    ///
+    /// # Errors
+    ///
+    /// See [`Limit::new`].
+    pub fn sliding_window(limit: u32, window: Duration) -> Result<Self, ConfigError> {
+        Self::new(Algorithm::SlidingWindow, limit, window)
+    }
+
+    /// The approximate, O(1) sliding window. See [`Algorithm::SlidingWindowCounter`].
+    ///
+    /// # Errors
+    ///
+    /// See [`Limit::new`].
+    pub fn sliding_window_counter(limit: u32, window: Duration) -> Result<Self, ConfigError> {
+        Self::new(Algorithm::SlidingWindowCounter, limit, window)
+    }
+
+    /// `limit` tokens per `window`, bucket size `limit` (change it with
+    /// [`with_burst`](Self::with_burst)). See [`Algorithm::TokenBucket`].
+    ///
+    /// # Errors
+    ///
+    /// See [`Limit::new`].
+    pub fn token_bucket(limit: u32, window: Duration) -> Result<Self, ConfigError> {
+        Self::new(Algorithm::TokenBucket, limit, window)
+    }
+
+    /// `limit` per `window` spaced evenly, with a tolerance of `burst` (default `limit`).
+    /// See [`Algorithm::Gcra`].
+    ///
+    /// # Errors
+    ///
+    /// See [`Limit::new`].
+    pub fn gcra(limit: u32, window: Duration) -> Result<Self, ConfigError> {
+        Self::new(Algorithm::Gcra, limit, window)
+    }
+
+    /// `limit` per second, as a fixed window.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is 0.
+    pub fn per_second(limit: u32) -> Result<Self, ConfigError> {
+        Self::fixed_window(limit, Duration::from_secs(1))
+    }
+
+    /// `limit` per minute, as a fixed window.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is 0.
+    pub fn per_minute(limit: u32) -> Result<Self, ConfigError> {
+        Self::fixed_window(limit, Duration::from_secs(60))
+    }
+
+    /// `limit` per hour, as a fixed window.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is 0.
+    pub fn per_hour(limit: u32) -> Result<Self, ConfigError> {
+        Self::fixed_window(limit, Duration::from_secs(3600))
+    }
+
+    /// The bucket size of a token bucket or GCRA: how many requests may pass at once.
+    ///
+    /// # Errors
+    ///
+    /// When `burst` is 0, or the algorithm has no burst (the window algorithms).
+    pub fn with_burst(self, burst: u32) -> Result<Self, ConfigError> {
+        if !self.algorithm.has_burst() {
+            return Err(ConfigError::new(
+                "burst",
+                format!(
+                    "applies to token_bucket and gcra only (this limit is {})",
+                    self.algorithm
+                ),
+            ));
+        }
+        if burst == 0 {
+            return Err(ConfigError::new("burst", "must be at least 1 (got 0)"));
+        }
+        check_capacity("burst", burst, self.window_ms)?;
+        Ok(Self::build(
+            self.algorithm,
+            self.limit,
+            self.window_ms,
+            burst,
+            self.name,
+        ))
+    }
+
+    /// A name for this limit: the policy name in the `RateLimit` headers and a part of
+    /// its store key, so that two routes with equal limits keep separate budgets (or share
+    /// one, by giving both the same name).
+    ///
+    /// # Errors
+    ///
+    /// When `name` is empty, longer than 64 bytes, or has characters other than ASCII
+    /// letters, digits, `-`, `_` and `.`.
+    pub fn named(self, name: impl Into<String>) -> Result<Self, ConfigError> {
+        let name = name.into();
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !valid {
+            return Err(ConfigError::new(
+                "name",
+                format!("must be 1 to 64 of A-Z a-z 0-9 - _ . (got {name:?})"),
+            ));
+        }
+        Ok(Self::build(
+            self.algorithm,
+            self.limit,
+            self.window_ms,
+            self.burst,
+            Some(name.into()),
+        ))
+    }
+
+    fn build(
+        algorithm: Algorithm,
+        limit: u32,
+        window_ms: u64,
+        burst: u32,
+        name: Option<Arc<str>>,
+    ) -> Self {
+        let mut id = String::new();
+        if let Some(name) = &name {
+            escape_into(name.as_bytes(), &mut id);
+            id.push(':');
+        }
+        id.push_str(algorithm.key_tag());
+        id.push(':');
+        id.push_str(itoa::Buffer::new().format(limit));
+        id.push(':');
+        id.push_str(itoa::Buffer::new().format(window_ms));
+        if algorithm.has_burst() {
+            id.push(':');
+            id.push_str(itoa::Buffer::new().format(burst));
+        }
+        Self {
+            algorithm,
+            limit,
+            window_ms,
+            burst,
+            name,
+            id: id.into(),
+        }
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Requests (cost units) allowed per window.
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// The window.
+    pub fn window(&self) -> Duration {
+        Duration::from_millis(self.window_ms)
+    }
+
+    /// The bucket size (equals `limit` for the window algorithms).
+    pub fn burst(&self) -> u32 {
+        self.burst
+    }
+
+    /// The name given with [`named`](Self::named), if any.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// How many cost units fit at once: `burst` for the buckets, `limit` otherwise. A
+    /// request costing more is always denied.
+    pub fn capacity(&self) -> u32 {
+        if self.algorithm.has_burst() {
+            self.burst
+        } else {
+            self.limit
+        }
+    }
+
+    pub(crate) fn window_ms(&self) -> u64 {
+        self.window_ms
+    }
+
+    /// The last part of this limit's store key.
+    pub(crate) fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+fn check_capacity(field: &'static str, amount: u32, window_ms: u64) -> Result<(), ConfigError> {
+    if u128::from(amount) * u128::from(window_ms) >= MAX_CAPACITY_TIMES_WINDOW {
+        return Err(ConfigError::new(
+            field,
+            format!(
+                "times the window in milliseconds must stay below 2^50 to be counted exactly \
+                 (got {amount} x {window_ms}ms)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_zero_values_naming_the_field() {
+        let err = Limit::fixed_window(0, Duration::from_secs(1)).unwrap_err();
+        assert_eq!(err.field(), "limit");
+        let err = Limit::fixed_window(1, Duration::ZERO).unwrap_err();
+        assert_eq!(err.field(), "window");
+        assert!(err.to_string().contains("window"), "{err}");
+        let err = Limit::token_bucket(1, Duration::from_secs(1))
+            .unwrap()
+            .with_burst(0)
+            .unwrap_err();
+        assert_eq!(err.field(), "burst");
+    }
+
+    #[test]
+    fn rejects_sub_millisecond_windows_and_huge_limits() {
+        assert!(Limit::fixed_window(1, Duration::from_micros(1500)).is_err());
+        assert!(Limit::fixed_window(1, MAX_WINDOW + Duration::from_secs(1)).is_err());
+        assert!(
+            Limit::sliding_window(MAX_SLIDING_WINDOW_LIMIT + 1, Duration::from_secs(1)).is_err()
+        );
+        assert_eq!(
+            Limit::fixed_window(u32::MAX, MAX_WINDOW)
+                .unwrap_err()
+                .field(),
+            "limit"
+        );
+        assert!(Limit::fixed_window(u32::MAX, Duration::from_secs(60)).is_ok());
+    }
+
+    #[test]
+    fn burst_only_for_buckets() {
+        let err = Limit::fixed_window(5, Duration::from_secs(1))
+            .unwrap()
+            .with_burst(10)
+            .unwrap_err();
+        assert_eq!(err.field(), "burst");
+    }
+
+    #[test]
+    fn ids_name_every_parameter() {
+        let a = Limit::token_bucket(5, Duration::from_secs(1)).unwrap();
+        let b = a.clone().with_burst(6).unwrap();
+        let c = Limit::gcra(5, Duration::from_secs(1)).unwrap();
+        let d = a.clone().named("api").unwrap();
+        assert_eq!(a.id(), "tb:5:1000:5");
+        assert_eq!(b.id(), "tb:5:1000:6");
+        assert_eq!(c.id(), "gcra:5:1000:5");
+        assert_eq!(d.id(), "api:tb:5:1000:5");
+        assert!(a.clone().named("a b").is_err());
+    }
+
+    #[test]
+    fn algorithm_names_round_trip() {
+        for algorithm in [
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindow,
+            Algorithm::SlidingWindowCounter,
+            Algorithm::TokenBucket,
+            Algorithm::Gcra,
+        ] {
+            assert_eq!(algorithm.as_str().parse::<Algorithm>().unwrap(), algorithm);
+        }
+        assert_eq!(
+            "leaky".parse::<Algorithm>().unwrap_err().field(),
+            "algorithm"
+        );
+    }
+}

@@ -1,0 +1,288 @@
+//! The in-process store: the reference model behind sharded locks.
+
+use std::{
+    fmt,
+    hash::{BuildHasher, RandomState},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+};
+
+use futures_util::future::{self, BoxFuture, FutureExt};
+use hashbrown::HashMap;
+use smallvec::SmallVec;
+
+use super::Store;
+use crate::{
+    Decision, Limit, StoreError,
+    algorithm::{self, State},
+    clock::{Clock, SystemClock},
+    key::Key,
+};
+
+const SHARDS: usize = 64;
+/// How often (in store-clock milliseconds) every shard is swept for expired state.
+const SWEEP_INTERVAL_MS: u64 = 1_000;
+
+/// An in-process [`Store`]: every algorithm with the same semantics as the Redis scripts
+/// (it runs the [reference model](crate::algorithm)), for a single process.
+///
+/// Keys are spread over 64 shards, each behind its own lock; all limits of one key live in
+/// one shard, so a multi-limit decision takes one lock. State that has expired is dropped
+/// as requests come in: once a second one shard per request is swept until all have been,
+/// so memory follows the keys active in the last window without any task to schedule.
+/// [`with_max_keys`](Self::with_max_keys) bounds it under a flood of distinct keys.
+///
+/// Clones share the same state.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+    max_keys_per_shard: Option<usize>,
+    next_sweep_ms: AtomicU64,
+    sweep_cursor: AtomicUsize,
+}
+
+type Shard = HashMap<Box<str>, Slots>;
+
+/// The state of every limit seen for one key.
+type Slots = SmallVec<[Slot; 1]>;
+
+struct Slot {
+    limit_id: Arc<str>,
+    state: State,
+    expires_at: u64,
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("clock", &self.inner.clock)
+            .field("max_keys_per_shard", &self.inner.max_keys_per_shard)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store on the system clock, unbounded.
+    pub fn new() -> Self {
+        Self::build(Arc::new(SystemClock), None)
+    }
+
+    /// The same store reading time from `clock` (a [`ManualClock`](crate::clock::ManualClock)
+    /// in tests).
+    pub fn with_clock(self, clock: impl Clock) -> Self {
+        Self::build(Arc::new(clock), self.inner.max_keys_per_shard)
+    }
+
+    /// Tracks at most about `max_keys` keys. When a new key arrives and its shard is full,
+    /// expired state is dropped first; if that frees nothing, the key closest to expiry in
+    /// a small sample is forgotten (so a flood of new keys can reset some quiet keys, but
+    /// never stops limiting, and memory stays bounded).
+    pub fn with_max_keys(self, max_keys: usize) -> Self {
+        let per_shard = max_keys.div_ceil(SHARDS).max(1);
+        Self::build(self.inner.clock.clone(), Some(per_shard))
+    }
+
+    fn build(clock: Arc<dyn Clock>, max_keys_per_shard: Option<usize>) -> Self {
+        let shards = (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect();
+        Self {
+            inner: Arc::new(Inner {
+                shards,
+                hasher: RandomState::new(),
+                clock,
+                max_keys_per_shard,
+                next_sweep_ms: AtomicU64::new(0),
+                sweep_cursor: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Decides now, synchronously: what [`Store::check`] answers.
+    pub fn decide(&self, key: &Key, limits: &[Limit], cost: u32) -> Decision {
+        let now = self.inner.clock.now_ms();
+        self.inner.maybe_sweep(now);
+        self.inner.decide(key, limits, cost, now)
+    }
+
+    /// How many keys hold state (expired state not yet swept included).
+    pub fn len(&self) -> usize {
+        self.inner.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// Whether no key holds state.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops all expired state now.
+    pub fn purge_expired(&self) {
+        let now = self.inner.clock.now_ms();
+        for shard in &self.inner.shards {
+            purge(&mut lock(shard), now);
+        }
+    }
+}
+
+impl Store for MemoryStore {
+    fn check(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+    ) -> BoxFuture<'static, Result<Decision, StoreError>> {
+        future::ready(Ok(self.decide(key, limits, cost))).boxed()
+    }
+}
+
+impl Inner {
+    fn decide(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        let shard = &self.shards[self.hasher.hash_one(key.as_str()) as usize % SHARDS];
+        let mut shard = lock(shard);
+        if !shard.contains_key(key.as_str()) {
+            self.make_room(&mut shard, now);
+        }
+        let slots = shard.entry_ref(key.as_str()).or_insert_with(SmallVec::new);
+
+        // Take each limit's state out of its slot, decide, and put them back.
+        let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match slots.iter().position(|s| &*s.limit_id == limit.id()) {
+                Some(index) => index,
+                None => {
+                    slots.push(Slot {
+                        limit_id: limit.id().into(),
+                        state: State::new(limit.algorithm()),
+                        expires_at: 0,
+                    });
+                    slots.len() - 1
+                }
+            };
+            indexes.push(index);
+        }
+        let mut states: SmallVec<[State; 2]> = indexes
+            .iter()
+            .zip(limits)
+            .map(|(&i, limit)| {
+                std::mem::replace(&mut slots[i].state, State::new(limit.algorithm()))
+            })
+            .collect();
+        let decision = algorithm::check(&mut states, limits, now, cost);
+        for ((&i, limit), state) in indexes.iter().zip(limits).zip(states) {
+            slots[i].expires_at = state.expires_at(limit);
+            slots[i].state = state;
+        }
+        decision
+    }
+
+    /// Sweeps one shard per call while a sweep round is due.
+    fn maybe_sweep(&self, now: u64) {
+        if now < self.next_sweep_ms.load(Ordering::Relaxed) {
+            return;
+        }
+        let cursor = self.sweep_cursor.fetch_add(1, Ordering::Relaxed) % SHARDS;
+        if cursor == SHARDS - 1 {
+            self.next_sweep_ms
+                .store(now + SWEEP_INTERVAL_MS, Ordering::Relaxed);
+        }
+        purge(&mut lock(&self.shards[cursor]), now);
+    }
+
+    fn make_room(&self, shard: &mut Shard, now: u64) {
+        let Some(max) = self.max_keys_per_shard else {
+            return;
+        };
+        if shard.len() < max {
+            return;
+        }
+        purge(shard, now);
+        if shard.len() < max {
+            return;
+        }
+        let victim = shard
+            .iter()
+            .take(8)
+            .min_by_key(|(_, slots)| slots.iter().map(|s| s.expires_at).max())
+            .map(|(key, _)| key.clone());
+        if let Some(victim) = victim {
+            shard.remove(&victim);
+        }
+    }
+}
+
+fn purge(shard: &mut Shard, now: u64) {
+    shard.retain(|_, slots| {
+        slots.retain(|slot| slot.expires_at > now);
+        !slots.is_empty()
+    });
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding the lock cannot leave a shard half-updated in a way that
+    // matters more than losing the limit, so keep serving.
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::clock::ManualClock;
+
+    #[test]
+    fn forgets_expired_keys_without_being_asked() {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let limit = [Limit::fixed_window(5, Duration::from_secs(10)).unwrap()];
+        for i in 0..100_000u32 {
+            assert!(store.decide(&Key::from(i), &limit, 1).is_allowed());
+        }
+        assert_eq!(store.len(), 100_000);
+        clock.advance(Duration::from_secs(11));
+        // Ordinary traffic on one key sweeps every shard within one round.
+        for _ in 0..SHARDS {
+            store.decide(&Key::new("active"), &limit, 1);
+        }
+        assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn max_keys_bounds_memory() {
+        let store = MemoryStore::new()
+            .with_clock(ManualClock::new(0))
+            .with_max_keys(1_000);
+        let limit = [Limit::fixed_window(5, Duration::from_secs(10)).unwrap()];
+        for i in 0..50_000u32 {
+            store.decide(&Key::from(i), &limit, 1);
+        }
+        assert!(store.len() <= 1_000 + SHARDS, "{}", store.len());
+    }
+
+    #[test]
+    fn limits_of_one_key_share_state_across_lists() {
+        let store = MemoryStore::new().with_clock(ManualClock::new(0));
+        let a = Limit::fixed_window(2, Duration::from_secs(10)).unwrap();
+        let b = Limit::fixed_window(100, Duration::from_secs(10)).unwrap();
+        let key = Key::new("k");
+        assert!(store.decide(&key, &[a.clone()], 1).is_allowed());
+        assert!(store.decide(&key, &[b.clone(), a.clone()], 1).is_allowed());
+        let denied = store.decide(&key, &[a, b], 1);
+        assert!(!denied.is_allowed());
+        assert_eq!(denied.limits()[1].remaining, 99);
+    }
+}

@@ -1,0 +1,45 @@
+//! Stores: where the algorithms' state lives and where decisions are made.
+//!
+//! - [`MemoryStore`]: in-process, the embedded default. Each process has its own budget.
+//! - `RedisStore` (feature `redis`): one Lua script per decision, so that every replica
+//!   of a service shares one budget.
+
+mod memory;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+
+use std::{fmt, sync::Arc};
+
+use futures_util::future::BoxFuture;
+
+pub use memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use redis::{RedisStore, RedisStoreBuilder};
+
+use crate::{Decision, Limit, StoreError, key::Key};
+
+/// Decides requests: checks `cost` against every limit for `key` in one atomic step,
+/// all-or-nothing, and records it when allowed.
+///
+/// The future owns everything it needs (`'static`), so implementations read the
+/// arguments before they return it.
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// Decides one request of `cost` against `limits` (at least one) for `key`.
+    fn check(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+    ) -> BoxFuture<'static, Result<Decision, StoreError>>;
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn check(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+    ) -> BoxFuture<'static, Result<Decision, StoreError>> {
+        (**self).check(key, limits, cost)
+    }
+}
