@@ -14,7 +14,7 @@ use futures_util::future::BoxFuture;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "redis")]
-pub use redis::{RedisStore, RedisStoreBuilder};
+pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 
 use crate::{Decision, Limit, StoreError, key::Key};
 

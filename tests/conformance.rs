@@ -1,0 +1,260 @@
+//! One scenario table, run against every store: the in-memory store and Redis (through
+//! the Lua script) must decide alike. Time is injected: a `ManualClock` drives the
+//! memory store and is sent to the script as its explicit `now`.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use support::RedisServer;
+use tollgate::{
+    Decision, Limit, MemoryStore, Store,
+    clock::{Clock, ManualClock},
+    key::Key,
+    store::RedisStore,
+};
+
+/// A store under test with the clock that drives it.
+struct Harness {
+    store: Box<dyn Store>,
+    clock: ManualClock,
+}
+
+impl Harness {
+    async fn check(&self, key: &str, limits: &[Limit], cost: u32) -> Decision {
+        self.store
+            .check(&Key::new(key), limits, cost)
+            .await
+            .unwrap()
+    }
+
+    fn advance(&self, ms: u64) {
+        self.clock.advance(Duration::from_millis(ms));
+    }
+
+    /// Checks `n` requests of cost 1 and returns how many were allowed.
+    async fn allowed(&self, key: &str, limits: &[Limit], n: u32) -> u32 {
+        let mut allowed = 0;
+        for _ in 0..n {
+            allowed += u32::from(self.check(key, limits, 1).await.is_allowed());
+        }
+        allowed
+    }
+}
+
+// A start well inside a window of every length used below (aligned windows).
+const START: u64 = 1_700_000_000_000;
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn ms(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+async fn fixed_window_allows_twice_the_limit_across_a_boundary(h: Harness) {
+    let limit = [Limit::fixed_window(5, secs(1)).unwrap()];
+    h.advance(990);
+    assert_eq!(h.allowed("a", &limit, 10).await, 5);
+    h.advance(10); // the next window
+    assert_eq!(h.allowed("a", &limit, 10).await, 5);
+}
+
+async fn sliding_window_holds_in_any_interval(h: Harness) {
+    let limit = [Limit::sliding_window(5, secs(1)).unwrap()];
+    h.advance(990);
+    assert_eq!(h.allowed("a", &limit, 10).await, 5);
+    h.advance(10);
+    assert_eq!(h.allowed("a", &limit, 10).await, 0);
+    let denied = h.check("a", &limit, 1).await;
+    assert_eq!(denied.retry_after(), ms(990));
+    h.advance(989);
+    assert!(!h.check("a", &limit, 1).await.is_allowed());
+    h.advance(1);
+    assert_eq!(h.allowed("a", &limit, 10).await, 5);
+}
+
+async fn sliding_window_counter_weights_the_previous_window(h: Harness) {
+    let limit = [Limit::sliding_window_counter(10, ms(100)).unwrap()];
+    assert_eq!(h.allowed("a", &limit, 10).await, 10);
+    h.advance(125); // a quarter into the next window: 7.5 still count
+    assert_eq!(h.allowed("a", &limit, 5).await, 2);
+    let denied = h.check("a", &limit, 1).await;
+    assert!(!denied.is_allowed());
+    // 10 * (100 - e) + 2 * 100 + 100 <= 1000  ->  e >= 30
+    assert_eq!(denied.retry_after(), ms(5));
+}
+
+async fn token_bucket_refills_continuously(h: Harness) {
+    let limit = [Limit::token_bucket(10, secs(1))
+        .unwrap()
+        .with_burst(3)
+        .unwrap()];
+    assert_eq!(h.allowed("a", &limit, 5).await, 3);
+    let denied = h.check("a", &limit, 1).await;
+    assert_eq!(denied.retry_after(), ms(100));
+    assert_eq!(denied.limits()[0].remaining, 0);
+    h.advance(99);
+    assert!(!h.check("a", &limit, 1).await.is_allowed());
+    h.advance(1);
+    assert!(h.check("a", &limit, 1).await.is_allowed());
+    h.advance(10_000);
+    let full = h.check("a", &limit, 1).await;
+    assert_eq!(full.limits()[0].remaining, 2);
+    assert_eq!(full.limits()[0].reset_after(), ms(100));
+}
+
+async fn gcra_spaces_requests(h: Harness) {
+    let limit = [Limit::gcra(3, ms(10)).unwrap().with_burst(1).unwrap()];
+    assert!(h.check("a", &limit, 1).await.is_allowed());
+    let denied = h.check("a", &limit, 1).await;
+    // One emission interval is 3.33 ms: the next request fits after 4 whole ms.
+    assert_eq!(denied.retry_after(), ms(4));
+    h.advance(3);
+    assert!(!h.check("a", &limit, 1).await.is_allowed());
+    h.advance(1);
+    assert!(h.check("a", &limit, 1).await.is_allowed());
+}
+
+/// Every algorithm: denied now, still denied 1 ms before `retry_after`, allowed at it.
+async fn retry_after_is_exact(h: Harness) {
+    let limits = [
+        Limit::fixed_window(3, ms(700)).unwrap(),
+        Limit::sliding_window(3, ms(700)).unwrap(),
+        Limit::sliding_window_counter(3, ms(700)).unwrap(),
+        Limit::token_bucket(3, ms(700)).unwrap(),
+        Limit::gcra(3, ms(700)).unwrap(),
+    ];
+    for (i, limit) in limits.iter().enumerate() {
+        let key = format!("retry-{i}");
+        let limit = std::slice::from_ref(limit);
+        for step in 0..3 {
+            h.advance(50);
+            assert!(
+                h.check(&key, limit, 1).await.is_allowed(),
+                "{limit:?} step {step}"
+            );
+        }
+        let denied = h.check(&key, limit, 1).await;
+        assert!(!denied.is_allowed(), "{limit:?}");
+        let wait = denied.retry_after().as_millis() as u64;
+        assert!(wait > 0, "{limit:?}");
+        h.advance(wait - 1);
+        assert!(
+            !h.check(&key, limit, 1).await.is_allowed(),
+            "{limit:?} early"
+        );
+        h.advance(1);
+        assert!(
+            h.check(&key, limit, 1).await.is_allowed(),
+            "{limit:?} at retry_after"
+        );
+    }
+}
+
+async fn multi_limit_is_all_or_nothing(h: Harness) {
+    // 3 per second and 5 per hour on one API key.
+    let limits = [
+        Limit::fixed_window(3, secs(1)).unwrap(),
+        Limit::fixed_window(5, secs(3600)).unwrap(),
+    ];
+    assert_eq!(h.allowed("k", &limits, 10).await, 3);
+    // Denied by the per-second limit: the hourly one was not charged.
+    let denied = h.check("k", &limits, 1).await;
+    assert!(!denied.limits()[0].allowed);
+    assert!(denied.limits()[1].allowed);
+    assert_eq!(denied.limits()[1].remaining, 2);
+    h.advance(1000);
+    assert_eq!(h.allowed("k", &limits, 10).await, 2);
+    // Denied by the hourly limit: the per-second one was not charged.
+    let denied = h.check("k", &limits, 1).await;
+    assert!(denied.limits()[0].allowed);
+    assert_eq!(denied.limits()[0].remaining, 1);
+    assert!(!denied.limits()[1].allowed);
+}
+
+async fn costs_are_weighed(h: Harness) {
+    let limit = [Limit::sliding_window(10, secs(1)).unwrap()];
+    assert!(h.check("a", &limit, 7).await.is_allowed());
+    let denied = h.check("a", &limit, 4).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.limits()[0].remaining, 3);
+    assert!(h.check("a", &limit, 3).await.is_allowed());
+    // More than the limit can ever hold: denied, told to wait one window.
+    let never = h.check("b", &limit, 11).await;
+    assert!(!never.is_allowed());
+    assert_eq!(never.retry_after(), secs(1));
+}
+
+async fn keys_are_isolated(h: Harness) {
+    let limit = [Limit::fixed_window(2, secs(60)).unwrap()];
+    assert_eq!(h.allowed("tenant-a", &limit, 5).await, 2);
+    assert_eq!(h.allowed("tenant-b", &limit, 5).await, 2);
+    assert_eq!(h.allowed("{tenant-a}", &limit, 5).await, 2);
+    assert_eq!(h.allowed("tenant-a\n", &limit, 5).await, 2);
+}
+
+async fn a_clock_that_steps_back_never_panics(h: Harness) {
+    let limits = [
+        Limit::fixed_window(3, ms(700)).unwrap(),
+        Limit::sliding_window(3, ms(700)).unwrap(),
+        Limit::sliding_window_counter(3, ms(700)).unwrap(),
+        Limit::token_bucket(3, ms(700)).unwrap(),
+        Limit::gcra(3, ms(700)).unwrap(),
+    ];
+    for _ in 0..3 {
+        h.check("a", &limits, 1).await;
+        h.clock.set(h.clock.now_ms() - 5_000);
+        h.check("a", &limits, 1).await;
+        h.advance(10_000);
+    }
+}
+
+macro_rules! conformance {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let clock = ManualClock::new(START);
+                    let store = MemoryStore::new().with_clock(clock.clone());
+                    super::$scenario(Harness { store: Box::new(store), clock }).await;
+                }
+            )*
+        }
+
+        mod redis {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let server = RedisServer::start();
+                    let clock = ManualClock::new(START);
+                    let store = RedisStore::connect(&server.url())
+                        .await
+                        .unwrap()
+                        .with_clock(clock.clone());
+                    super::$scenario(Harness { store: Box::new(store), clock }).await;
+                    support::assert_every_key_expires(&server);
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    fixed_window_allows_twice_the_limit_across_a_boundary,
+    sliding_window_holds_in_any_interval,
+    sliding_window_counter_weights_the_previous_window,
+    token_bucket_refills_continuously,
+    gcra_spaces_requests,
+    retry_after_is_exact,
+    multi_limit_is_all_or_nothing,
+    costs_are_weighed,
+    keys_are_isolated,
+    a_clock_that_steps_back_never_panics,
+);

@@ -1,0 +1,165 @@
+//! Property tests: the Lua script decides exactly like the Rust reference model, and the
+//! model never allows more than each algorithm guarantees.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tollgate::{
+    Algorithm, Decision, Limit, Store,
+    algorithm::{self, State},
+    clock::ManualClock,
+    key::Key,
+    store::RedisStore,
+};
+
+const START: u64 = 1_700_000_000_000;
+
+fn algorithm_strategy() -> impl Strategy<Value = Algorithm> {
+    prop_oneof![
+        Just(Algorithm::FixedWindow),
+        Just(Algorithm::SlidingWindow),
+        Just(Algorithm::SlidingWindowCounter),
+        Just(Algorithm::TokenBucket),
+        Just(Algorithm::Gcra),
+    ]
+}
+
+fn limit_strategy() -> impl Strategy<Value = Limit> {
+    let window = prop_oneof![1u64..20, 1u64..3_000];
+    (algorithm_strategy(), 1u32..20, window, 1u32..30).prop_map(
+        |(algorithm, limit, window_ms, burst)| {
+            let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
+            match algorithm {
+                Algorithm::TokenBucket | Algorithm::Gcra => l.with_burst(burst).unwrap(),
+                _ => l,
+            }
+        },
+    )
+}
+
+/// Up to three limits with distinct ids.
+fn limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    prop::collection::vec(limit_strategy(), 1..=3).prop_map(|mut limits| {
+        let mut seen = std::collections::HashSet::new();
+        limits.retain(|l| seen.insert(format!("{l:?}")));
+        limits
+    })
+}
+
+/// How long to wait before a request.
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    Ms(u64),
+    /// The previous decision's `retry_after` (or `reset_after` of its first limit), plus
+    /// -1, 0 or +1 ms: the boundaries where off-by-one mistakes live.
+    RetryAfter(i64),
+    ResetAfter(i64),
+}
+
+/// (wait, cost, which of two keys).
+fn steps_strategy() -> impl Strategy<Value = Vec<(Wait, u32, usize)>> {
+    let wait = prop_oneof![
+        Just(Wait::Ms(0)),
+        (0u64..50).prop_map(Wait::Ms),
+        (0u64..4_000).prop_map(Wait::Ms),
+        (-1i64..=1).prop_map(Wait::RetryAfter),
+        (-1i64..=1).prop_map(Wait::ResetAfter),
+    ];
+    prop::collection::vec((wait, 0u32..8, 0usize..2), 1..60)
+}
+
+/// The model's decisions, with the time of each request.
+fn model_run(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, Decision)> {
+    let mut states: [Vec<State>; 2] =
+        std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+    let mut now = START;
+    let mut previous: Option<Decision> = None;
+    steps
+        .iter()
+        .map(|&(wait, cost, key)| {
+            let dt = match (wait, &previous) {
+                (Wait::Ms(ms), _) => ms as i64,
+                (Wait::RetryAfter(delta), Some(d)) => d.retry_after().as_millis() as i64 + delta,
+                (Wait::ResetAfter(delta), Some(d)) => {
+                    d.limits()[0].reset_after().as_millis() as i64 + delta
+                }
+                (_, None) => 0,
+            };
+            now += dt.max(0) as u64;
+            let decision = algorithm::check(&mut states[key], limits, now, cost);
+            previous = Some(decision.clone());
+            (now, cost, decision)
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn lua_decides_like_the_model(limits in limits_strategy(), steps in steps_strategy()) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let server = SERVER.with(|s| s.url());
+        let expected = model_run(&limits, &steps);
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let prefix = format!("case{}", CASE.with(|c| { c.set(c.get() + 1); c.get() }));
+            let store = RedisStore::connect(&server)
+                .await
+                .unwrap()
+                .with_prefix(&prefix)
+                .unwrap()
+                .with_clock(clock.clone());
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
+    #[test]
+    fn the_model_keeps_each_guarantee(limit in limit_strategy(), steps in steps_strategy()) {
+        let limits = [limit.clone()];
+        let run: Vec<(u64, u64)> = model_run(&limits, &steps)
+            .into_iter()
+            .zip(&steps)
+            .filter(|((_, _, d), (_, _, key))| *key == 0 && d.is_allowed())
+            .map(|((now, cost, _), _)| (now, u64::from(cost)))
+            .collect();
+        let w = limit.window().as_millis() as u64;
+        let l = u64::from(limit.limit());
+        let b = u64::from(limit.burst());
+        for (i, &(t0, _)) in run.iter().enumerate() {
+            let mut used = 0;
+            for &(t1, cost) in &run[i..] {
+                used += cost;
+                let bound = match limit.algorithm() {
+                    // Same aligned window.
+                    Algorithm::FixedWindow | Algorithm::SlidingWindowCounter => {
+                        if t1 / w != t0 / w { break; }
+                        l
+                    }
+                    // Any interval shorter than the window.
+                    Algorithm::SlidingWindow => {
+                        if t1 - t0 >= w { break; }
+                        l
+                    }
+                    _ => b + (t1 - t0) * l / w,
+                };
+                prop_assert!(used <= bound, "{} used in [{}, {}] > {} for {:?}", used, t0, t1, bound, limit);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static SERVER: support::RedisServer = support::RedisServer::start();
+    static CASE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}

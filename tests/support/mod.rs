@@ -1,0 +1,180 @@
+//! Test harness: real `redis-server` processes on free loopback ports, stopped on drop.
+//!
+//! Never touches the machine's shared Redis on 6379. A missing `redis-server` is a loud
+//! failure that names the fix; nothing is skipped.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    io::{BufRead, BufReader},
+    net::TcpListener,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// The `redis-server` binary: `$REDIS_SERVER`, or the one on `PATH`.
+pub fn redis_server_bin() -> String {
+    std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; the OS will not hand it out again
+/// right away).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
+}
+
+/// One `redis-server` child process, killed (and its directory removed) on drop.
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+    extra_args: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a fresh server on a free port and waits until it answers PING.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra command-line arguments (`["--cluster-enabled", "yes"]`).
+    pub fn start_with(extra_args: &[&str]) -> Self {
+        Self::start_on(free_port(), extra_args)
+    }
+
+    /// Starts a server on `port`.
+    pub fn start_on(port: u16, extra_args: &[&str]) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the redis test directory");
+        let mut server = Self {
+            child: None,
+            port,
+            dir,
+            extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let port = self.port.to_string();
+        let child = Command::new(redis_server_bin())
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--dir", self.dir.to_str().expect("utf-8 temp dir")])
+            .args(["--enable-debug-command", "local"])
+            .args(&self.extra_args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "could not start `{}` ({e}). The Redis tests need redis-server: \
+                     install it (`apt-get install redis-server`) or set REDIS_SERVER.",
+                    redis_server_bin()
+                )
+            });
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Drain stdout in the background so the server never blocks on a full pipe.
+        if let Some(stdout) = self.child.as_mut().and_then(|c| c.stdout.take()) {
+            std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
+        }
+        while Instant::now() < deadline {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "redis-server on port {} exited at start: {status}",
+                    self.port
+                );
+            }
+            if self
+                .cli(&["PING"])
+                .map(|o| o.trim() == "PONG")
+                .unwrap_or(false)
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "redis-server on port {} did not answer PING within 10s",
+            self.port
+        );
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs `redis-cli -p <port> <args>` and returns its stdout.
+    pub fn cli(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Kills the server with SIGKILL (no shutdown, no save).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port after [`kill`](Self::kill).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Fails unless every key in `server` has a TTL (no immortal rate-limit state).
+pub fn assert_every_key_expires(server: &RedisServer) {
+    let keys = server.cli(&["--scan"]).expect("redis-cli --scan");
+    let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+    for key in &keys {
+        let ttl = server.cli(&["PTTL", key]).expect("redis-cli PTTL");
+        let ttl: i64 = ttl.trim().parse().expect("PTTL is an integer");
+        assert!(ttl > 0, "key {key:?} has no TTL (PTTL {ttl})");
+    }
+}
