@@ -3,10 +3,14 @@
 use std::{
     fmt,
     sync::{Arc, LazyLock},
+    time::Duration,
 };
 
 use futures_util::{FutureExt, future::BoxFuture};
-use redis::{RedisError, Script, ScriptInvocation, aio::ConnectionManager};
+use redis::{
+    RedisError, Script, ScriptInvocation,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+};
 use smallvec::SmallVec;
 
 use super::Store;
@@ -87,15 +91,27 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects to the Redis at `url` (`redis://[:password@]host:port[/db]`,
-    /// `rediss://` for TLS where redis-rs is built with it).
+    /// Connects to the Redis at `url` (`redis://[:password@]host:port[/db]`).
+    ///
+    /// The connection reconnects by itself: after Redis restarts, the first call that
+    /// finds the connection broken starts a new one. A connection attempt gives up after
+    /// about a second, so that a Redis that is down fails calls quickly and the layer's
+    /// [`FailurePolicy`](crate::FailurePolicy) answers them.
     ///
     /// # Errors
     ///
     /// When the URL is invalid or Redis cannot be reached now.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(store_error)?;
-        let manager = ConnectionManager::new(client).await.map_err(store_error)?;
+        let config = ConnectionManagerConfig::new()
+            .set_number_of_retries(2)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_millis(250))
+            .set_connection_timeout(Some(Duration::from_millis(500)))
+            .set_response_timeout(Some(Duration::from_secs(1)));
+        let manager = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(store_error)?;
         Ok(Self::from_manager(manager))
     }
 

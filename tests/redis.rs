@@ -1,0 +1,172 @@
+//! RedisStore against a real redis-server: the default Redis clock, script reloading,
+//! the key layout, and the bb8 pool.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use support::RedisServer;
+use tollgate::{Limit, Store, key::Key, store::RedisStore};
+
+fn hourly(limit: u32) -> [Limit; 1] {
+    [Limit::fixed_window(limit, Duration::from_secs(3600)).unwrap()]
+}
+
+async fn allowed(store: &dyn Store, key: &str, limits: &[Limit], n: u32) -> u32 {
+    let mut allowed = 0;
+    for _ in 0..n {
+        let decision = store.check(&Key::new(key), limits, 1).await.unwrap();
+        allowed += u32::from(decision.is_allowed());
+    }
+    allowed
+}
+
+#[tokio::test]
+async fn redis_time_is_the_default_clock() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    // An hour-long window can only end during this test once per hour: accept either
+    // "all 3 in one window" or a boundary crossing, which allows at most 6.
+    let got = allowed(&store, "a", &hourly(3), 10).await;
+    assert!((3..=6).contains(&got), "{got}");
+    let denied = store.check(&Key::new("a"), &hourly(3), 1).await.unwrap();
+    assert!(!denied.is_allowed());
+    assert!(denied.retry_after() <= Duration::from_secs(3600));
+    assert!(denied.retry_after() > Duration::ZERO);
+    support::assert_every_key_expires(&server);
+}
+
+#[tokio::test]
+async fn script_flush_between_requests_keeps_decisions_correct() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let limits = hourly(5);
+    let mut allowed_total = 0;
+    for _ in 0..10 {
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
+        let decision = store.check(&Key::new("k"), &limits, 1).await.unwrap();
+        allowed_total += u32::from(decision.is_allowed());
+    }
+    // Five allowed (or more only if the hour turned over, at most ten).
+    assert!(allowed_total >= 5, "{allowed_total}");
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    assert!(
+        stats.contains("cmdstat_script|load:calls=10,"),
+        "the script was reloaded after each flush: {stats}"
+    );
+}
+
+#[tokio::test]
+async fn keys_follow_the_documented_layout() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_prefix("app")
+        .unwrap();
+    let limits = [
+        Limit::fixed_window(5, Duration::from_secs(60)).unwrap(),
+        Limit::token_bucket(5, Duration::from_secs(1))
+            .unwrap()
+            .named("burst")
+            .unwrap(),
+    ];
+    store.check(&Key::new("user:1"), &limits, 1).await.unwrap();
+    let mut keys: Vec<String> = server
+        .cli(&["--scan"])
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["app:{user:1}:burst:tb:5:1000:5", "app:{user:1}:fw:5:60000"]
+    );
+    assert_eq!(store.redis_key(&Key::new("user:1"), &limits[0]), keys[1]);
+    // Both keys of one identity hash to one slot.
+    let slot = |key: &str| server.cli(&["CLUSTER", "KEYSLOT", key]);
+    assert_eq!(slot(&keys[0]), slot(&keys[1]));
+}
+
+#[tokio::test]
+async fn hostile_identities_stay_bounded_and_apart() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let limits = hourly(1);
+    let hostile: Vec<Vec<u8>> = vec![
+        b"a".to_vec(),
+        b"{a}".to_vec(),
+        b"a}".to_vec(),
+        b"%7Ba%7D".to_vec(),
+        b"a\r\nFLUSHALL\r\n".to_vec(),
+        vec![0xff, 0xfe, 0],
+        vec![b'x'; 8192],
+        vec![b'x'; 8193],
+    ];
+    for identity in &hostile {
+        let decision = store.check(&Key::new(identity), &limits, 1).await.unwrap();
+        assert!(decision.is_allowed(), "{identity:?} shared a bucket");
+    }
+    let keys = server.cli(&["--scan"]).unwrap();
+    assert_eq!(keys.lines().count(), hostile.len());
+    for key in keys.lines() {
+        assert!(key.len() <= 160, "unbounded key {key:?}");
+        assert_eq!(key.matches('{').count(), 1, "{key}");
+    }
+    support::assert_every_key_expires(&server);
+}
+
+#[tokio::test]
+async fn a_batch_of_limits_with_every_algorithm_shares_one_call() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let limits = [
+        Limit::fixed_window(3, Duration::from_secs(3600)).unwrap(),
+        Limit::sliding_window(3, Duration::from_secs(3600)).unwrap(),
+        Limit::sliding_window_counter(3, Duration::from_secs(3600)).unwrap(),
+        Limit::token_bucket(3, Duration::from_secs(3600)).unwrap(),
+        Limit::gcra(3, Duration::from_secs(3600)).unwrap(),
+    ];
+    // Load the script first, so that the count below is one EVALSHA per decision.
+    store.check(&Key::new("warm-up"), &limits, 1).await.unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let got = allowed(&store, "k", &limits, 5).await;
+    assert!((3..=4).contains(&got), "{got}");
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    let evalsha = stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .expect("EVALSHA was called");
+    assert!(evalsha.starts_with("cmdstat_evalsha:calls=5,"), "{evalsha}");
+    support::assert_every_key_expires(&server);
+}
+
+#[cfg(feature = "bb8")]
+#[tokio::test]
+async fn a_bb8_pool_works_too() {
+    use bb8_redis::{RedisConnectionManager, bb8};
+
+    let server = RedisServer::start();
+    let manager = RedisConnectionManager::new(server.url()).unwrap();
+    let pool = bb8::Pool::builder()
+        .max_size(4)
+        .build(manager)
+        .await
+        .unwrap();
+    let store = RedisStore::from_pool(pool);
+    assert_eq!(allowed(&store, "a", &hourly(3), 10).await % 3, 0);
+}
+
+#[tokio::test]
+async fn a_bad_url_is_an_error_not_a_panic() {
+    assert!(RedisStore::connect("not a url").await.is_err());
+    let port = support::free_port();
+    assert!(
+        RedisStore::connect(&format!("redis://127.0.0.1:{port}"))
+            .await
+            .is_err()
+    );
+}
