@@ -1,43 +1,47 @@
 -- GCRA: hash {t = TAT ms, f = fraction of a ms in units of 1/L}. Distances are scaled by
 -- L, so the tolerance of B emission intervals (W / L ms each) is B * W units. Mirrors
 -- src/algorithm/gcra.rs.
-local gcra = {}
+-- Defined on first use, so a call pays only for the algorithms it runs.
+local function define_gcra()
+  local gcra = {}
 
-local function ahead(s, now, L, W, B)
-  if s.tat < now then return 0 end
-  local tolerance = B * W
-  local ahead_ms = s.tat - now
-  if ahead_ms > ceil_div(tolerance, L) then return tolerance end
-  return math.min(ahead_ms * L + s.frac, tolerance)
-end
+  local function ahead(s, now, L, W, B)
+    if s.tat < now then return 0 end
+    local tolerance = B * W
+    local ahead_ms = s.tat - now
+    if ahead_ms > ceil_div(tolerance, L) then return tolerance end
+    return math.min(ahead_ms * L + s.frac, tolerance)
+  end
 
-function gcra.load(key, now, L, W, B)
-  local v = redis.call('HMGET', key, 't', 'f')
-  return { tat = tonumber(v[1]) or 0, frac = tonumber(v[2]) or 0 }
-end
+  function gcra.load(key, now, L, W, B)
+    local v = redis.call('HMGET', key, 't', 'f')
+    return { tat = tonumber(v[1]) or 0, frac = tonumber(v[2]) or 0 }
+  end
 
-function gcra.fits(s, now, L, W, B, cost)
-  return ahead(s, now, L, W, B) + cost * W <= B * W
-end
+  function gcra.fits(s, now, L, W, B, cost)
+    return ahead(s, now, L, W, B) + cost * W <= B * W
+  end
 
-function gcra.wait(s, now, L, W, B, cost)
-  return ceil_div(ahead(s, now, L, W, B) + cost * W - B * W, L)
-end
+  function gcra.wait(s, now, L, W, B, cost)
+    return ceil_div(ahead(s, now, L, W, B) + cost * W - B * W, L)
+  end
 
-function gcra.commit(s, key, now, L, W, B, cost)
-  local a = ahead(s, now, L, W, B) + cost * W
-  s.tat = now + math.floor(a / L)
-  s.frac = a % L
-  redis.call('HSET', key, 't', int(s.tat), 'f', int(s.frac))
-  local expires = s.tat
-  if s.frac > 0 then expires = expires + 1 end
-  redis.call('PEXPIRE', key, int(expires - now))
-end
+  function gcra.commit(s, key, now, L, W, B, cost)
+    local a = ahead(s, now, L, W, B) + cost * W
+    s.tat = now + math.floor(a / L)
+    s.frac = a % L
+    redis.call('HSET', key, 't', int(s.tat), 'f', int(s.frac))
+    local expires = s.tat
+    if s.frac > 0 then expires = expires + 1 end
+    expire(key, expires - now)
+  end
 
-function gcra.remaining(s, now, L, W, B)
-  return math.floor((B * W - ahead(s, now, L, W, B)) / W)
-end
+  function gcra.remaining(s, now, L, W, B)
+    return math.floor((B * W - ahead(s, now, L, W, B)) / W)
+  end
 
-function gcra.reset_after(s, now, L, W, B)
-  return ceil_div(ahead(s, now, L, W, B), L)
+  function gcra.reset_after(s, now, L, W, B)
+    return ceil_div(ahead(s, now, L, W, B), L)
+  end
+  return gcra
 end

@@ -13,3 +13,14 @@ end
 local function ceil_div(a, b)
   return math.ceil(a / b)
 end
+
+-- Milliseconds added to every TTL. 0 when the script reads Redis TIME: then expiry and
+-- decisions share one clock. When the caller sends its own clock, that clock may lag
+-- Redis's, and a key must never vanish before the caller's time says its state is
+-- worthless: main sets a margin.
+local ttl_margin = 0
+
+-- Sets the TTL of a key the script just wrote: every written key gets one.
+local function expire(key, ttl)
+  redis.call('PEXPIRE', key, int(ttl + ttl_margin))
+end

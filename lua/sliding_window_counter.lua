@@ -1,60 +1,64 @@
 -- Sliding window counter: hash {s = window start, c = current count, p = previous count}.
 -- The estimate, scaled by W: p * (W - elapsed) + c * W, compared with L * W. Mirrors
 -- src/algorithm/sliding_window_counter.rs.
-local sliding_window_counter = {}
+-- Defined on first use, so a call pays only for the algorithms it runs.
+local function define_sliding_window_counter()
+  local sliding_window_counter = {}
 
-function sliding_window_counter.load(key, now, L, W, B)
-  local v = redis.call('HMGET', key, 's', 'c', 'p')
-  local s = {
-    start = tonumber(v[1]) or 0,
-    current = tonumber(v[2]) or 0,
-    previous = tonumber(v[3]) or 0,
-  }
-  local start = now - now % W
-  if s.start ~= start then
-    if s.start + W == start then
-      s.previous = s.current
-    else
-      s.previous = 0
+  function sliding_window_counter.load(key, now, L, W, B)
+    local v = redis.call('HMGET', key, 's', 'c', 'p')
+    local s = {
+      start = tonumber(v[1]) or 0,
+      current = tonumber(v[2]) or 0,
+      previous = tonumber(v[3]) or 0,
+    }
+    local start = now - now % W
+    if s.start ~= start then
+      if s.start + W == start then
+        s.previous = s.current
+      else
+        s.previous = 0
+      end
+      s.current = 0
+      s.start = start
     end
-    s.current = 0
-    s.start = start
+    return s
   end
-  return s
-end
 
-local function estimate(s, now, W)
-  return s.previous * (W - (now - s.start)) + s.current * W
-end
-
-function sliding_window_counter.fits(s, now, L, W, B, cost)
-  return estimate(s, now, W) + cost * W <= L * W
-end
-
-function sliding_window_counter.wait(s, now, L, W, B, cost)
-  local left = W - (now - s.start)
-  if s.previous > 0 and s.current + cost <= L then
-    local room = math.floor((L - cost - s.current) * W / s.previous)
-    if room >= 1 then return left - room end
+  local function estimate(s, now, W)
+    return s.previous * (W - (now - s.start)) + s.current * W
   end
-  if s.current == 0 then return left end
-  local room = math.min(math.floor((L - cost) * W / s.current), W)
-  return left + (W - room)
-end
 
-function sliding_window_counter.commit(s, key, now, L, W, B, cost)
-  s.current = s.current + cost
-  redis.call('HSET', key, 's', int(s.start), 'c', int(s.current), 'p', int(s.previous))
-  redis.call('PEXPIRE', key, int(s.start + 2 * W - now))
-end
+  function sliding_window_counter.fits(s, now, L, W, B, cost)
+    return estimate(s, now, W) + cost * W <= L * W
+  end
 
-function sliding_window_counter.remaining(s, now, L, W, B)
-  return math.floor(math.max(L * W - estimate(s, now, W), 0) / W)
-end
+  function sliding_window_counter.wait(s, now, L, W, B, cost)
+    local left = W - (now - s.start)
+    if s.previous > 0 and s.current + cost <= L then
+      local room = math.floor((L - cost - s.current) * W / s.previous)
+      if room >= 1 then return left - room end
+    end
+    if s.current == 0 then return left end
+    local room = math.min(math.floor((L - cost) * W / s.current), W)
+    return left + (W - room)
+  end
 
-function sliding_window_counter.reset_after(s, now, L, W, B)
-  local left = W - (now - s.start)
-  if s.current > 0 then return left + W end
-  if s.previous > 0 then return left end
-  return 0
+  function sliding_window_counter.commit(s, key, now, L, W, B, cost)
+    s.current = s.current + cost
+    redis.call('HSET', key, 's', int(s.start), 'c', int(s.current), 'p', int(s.previous))
+    expire(key, s.start + 2 * W - now)
+  end
+
+  function sliding_window_counter.remaining(s, now, L, W, B)
+    return math.floor(math.max(L * W - estimate(s, now, W), 0) / W)
+  end
+
+  function sliding_window_counter.reset_after(s, now, L, W, B)
+    local left = W - (now - s.start)
+    if s.current > 0 then return left + W end
+    if s.previous > 0 then return left end
+    return 0
+  end
+  return sliding_window_counter
 end

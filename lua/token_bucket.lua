@@ -1,51 +1,55 @@
 -- Token bucket: hash {t = tokens, l = last refill ms}. Tokens are counted in units of
 -- 1/W token: the bucket holds B * W units and refills L units per ms, exactly. A missing
 -- key is a full bucket. Mirrors src/algorithm/token_bucket.rs.
-local token_bucket = {}
+-- Defined on first use, so a call pays only for the algorithms it runs.
+local function define_token_bucket()
+  local token_bucket = {}
 
-function token_bucket.load(key, now, L, W, B)
-  local v = redis.call('HMGET', key, 't', 'l')
-  local capacity = B * W
-  local s = { tokens = tonumber(v[1]), last = tonumber(v[2]) or now }
-  if s.tokens == nil then
-    s.tokens = capacity
-    s.last = now
-  elseif now > s.last then
-    local elapsed = now - s.last
-    if elapsed >= ceil_div(capacity - s.tokens, L) then
+  function token_bucket.load(key, now, L, W, B)
+    local v = redis.call('HMGET', key, 't', 'l')
+    local capacity = B * W
+    local s = { tokens = tonumber(v[1]), last = tonumber(v[2]) or now }
+    if s.tokens == nil then
       s.tokens = capacity
-    else
-      s.tokens = s.tokens + elapsed * L
+      s.last = now
+    elseif now > s.last then
+      local elapsed = now - s.last
+      if elapsed >= ceil_div(capacity - s.tokens, L) then
+        s.tokens = capacity
+      else
+        s.tokens = s.tokens + elapsed * L
+      end
+      s.last = now
     end
-    s.last = now
+    return s
   end
-  return s
-end
 
-local function paused(s, now)
-  return math.max(s.last - now, 0)
-end
+  local function paused(s, now)
+    return math.max(s.last - now, 0)
+  end
 
-function token_bucket.fits(s, now, L, W, B, cost)
-  return cost * W <= s.tokens
-end
+  function token_bucket.fits(s, now, L, W, B, cost)
+    return cost * W <= s.tokens
+  end
 
-function token_bucket.wait(s, now, L, W, B, cost)
-  return paused(s, now) + ceil_div(cost * W - s.tokens, L)
-end
+  function token_bucket.wait(s, now, L, W, B, cost)
+    return paused(s, now) + ceil_div(cost * W - s.tokens, L)
+  end
 
-function token_bucket.commit(s, key, now, L, W, B, cost)
-  s.tokens = s.tokens - cost * W
-  redis.call('HSET', key, 't', int(s.tokens), 'l', int(s.last))
-  redis.call('PEXPIRE', key, int(s.last + ceil_div(B * W - s.tokens, L) - now))
-end
+  function token_bucket.commit(s, key, now, L, W, B, cost)
+    s.tokens = s.tokens - cost * W
+    redis.call('HSET', key, 't', int(s.tokens), 'l', int(s.last))
+    expire(key, s.last + ceil_div(B * W - s.tokens, L) - now)
+  end
 
-function token_bucket.remaining(s, now, L, W, B)
-  return math.floor(s.tokens / W)
-end
+  function token_bucket.remaining(s, now, L, W, B)
+    return math.floor(s.tokens / W)
+  end
 
-function token_bucket.reset_after(s, now, L, W, B)
-  local missing = B * W - s.tokens
-  if missing == 0 then return 0 end
-  return paused(s, now) + ceil_div(missing, L)
+  function token_bucket.reset_after(s, now, L, W, B)
+    local missing = B * W - s.tokens
+    if missing == 0 then return 0 end
+    return paused(s, now) + ceil_div(missing, L)
+  end
+  return token_bucket
 end

@@ -159,7 +159,8 @@ impl RedisStore {
 
     /// Sends the time from `clock` instead of reading Redis `TIME`: for tests, and for
     /// Redis-compatible servers without `TIME` in scripts. Replicas' clocks then must
-    /// agree.
+    /// agree. Keys then live 5 s past the end of their state, so that a clock lagging
+    /// Redis's never finds state gone that it still counts.
     pub fn with_clock(mut self, clock: impl Clock) -> Self {
         self.clock = Some(Arc::new(clock));
         self

@@ -175,6 +175,7 @@ pub fn assert_every_key_expires(server: &RedisServer) {
     for key in &keys {
         let ttl = server.cli(&["PTTL", key]).expect("redis-cli PTTL");
         let ttl: i64 = ttl.trim().parse().expect("PTTL is an integer");
-        assert!(ttl > 0, "key {key:?} has no TTL (PTTL {ttl})");
+        // -1: no TTL, the defect. -2: the key expired between SCAN and PTTL, fine.
+        assert_ne!(ttl, -1, "key {key:?} has no TTL");
     }
 }
