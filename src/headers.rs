@@ -137,18 +137,19 @@ impl HeaderWriter {
                 headers.append(RATELIMIT.clone(), value);
             }
         }
-        if self.style.legacy && !headers.contains_key(&X_RATELIMIT_LIMIT) {
-            if let Some(tightest) = decision.tightest() {
-                headers.insert(X_RATELIMIT_LIMIT.clone(), HeaderValue::from(tightest.limit));
-                headers.insert(
-                    X_RATELIMIT_REMAINING.clone(),
-                    HeaderValue::from(tightest.remaining),
-                );
-                headers.insert(
-                    X_RATELIMIT_RESET.clone(),
-                    HeaderValue::from(ceil_secs(tightest.reset_after_ms)),
-                );
-            }
+        if self.style.legacy
+            && !headers.contains_key(&X_RATELIMIT_LIMIT)
+            && let Some(tightest) = decision.tightest()
+        {
+            headers.insert(X_RATELIMIT_LIMIT.clone(), HeaderValue::from(tightest.limit));
+            headers.insert(
+                X_RATELIMIT_REMAINING.clone(),
+                HeaderValue::from(tightest.remaining),
+            );
+            headers.insert(
+                X_RATELIMIT_RESET.clone(),
+                HeaderValue::from(ceil_secs(tightest.reset_after_ms)),
+            );
         }
     }
 }

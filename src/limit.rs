@@ -162,7 +162,7 @@ impl Limit {
                 format!("must be at least 1ms (got {window:?})"),
             ));
         }
-        if window.subsec_nanos() % 1_000_000 != 0 {
+        if !window.subsec_nanos().is_multiple_of(1_000_000) {
             return Err(ConfigError::new(
                 "window",
                 format!("must be a whole number of milliseconds (got {window:?})"),

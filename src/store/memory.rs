@@ -154,7 +154,7 @@ impl Inner {
         if !shard.contains_key(key.as_str()) {
             self.make_room(&mut shard, now);
         }
-        let slots = shard.entry_ref(key.as_str()).or_insert_with(SmallVec::new);
+        let slots = shard.entry_ref(key.as_str()).or_default();
 
         // Take each limit's state out of its slot, decide, and put them back.
         let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
@@ -279,7 +279,7 @@ mod tests {
         let a = Limit::fixed_window(2, Duration::from_secs(10)).unwrap();
         let b = Limit::fixed_window(100, Duration::from_secs(10)).unwrap();
         let key = Key::new("k");
-        assert!(store.decide(&key, &[a.clone()], 1).is_allowed());
+        assert!(store.decide(&key, std::slice::from_ref(&a), 1).is_allowed());
         assert!(store.decide(&key, &[b.clone(), a.clone()], 1).is_allowed());
         let denied = store.decide(&key, &[a, b], 1);
         assert!(!denied.is_allowed());
