@@ -1,1 +1,19 @@
-fn main() {}
+//! Criterion benches. `cargo bench --all-features` runs them all; Redis benches start
+//! their own redis-server.
+
+#![allow(missing_docs)]
+
+use criterion::{criterion_group, criterion_main};
+
+mod algorithms;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+#[cfg(feature = "redis")]
+criterion_group!(benches, algorithms::bench_all, redis::bench_all);
+#[cfg(not(feature = "redis"))]
+criterion_group!(benches, algorithms::bench_all);
+criterion_main!(benches);

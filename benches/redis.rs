@@ -1,0 +1,53 @@
+//! `RedisStore::check` next to the floor: a raw EVALSHA of a trivial script on the same
+//! kind of connection, one at a time and 64 concurrent.
+
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion};
+use futures_util::future::join_all;
+use redis::{Script, aio::ConnectionManager};
+use tollgate::{Limit, Store, key::Key, store::RedisStore};
+
+use crate::support::RedisServer;
+
+pub(crate) fn bench_all(c: &mut Criterion) {
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (store, manager) = runtime.block_on(async {
+        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let client = redis::Client::open(server.url()).unwrap();
+        (store, ConnectionManager::new(client).await.unwrap())
+    });
+    let trivial = Script::new("return redis.call('INCR', KEYS[1])");
+    let limits = [Limit::fixed_window(u32::MAX, Duration::from_secs(60)).unwrap()];
+    let key = Key::new("bench");
+
+    let mut group = c.benchmark_group("redis");
+    for concurrency in [1usize, 64] {
+        group.throughput(criterion::Throughput::Elements(concurrency as u64));
+        group.bench_function(BenchmarkId::new("raw_evalsha_incr", concurrency), |b| {
+            b.to_async(&runtime).iter(|| {
+                join_all((0..concurrency).map(|_| {
+                    let mut manager = manager.clone();
+                    let invocation = trivial.key("bench:raw");
+                    async move {
+                        let _: i64 = invocation.invoke_async(&mut manager).await.unwrap();
+                    }
+                }))
+            });
+        });
+        group.bench_function(
+            BenchmarkId::new("store_check_fixed_window", concurrency),
+            |b| {
+                b.to_async(&runtime)
+                    .iter(|| join_all((0..concurrency).map(|_| store.check(&key, &limits, 1))));
+            },
+        );
+    }
+    group.finish();
+    drop(server);
+}
