@@ -16,7 +16,11 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::{
-    Decision, FailurePolicy, StoreError, key::Key, rejection::OnRejection, service::Shared,
+    Decision, FailurePolicy, StoreError,
+    key::Key,
+    metrics::{self, Outcome as Recorded, Timer},
+    rejection::OnRejection,
+    service::Shared,
 };
 
 pin_project! {
@@ -59,6 +63,7 @@ struct Pending<S, ReqB> {
     request: Request<ReqB>,
     key: Key,
     cost: u32,
+    timer: Timer,
 }
 
 impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
@@ -71,6 +76,7 @@ where
         request: Request<ReqB>,
         key: Key,
         cost: u32,
+        timer: Timer,
         shared: Arc<Shared<R>>,
     ) -> Self {
         Self {
@@ -82,6 +88,7 @@ where
                     request,
                     key,
                     cost,
+                    timer,
                 }),
             },
             shared: Some(shared),
@@ -162,7 +169,14 @@ where
                         request,
                         key,
                         cost,
+                        timer,
                     } = pending.take().expect("polled after completion");
+                    let recorded = match &result {
+                        Ok(decision) if decision.is_allowed() => Recorded::Allowed,
+                        Ok(_) => Recorded::Denied,
+                        Err(_) => Recorded::StoreError,
+                    };
+                    metrics::decided(&shared.name, recorded, &timer);
                     let outcome = match result {
                         Ok(decision) => Outcome::Decided(decision),
                         Err(error) => on_store_error(shared, error, &key, cost),
@@ -212,7 +226,8 @@ where
 
 fn on_store_error<R>(shared: &Shared<R>, error: StoreError, key: &Key, cost: u32) -> Outcome {
     let policy = shared.on_store_error.as_str();
-    tracing::warn!(%error, %key, policy, "rate limit store failed");
+    let layer = &*shared.name;
+    tracing::warn!(%error, %key, policy, layer, "rate limit store failed");
     match &shared.on_store_error {
         FailurePolicy::Allow => Outcome::Unlimited,
         FailurePolicy::Deny => Outcome::Failed(error),

@@ -16,6 +16,9 @@ use crate::{
 /// The default time a store call may take before the failure policy applies.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
 
+/// The name of a layer that was not given one with [`RateLimitLayer::name`].
+pub const DEFAULT_NAME: &str = "default";
+
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate) for an example.
 ///
 /// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`]; every other
@@ -33,6 +36,7 @@ pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
     timeout: Option<Duration>,
     headers: HeaderStyle,
     rejection: R,
+    name: Arc<str>,
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<K, C, R> {
@@ -47,6 +51,7 @@ impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<
             .field("timeout", &self.timeout)
             .field("headers", &self.headers)
             .field("rejection", &self.rejection)
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -64,6 +69,7 @@ impl RateLimitLayer {
             timeout: Some(DEFAULT_TIMEOUT),
             headers: HeaderStyle::default(),
             rejection: DefaultRejection,
+            name: Arc::from(DEFAULT_NAME),
         }
     }
 }
@@ -91,6 +97,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
             timeout: self.timeout,
             headers: self.headers,
             rejection: self.rejection,
+            name: self.name,
         }
     }
 
@@ -107,6 +114,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
             timeout: self.timeout,
             headers: self.headers,
             rejection: self.rejection,
+            name: self.name,
         }
     }
 
@@ -161,7 +169,15 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
             timeout: self.timeout,
             headers: self.headers,
             rejection,
+            name: self.name,
         }
+    }
+
+    /// Names this layer in metrics (the `route` label, feature `metrics`) and in the
+    /// store-failure log lines; [`DEFAULT_NAME`] by default. See [`metrics`](crate::metrics).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into().into();
+        self
     }
 
     /// The limits, in the order they are reported.
@@ -182,6 +198,7 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             on_missing_key: self.on_missing_key,
             timeout: self.timeout,
             rejection: self.rejection.clone(),
+            name: self.name.clone(),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
     }

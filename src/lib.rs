@@ -55,6 +55,8 @@
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
 //! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
 //! - `bb8`: build a `RedisStore` from a bb8-redis pool.
+//! - `metrics`: request counters and decision latency per layer through the `metrics`
+//!   facade; see [`metrics`].
 //!
 //! [Tower]: https://docs.rs/tower
 
@@ -69,6 +71,7 @@ pub mod headers;
 pub mod key;
 mod layer;
 mod limit;
+pub mod metrics;
 mod policy;
 mod rejection;
 mod service;
@@ -78,9 +81,14 @@ pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
-pub use layer::{DEFAULT_TIMEOUT, RateLimitLayer};
+pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, OnRejection, is_grpc};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
+
+// The README's examples compile as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

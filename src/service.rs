@@ -12,7 +12,7 @@ use tower_service::Service;
 
 use crate::{
     FailurePolicy, Limit, MissingKey, RequestCost, future::ResponseFuture, headers::HeaderWriter,
-    key::KeyExtractor, rejection::OnRejection, store::Store,
+    key::KeyExtractor, metrics, rejection::OnRejection, store::Store,
 };
 
 /// What a [`RateLimit`] service shares with its response futures.
@@ -24,6 +24,8 @@ pub(crate) struct Shared<R> {
     pub(crate) on_missing_key: MissingKey,
     pub(crate) timeout: Option<Duration>,
     pub(crate) rejection: R,
+    /// The layer's name: the `route` label of its metrics.
+    pub(crate) name: Arc<str>,
 }
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -107,6 +109,7 @@ where
         let key = match self.key.extract(&request) {
             Ok(key) => key,
             Err(error) => {
+                metrics::request(&shared.name, metrics::Outcome::KeyMissing);
                 return match shared.on_missing_key {
                     MissingKey::Allow => ResponseFuture::unlimited(self.inner.call(request)),
                     MissingKey::Reject => {
@@ -118,10 +121,11 @@ where
             }
         };
         let cost = self.cost.cost(&request);
+        let timer = metrics::Timer::start();
         let check = shared.store.check(&key, &shared.limits, cost);
         // The clone goes on serving; the service that was polled ready handles this call.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::checking(check, inner, request, key, cost, self.shared.clone())
+        ResponseFuture::checking(check, inner, request, key, cost, timer, self.shared.clone())
     }
 }
