@@ -1,0 +1,547 @@
+//! The gateway's TOML config: parsed with serde (unknown fields are errors) and validated
+//! completely before anything starts, so that a bad file fails at once with a message
+//! naming the field and the value.
+//!
+//! See `docs/gateway.md` for the reference and `examples/gateway.toml` for an example.
+
+use std::{fmt, net::SocketAddr, path::Path, time::Duration};
+
+use http::{HeaderName, Uri};
+use ipnet::IpNet;
+use serde::Deserialize;
+use tollgate::{Algorithm, Limit};
+
+use crate::path;
+
+/// The config used without `--config`: a demo that shows a 429 after five quick `curl`s.
+pub(crate) const DEMO: &str = r#"
+listen = "127.0.0.1:8080"
+
+[[routes]]
+path = "/"
+
+[[routes.limits]]
+name = "demo"
+key = "ip"
+algorithm = "sliding_window"
+limit = 5
+window = "10s"
+"#;
+
+/// A config that failed to load: where, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ConfigError {
+    /// The field, as a path into the file: `routes[0].limits[1].window`.
+    pub(crate) field: String,
+    pub(crate) message: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid config: {}", self.message)
+        } else {
+            write!(f, "invalid config: {}: {}", self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A validated config.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) listen: SocketAddr,
+    /// Where `/metrics` is served, if anywhere.
+    pub(crate) admin_listen: Option<SocketAddr>,
+    pub(crate) trusted_proxies: Vec<IpNet>,
+    pub(crate) store: StoreConfig,
+    pub(crate) routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct StoreConfig {
+    pub(crate) backend: Backend,
+    pub(crate) prefix: String,
+    pub(crate) timeout: Duration,
+    pub(crate) on_error: OnError,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Backend {
+    Memory,
+    Redis { url: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnError {
+    Allow,
+    Deny,
+    Local,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Route {
+    /// Normalised, without a trailing slash (except `/`).
+    pub(crate) path: String,
+    pub(crate) upstream: Option<Upstream>,
+    pub(crate) limits: Vec<RouteLimit>,
+}
+
+/// An upstream base URL: `http://host:port` with an optional base path that is put in
+/// front of every forwarded path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Upstream {
+    pub(crate) authority: http::uri::Authority,
+    /// Empty, or starting with `/` and without a trailing slash.
+    pub(crate) base_path: String,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct RouteLimit {
+    pub(crate) key: KeySpec,
+    pub(crate) limit: Limit,
+}
+
+/// Who a limit counts requests against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum KeySpec {
+    /// The client IP (X-Forwarded-For is believed only from `trusted_proxies`).
+    Ip,
+    /// The value of one header (a request without it gets 400).
+    Header(HeaderName),
+    /// One budget shared by every client.
+    Global,
+}
+
+impl fmt::Display for KeySpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ip => f.write_str("ip"),
+            Self::Header(name) => write!(f, "header:{name}"),
+            Self::Global => f.write_str("global"),
+        }
+    }
+}
+
+// The file as written. Optional fields are `Option`s so that validation, not serde,
+// decides the defaults and the messages.
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    listen: String,
+    admin_listen: Option<String>,
+    #[serde(default)]
+    trusted_proxies: Vec<String>,
+    #[serde(default)]
+    store: RawStore,
+    #[serde(default)]
+    routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    backend: Option<String>,
+    url: Option<String>,
+    nodes: Option<Vec<String>>,
+    prefix: Option<String>,
+    timeout_ms: Option<u64>,
+    on_error: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    path: String,
+    upstream: Option<String>,
+    #[serde(default)]
+    limits: Vec<RawLimit>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    key: String,
+    algorithm: String,
+    limit: u32,
+    window: String,
+    burst: Option<u32>,
+    name: Option<String>,
+}
+
+impl Config {
+    /// Reads and validates the file at `path`.
+    pub(crate) fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new("", format!("cannot read {}: {e}", path.display())))?;
+        Self::parse(&text)
+    }
+
+    /// The demo config ([`DEMO`]).
+    pub(crate) fn demo() -> Self {
+        Self::parse(DEMO).expect("the demo config is valid")
+    }
+
+    /// Parses and validates a config file's text.
+    pub(crate) fn parse(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            // toml's message shows the line, the column and serde's reason (`unknown field
+            // `x``, `missing field `listen``, `invalid type`); keep it whole.
+            ConfigError::new("", e.to_string().trim_end().to_owned())
+        })?;
+        raw.validate()
+    }
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigError> {
+        let listen = parse_addr("listen", &self.listen)?;
+        let admin_listen = self
+            .admin_listen
+            .as_deref()
+            .map(|a| parse_addr("admin_listen", a))
+            .transpose()?;
+        if admin_listen.is_some_and(|a| a == listen && a.port() != 0) {
+            return Err(ConfigError::new(
+                "admin_listen",
+                format!("must differ from listen (both are {listen})"),
+            ));
+        }
+        let trusted_proxies = self
+            .trusted_proxies
+            .iter()
+            .enumerate()
+            .map(|(i, cidr)| parse_cidr(&format!("trusted_proxies[{i}]"), cidr))
+            .collect::<Result<_, _>>()?;
+        let store = self.store.validate()?;
+        let mut routes: Vec<Route> = Vec::with_capacity(self.routes.len());
+        for (index, raw) in self.routes.into_iter().enumerate() {
+            let route = raw.validate(index)?;
+            if let Some(other) = routes.iter().position(|r| r.path == route.path) {
+                return Err(ConfigError::new(
+                    format!("routes[{index}].path"),
+                    format!("{:?} is also the path of routes[{other}]", route.path),
+                ));
+            }
+            routes.push(route);
+        }
+        Ok(Config {
+            listen,
+            admin_listen,
+            trusted_proxies,
+            store,
+            routes,
+        })
+    }
+}
+
+impl RawStore {
+    fn validate(self) -> Result<StoreConfig, ConfigError> {
+        // Checked whatever the backend, so that a typo shows before it is needed.
+        if let Some(url) = &self.url {
+            check_redis_url("store.url", url)?;
+        }
+        for (i, node) in self.nodes.iter().flatten().enumerate() {
+            check_redis_url(&format!("store.nodes[{i}]"), node)?;
+        }
+        let backend = match self.backend.as_deref().unwrap_or("memory") {
+            "memory" => Backend::Memory,
+            "redis" => {
+                let Some(url) = self.url else {
+                    return Err(ConfigError::new(
+                        "store.url",
+                        "is required with backend = \"redis\"",
+                    ));
+                };
+                if !cfg!(feature = "redis") {
+                    return Err(ConfigError::new(
+                        "store.backend",
+                        "\"redis\" needs the gateway built with the redis feature \
+                         (cargo run --example gateway --features redis -- ...)",
+                    ));
+                }
+                Backend::Redis { url }
+            }
+            "redis-cluster" => {
+                if self.nodes.as_ref().is_none_or(Vec::is_empty) {
+                    return Err(ConfigError::new(
+                        "store.nodes",
+                        "needs at least one node with backend = \"redis-cluster\"",
+                    ));
+                }
+                return Err(ConfigError::new(
+                    "store.backend",
+                    "\"redis-cluster\" is not supported by the gateway yet; use \"redis\" \
+                     or \"memory\"",
+                ));
+            }
+            other => {
+                return Err(ConfigError::new(
+                    "store.backend",
+                    format!("must be memory, redis or redis-cluster (got {other:?})"),
+                ));
+            }
+        };
+        let prefix = self.prefix.unwrap_or_else(|| "tollgate".to_owned());
+        let prefix_ok = !prefix.is_empty()
+            && prefix.len() <= 64
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+        if !prefix_ok {
+            return Err(ConfigError::new(
+                "store.prefix",
+                format!(
+                    "must be 1 to 64 printable ASCII characters without spaces or braces \
+                     (got {prefix:?})"
+                ),
+            ));
+        }
+        let timeout = match self.timeout_ms {
+            None => tollgate::DEFAULT_TIMEOUT,
+            Some(0) => {
+                return Err(ConfigError::new(
+                    "store.timeout_ms",
+                    "must be at least 1 (got 0)",
+                ));
+            }
+            Some(ms) => Duration::from_millis(ms),
+        };
+        let on_error = match self.on_error.as_deref().unwrap_or("allow") {
+            "allow" => OnError::Allow,
+            "deny" => OnError::Deny,
+            "local" => OnError::Local,
+            other => {
+                return Err(ConfigError::new(
+                    "store.on_error",
+                    format!("must be allow, deny or local (got {other:?})"),
+                ));
+            }
+        };
+        Ok(StoreConfig {
+            backend,
+            prefix,
+            timeout,
+            on_error,
+        })
+    }
+}
+
+impl RawRoute {
+    fn validate(self, index: usize) -> Result<Route, ConfigError> {
+        let at = format!("routes[{index}]");
+        let path = path::normalize_prefix(&self.path).map_err(|e| {
+            ConfigError::new(format!("{at}.path"), format!("{e} (got {:?})", self.path))
+        })?;
+        if self.path.contains(['?', '#']) {
+            return Err(ConfigError::new(
+                format!("{at}.path"),
+                format!(
+                    "must be a path without query or fragment (got {:?})",
+                    self.path
+                ),
+            ));
+        }
+        let upstream = self
+            .upstream
+            .as_deref()
+            .map(|u| parse_upstream(&format!("{at}.upstream"), u))
+            .transpose()?;
+        let limits = self
+            .limits
+            .into_iter()
+            .enumerate()
+            .map(|(j, raw)| raw.validate(index, j, &format!("{at}.limits[{j}]")))
+            .collect::<Result<_, _>>()?;
+        Ok(Route {
+            path,
+            upstream,
+            limits,
+        })
+    }
+}
+
+impl RawLimit {
+    fn validate(self, route: usize, index: usize, at: &str) -> Result<RouteLimit, ConfigError> {
+        // The library's errors name their field (`limit`, `window`, `burst`, `name`,
+        // `algorithm`) and the value; put where it is in the file in front.
+        let lib = |e: tollgate::ConfigError| {
+            ConfigError::new(format!("{at}.{}", e.field()), e.to_string())
+        };
+        let key = parse_key(&format!("{at}.key"), &self.key)?;
+        let algorithm: Algorithm = self.algorithm.parse().map_err(lib)?;
+        let window = humantime::parse_duration(&self.window).map_err(|e| {
+            ConfigError::new(
+                format!("{at}.window"),
+                format!(
+                    "{:?} is not a duration such as \"500ms\", \"10s\", \"1m\" or \"1h\" ({e})",
+                    self.window
+                ),
+            )
+        })?;
+        let mut limit = Limit::new(algorithm, self.limit, window).map_err(lib)?;
+        if let Some(burst) = self.burst {
+            limit = limit.with_burst(burst).map_err(lib)?;
+        }
+        // A name unique to this limit: equal limits on two routes keep separate budgets.
+        let name = self.name.unwrap_or_else(|| format!("r{route}-l{index}"));
+        let limit = limit.named(name).map_err(lib)?;
+        Ok(RouteLimit { key, limit })
+    }
+}
+
+fn parse_addr(field: &str, value: &str) -> Result<SocketAddr, ConfigError> {
+    value.parse().map_err(|_| {
+        ConfigError::new(
+            field,
+            format!("must be an IP address and port such as \"127.0.0.1:8080\" (got {value:?})"),
+        )
+    })
+}
+
+fn parse_cidr(field: &str, value: &str) -> Result<IpNet, ConfigError> {
+    // A bare address is a network of one.
+    value
+        .parse::<IpNet>()
+        .or_else(|_| value.parse::<std::net::IpAddr>().map(IpNet::from))
+        .map_err(|_| {
+            ConfigError::new(
+                field,
+                format!("must be a CIDR such as \"10.0.0.0/8\" or an IP address (got {value:?})"),
+            )
+        })
+}
+
+fn parse_key(field: &str, value: &str) -> Result<KeySpec, ConfigError> {
+    match value {
+        "ip" => return Ok(KeySpec::Ip),
+        "global" => return Ok(KeySpec::Global),
+        _ => {}
+    }
+    if let Some(name) = value.strip_prefix("header:") {
+        return HeaderName::from_bytes(name.trim().as_bytes())
+            .map(KeySpec::Header)
+            .map_err(|_| {
+                ConfigError::new(
+                    field,
+                    format!("{name:?} is not a valid header name (got {value:?})"),
+                )
+            });
+    }
+    Err(ConfigError::new(
+        field,
+        format!("must be ip, global or header:<name> (got {value:?})"),
+    ))
+}
+
+fn parse_upstream(field: &str, value: &str) -> Result<Upstream, ConfigError> {
+    let bad = |why: &str| ConfigError::new(field, format!("{why} (got {value:?})"));
+    let uri: Uri = value
+        .parse()
+        .map_err(|_| bad("must be a URL such as \"http://127.0.0.1:9000\""))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(bad(
+                "https upstreams are not supported: the example's client speaks plain HTTP",
+            ));
+        }
+        _ => return Err(bad("must be a URL such as \"http://127.0.0.1:9000\"")),
+    }
+    let Some(authority) = uri.authority().cloned() else {
+        return Err(bad("must have a host"));
+    };
+    if authority.host().is_empty() || authority.as_str().contains('@') {
+        return Err(bad("must have a host and no user info"));
+    }
+    if uri.query().is_some() {
+        return Err(bad("must not have a query"));
+    }
+    let base_path = uri.path().trim_end_matches('/').to_owned();
+    Ok(Upstream {
+        authority,
+        base_path,
+    })
+}
+
+fn check_redis_url(field: &str, value: &str) -> Result<(), ConfigError> {
+    let bad = || {
+        ConfigError::new(
+            field,
+            format!("must be a URL such as \"redis://127.0.0.1:6379\" (got {value:?})"),
+        )
+    };
+    let uri: Uri = value.parse().map_err(|_| bad())?;
+    let scheme_ok = matches!(uri.scheme_str(), Some("redis" | "rediss"));
+    let host_ok = uri.authority().is_some_and(|a| !a.host().is_empty());
+    if scheme_ok && host_ok {
+        Ok(())
+    } else {
+        Err(bad())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demo_is_valid() {
+        let config = Config::demo();
+        assert_eq!(config.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(config.store.backend, Backend::Memory);
+        assert_eq!(config.routes.len(), 1);
+        assert_eq!(config.routes[0].limits[0].limit.limit(), 5);
+    }
+
+    #[test]
+    fn defaults_and_names() {
+        let config = Config::parse(
+            r#"
+            listen = "127.0.0.1:0"
+            [[routes]]
+            path = "/api/"
+            upstream = "http://127.0.0.1:9000/v1/"
+            [[routes.limits]]
+            key = "header:X-Api-Key"
+            algorithm = "gcra"
+            limit = 10
+            window = "1s"
+            burst = 20
+            [[routes.limits]]
+            key = "global"
+            algorithm = "fixed_window"
+            limit = 100
+            window = "1m"
+            name = "total"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.store.timeout, tollgate::DEFAULT_TIMEOUT);
+        assert_eq!(config.store.on_error, OnError::Allow);
+        assert_eq!(config.store.prefix, "tollgate");
+        let route = &config.routes[0];
+        assert_eq!(route.path, "/api");
+        let upstream = route.upstream.as_ref().unwrap();
+        assert_eq!(upstream.authority.as_str(), "127.0.0.1:9000");
+        assert_eq!(upstream.base_path, "/v1");
+        assert_eq!(
+            route.limits[0].key,
+            KeySpec::Header(HeaderName::from_static("x-api-key"))
+        );
+        assert_eq!(route.limits[0].limit.burst(), 20);
+        assert_eq!(route.limits[0].limit.name(), Some("r0-l0"));
+        assert_eq!(route.limits[1].limit.name(), Some("total"));
+    }
+}

@@ -1,0 +1,199 @@
+//! Path normalisation and prefix matching: a route's limits must not be skipped by
+//! spelling its path differently.
+//!
+//! Rule (RFC 3986 section 6.2.2, plus collapsing empty segments):
+//! 1. percent-encoded unreserved characters (`A-Z a-z 0-9 - . _ ~`) are decoded
+//!    (`/%61pi` is `/api`), other escapes are kept with upper-case hex digits; an encoded
+//!    `/` or `\` (`%2F`, `%5C`) or a broken escape is rejected with 400, since upstreams
+//!    disagree on whether it separates segments;
+//! 2. empty segments are dropped (`//api` is `/api`);
+//! 3. `.` segments are dropped and `..` removes the segment before it, never going above
+//!    the root (`/api/../api`, `/../api` and `/./api` are `/api`);
+//! 4. a trailing `/` is kept (`/api/` stays `/api/`).
+//!
+//! Matching is case-sensitive and on whole segments: `/api` matches `/api`, `/api/` and
+//! `/api/x`, never `/apix`.
+
+use std::fmt;
+
+/// Why a request path was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PathError {
+    /// Not an absolute path (`*`, or an authority-form target).
+    NotAbsolute,
+    /// `%` not followed by two hex digits.
+    BadEscape,
+    /// `%2F` or `%5C`: an encoded segment separator.
+    EncodedSeparator,
+}
+
+impl fmt::Display for PathError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::NotAbsolute => "the path must start with /",
+            Self::BadEscape => "% must be followed by two hex digits",
+            Self::EncodedSeparator => "encoded / or \\ (%2F, %5C) is not allowed in paths",
+        })
+    }
+}
+
+impl std::error::Error for PathError {}
+
+/// The normalised form of `raw` (a request path, without the query).
+pub(crate) fn normalize(raw: &str) -> Result<String, PathError> {
+    if !raw.starts_with('/') {
+        return Err(PathError::NotAbsolute);
+    }
+    let decoded = decode_unreserved(raw)?;
+    let mut segments: Vec<&str> = Vec::new();
+    let mut trailing_slash = false;
+    for segment in decoded[1..].split('/') {
+        // Whether the path ends in a directory: `/a/`, `/a/.` and `/a/..` all do.
+        trailing_slash = matches!(segment, "" | "." | "..");
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            segment => segments.push(segment),
+        }
+    }
+    let mut path = String::with_capacity(decoded.len());
+    for segment in &segments {
+        path.push('/');
+        path.push_str(segment);
+    }
+    if trailing_slash || segments.is_empty() {
+        path.push('/');
+    }
+    Ok(path)
+}
+
+fn decode_unreserved(raw: &str) -> Result<String, PathError> {
+    let bytes = raw.as_bytes();
+    let mut out = String::with_capacity(raw.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        if byte != b'%' {
+            // `raw` is a str and only ASCII bytes are ever split off, so pushing the char
+            // that starts here keeps it valid UTF-8.
+            let ch = raw[i..].chars().next().unwrap_or('\u{FFFD}');
+            out.push(ch);
+            i += ch.len_utf8();
+            continue;
+        }
+        let (Some(hi), Some(lo)) = (
+            bytes.get(i + 1).and_then(|b| hex(*b)),
+            bytes.get(i + 2).and_then(|b| hex(*b)),
+        ) else {
+            return Err(PathError::BadEscape);
+        };
+        let value = hi << 4 | lo;
+        match value {
+            b'/' | b'\\' => return Err(PathError::EncodedSeparator),
+            v if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') => {
+                out.push(char::from(v));
+            }
+            v => {
+                const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                out.push('%');
+                out.push(char::from(HEX[usize::from(v >> 4)]));
+                out.push(char::from(HEX[usize::from(v & 0xf)]));
+            }
+        }
+        i += 3;
+    }
+    Ok(out)
+}
+
+fn hex(byte: u8) -> Option<u8> {
+    match byte {
+        b'0'..=b'9' => Some(byte - b'0'),
+        b'a'..=b'f' => Some(byte - b'a' + 10),
+        b'A'..=b'F' => Some(byte - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Whether the normalised `path` is under the route `prefix` (itself normalised, without
+/// a trailing slash unless it is `/`), on a segment boundary.
+pub(crate) fn matches_prefix(prefix: &str, path: &str) -> bool {
+    if prefix == "/" {
+        return true;
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// A route's `path` from the config in the form [`matches_prefix`] expects.
+pub(crate) fn normalize_prefix(path: &str) -> Result<String, PathError> {
+    let mut normalized = normalize(path)?;
+    if normalized.len() > 1 && normalized.ends_with('/') {
+        normalized.pop();
+    }
+    Ok(normalized)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[track_caller]
+    fn norm(raw: &str) -> String {
+        normalize(raw).unwrap()
+    }
+
+    #[test]
+    fn collapses_slashes_and_dot_segments() {
+        assert_eq!(norm("/"), "/");
+        assert_eq!(norm("//api"), "/api");
+        assert_eq!(norm("///api//v1///x"), "/api/v1/x");
+        assert_eq!(norm("/api/../api"), "/api");
+        assert_eq!(norm("/./api"), "/api");
+        assert_eq!(norm("/../../api"), "/api");
+        assert_eq!(norm("/a/b/../../api/x"), "/api/x");
+        assert_eq!(norm("/api/"), "/api/");
+        assert_eq!(norm("/api/."), "/api/");
+        assert_eq!(norm("/api/x/.."), "/api/");
+        assert_eq!(norm("/.."), "/");
+        assert_eq!(norm("/..."), "/...");
+    }
+
+    #[test]
+    fn decodes_unreserved_only() {
+        assert_eq!(norm("/%61pi"), "/api");
+        assert_eq!(norm("/%41%50%49"), "/API");
+        assert_eq!(norm("/%2e%2e/api"), "/api");
+        assert_eq!(norm("/api/%2E"), "/api/");
+        assert_eq!(norm("/a%7e%5f%2d"), "/a~_-");
+        assert_eq!(norm("/a%20b%3f"), "/a%20b%3F");
+        assert_eq!(norm("/caf%C3%A9"), "/caf%C3%A9");
+    }
+
+    #[test]
+    fn rejects_encoded_separators_and_broken_escapes() {
+        assert_eq!(normalize("/api%2Fx"), Err(PathError::EncodedSeparator));
+        assert_eq!(normalize("/api%2fx"), Err(PathError::EncodedSeparator));
+        assert_eq!(normalize("/api%5Cx"), Err(PathError::EncodedSeparator));
+        assert_eq!(normalize("/api%2"), Err(PathError::BadEscape));
+        assert_eq!(normalize("/api%zz"), Err(PathError::BadEscape));
+        assert_eq!(normalize("*"), Err(PathError::NotAbsolute));
+        assert_eq!(normalize(""), Err(PathError::NotAbsolute));
+    }
+
+    #[test]
+    fn prefixes_match_whole_segments() {
+        assert!(matches_prefix("/api", "/api"));
+        assert!(matches_prefix("/api", "/api/"));
+        assert!(matches_prefix("/api", "/api/x"));
+        assert!(!matches_prefix("/api", "/apix"));
+        assert!(!matches_prefix("/api", "/ap"));
+        assert!(matches_prefix("/", "/anything"));
+        assert_eq!(normalize_prefix("/api/").unwrap(), "/api");
+        assert_eq!(normalize_prefix("//api/./v1/").unwrap(), "/api/v1");
+        assert_eq!(normalize_prefix("/").unwrap(), "/");
+    }
+}

@@ -1,0 +1,381 @@
+//! Building the gateway from a validated config, serving it, and stopping it gracefully.
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    io,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    extract::{Request, State},
+    http::{StatusCode, Uri, uri::PathAndQuery},
+    response::Response,
+    routing::get,
+};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+use tollgate::{
+    FailurePolicy, MemoryStore, RateLimitLayer, Store,
+    key::{ClientIp, GlobalKey, HeaderKey},
+};
+use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
+
+use crate::{
+    config::{Backend, Config, KeySpec, OnError, Route, RouteLimit, StoreConfig},
+    path,
+    proxy::{self, HttpClient, Proxy},
+};
+
+/// Startup errors (a store that cannot be reached, an address in use, ...).
+pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// One route's service: its rate-limit layers around the proxy (or the `ok` answer).
+type RouteService = BoxCloneSyncService<Request, Response, Infallible>;
+
+/// How many keys the in-memory store tracks at most (see `MemoryStore::with_max_keys`).
+const MEMORY_MAX_KEYS: usize = 1_000_000;
+
+/// Bucket bounds of `tollgate_decision_seconds`: 50 us to 1 s.
+const DECISION_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0,
+];
+
+/// The routes, longest prefix first.
+#[derive(Debug)]
+struct Gateway {
+    routes: Vec<(String, RouteService)>,
+}
+
+impl Gateway {
+    fn route(&self, path: &str) -> Option<&RouteService> {
+        self.routes
+            .iter()
+            .find(|(prefix, _)| path::matches_prefix(prefix, path))
+            .map(|(_, service)| service)
+    }
+}
+
+/// A started gateway. Dropping it shuts the servers down gracefully in the background.
+#[derive(Debug)]
+pub(crate) struct Running {
+    addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<io::Result<()>>>,
+}
+
+impl Running {
+    /// The address the gateway listens on (with the real port when `listen` had port 0).
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The address `/metrics` is served on, if any.
+    pub(crate) fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
+    }
+
+    /// Stops accepting connections, lets the requests in flight finish, and returns when
+    /// every connection is closed.
+    pub(crate) async fn stop(self) -> io::Result<()> {
+        self.shutdown.send_replace(true);
+        for task in self.tasks {
+            joined(task.await)?;
+        }
+        Ok(())
+    }
+
+    /// Serves until `signal` resolves, then stops gracefully (see [`stop`](Self::stop)).
+    /// axum's server never ends on its own: it retries failed accepts.
+    pub(crate) async fn run_until(self, signal: impl Future<Output = ()>) -> io::Result<()> {
+        signal.await;
+        tracing::info!("shutting down: waiting for the requests in flight");
+        self.stop().await
+    }
+}
+
+fn joined(result: Result<io::Result<()>, tokio::task::JoinError>) -> io::Result<()> {
+    result.map_err(io::Error::other)?
+}
+
+/// Connects the store, builds every route, binds the listeners and starts serving.
+pub(crate) async fn start(config: Config) -> Result<Running, Error> {
+    let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
+    let store = connect_store(&config.store).await?;
+    let policy = match config.store.on_error {
+        OnError::Allow => FailurePolicy::Allow,
+        OnError::Deny => FailurePolicy::Deny,
+        OnError::Local => FailurePolicy::local(),
+    };
+    let client = proxy::client();
+    let mut routes: Vec<(String, RouteService)> = config
+        .routes
+        .iter()
+        .map(|route| {
+            let service = route_service(route, &config, &store, &policy, &client);
+            (route.path.clone(), service)
+        })
+        .collect();
+    // Longest prefix first; two different prefixes of one length never both match.
+    routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+    let gateway = Arc::new(Gateway { routes });
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("listen: cannot bind {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let admin = match config.admin_listen {
+        Some(admin) => {
+            let listener = TcpListener::bind(admin)
+                .await
+                .map_err(|e| format!("admin_listen: cannot bind {admin}: {e}"))?;
+            Some(listener)
+        }
+        None => None,
+    };
+    let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
+
+    let (shutdown, signal) = watch::channel(false);
+    let app = Router::new().fallback(dispatch).with_state(gateway);
+    let mut tasks = vec![tokio::spawn(
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(stopped(signal.clone()))
+        .into_future(),
+    )];
+    if let (Some(listener), Some(handle)) = (admin, prometheus) {
+        let admin_app =
+            Router::new().route("/metrics", get(move || async move { handle.render() }));
+        tasks.push(tokio::spawn(
+            axum::serve(listener, admin_app)
+                .with_graceful_shutdown(stopped(signal))
+                .into_future(),
+        ));
+    }
+    tracing::info!(%addr, ?admin_addr, routes = config.routes.len(), "gateway started");
+    Ok(Running {
+        addr,
+        admin_addr,
+        shutdown,
+        tasks,
+    })
+}
+
+/// Resolves when shutdown is asked for, or when the [`Running`] handle is dropped.
+async fn stopped(mut signal: watch::Receiver<bool>) {
+    let _ = signal.wait_for(|stop| *stop).await;
+}
+
+/// Answers every request: normalise the path, pick the route, let its service answer.
+async fn dispatch(State(gateway): State<Arc<Gateway>>, mut request: Request) -> Response {
+    let method = request.method().clone();
+    let normalized = match path::normalize(request.uri().path()) {
+        Ok(path) => path,
+        Err(error) => {
+            tracing::debug!(%method, uri = %request.uri(), %error, "bad request path");
+            return proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
+        }
+    };
+    let Some(service) = gateway.route(&normalized) else {
+        tracing::debug!(%method, path = normalized, "no route");
+        return proxy::status(StatusCode::NOT_FOUND, "no route\n");
+    };
+    // Limits and upstream both see the normalised path, so they agree on the route.
+    let path_and_query = match request.uri().query() {
+        Some(query) => format!("{normalized}?{query}"),
+        None => normalized.clone(),
+    };
+    match path_and_query.parse::<PathAndQuery>() {
+        Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
+        Err(_) => return proxy::status(StatusCode::BAD_REQUEST, "bad request path\n"),
+    }
+    let response = match service.clone().oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    };
+    tracing::debug!(%method, path = normalized, status = response.status().as_u16(), "answered");
+    response
+}
+
+/// The route's endpoint wrapped in one rate-limit layer per kind of key, outermost first
+/// in the order ip, header, global.
+///
+/// A layer decides its limits all-or-nothing in one store call; limits with different keys
+/// are in different layers, decided one after another: a request that one layer allows and
+/// a later one denies has used its budget in the first.
+fn route_service(
+    route: &Route,
+    config: &Config,
+    store: &Arc<dyn Store>,
+    policy: &FailurePolicy,
+    client: &HttpClient,
+) -> RouteService {
+    let mut service: RouteService = match &route.upstream {
+        Some(upstream) => {
+            let proxy = Proxy::new(client.clone(), upstream.clone(), &route.path);
+            BoxCloneSyncService::new(service_fn(move |request: Request| {
+                let proxy = proxy.clone();
+                async move { Ok(proxy.forward(request).await) }
+            }))
+        }
+        None => BoxCloneSyncService::new(service_fn(|_request: Request| async {
+            Ok(proxy::status(StatusCode::OK, "ok"))
+        })),
+    };
+    let groups = key_groups(&route.limits);
+    let several = groups.len() > 1;
+    // Wrap from the innermost (last) group outwards.
+    for (key, limits) in groups.into_iter().rev() {
+        let name = if several {
+            format!("{} {key}", route.path)
+        } else {
+            route.path.clone()
+        };
+        let mut layer = RateLimitLayer::new(limits[0].clone());
+        for limit in &limits[1..] {
+            layer = layer.limit(limit.clone());
+        }
+        let layer = layer
+            .shared_store(store.clone())
+            .on_store_error(policy.clone())
+            .timeout(Some(config.store.timeout))
+            .name(name);
+        service = match key {
+            KeySpec::Ip => BoxCloneSyncService::new(
+                layer
+                    .key(ClientIp::new(config.trusted_proxies.iter().copied()))
+                    .layer(service),
+            ),
+            KeySpec::Header(name) => {
+                BoxCloneSyncService::new(layer.key(HeaderKey::from(name)).layer(service))
+            }
+            KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
+        };
+    }
+    service
+}
+
+/// The limits grouped by key, groups ordered ip, headers (in config order), global.
+fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<tollgate::Limit>)> {
+    let mut groups: Vec<(KeySpec, Vec<tollgate::Limit>)> = Vec::new();
+    for limit in limits {
+        match groups.iter_mut().find(|(key, _)| *key == limit.key) {
+            Some((_, group)) => group.push(limit.limit.clone()),
+            None => groups.push((limit.key.clone(), vec![limit.limit.clone()])),
+        }
+    }
+    groups.sort_by_key(|(key, _)| match key {
+        KeySpec::Ip => 0,
+        KeySpec::Header(_) => 1,
+        KeySpec::Global => 2,
+    });
+    groups
+}
+
+async fn connect_store(config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
+    match &config.backend {
+        Backend::Memory => Ok(Arc::new(MemoryStore::new().with_max_keys(MEMORY_MAX_KEYS))),
+        Backend::Redis { url } => connect_redis(url, &config.prefix).await,
+    }
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(url: &str, prefix: &str) -> Result<Arc<dyn Store>, Error> {
+    let store = tollgate::store::RedisStore::connect(url)
+        .await
+        .map_err(|e| format!("store.url: cannot connect to {url:?}: {e}"))?
+        .with_prefix(prefix)
+        .map_err(|e| format!("store.prefix: {e}"))?;
+    tracing::info!(url, prefix, "connected to redis");
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn connect_redis(_url: &str, _prefix: &str) -> Result<Arc<dyn Store>, Error> {
+    // Config validation already refused this; kept for a clear message all the same.
+    Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
+}
+
+/// The process's Prometheus recorder, installed on first use (tests start several
+/// gateways in one process; there is one global recorder).
+fn prometheus() -> Result<PrometheusHandle, Error> {
+    static HANDLE: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
+    let mut handle = HANDLE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(handle) = &*handle {
+        return Ok(handle.clone());
+    }
+    let installed = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(tollgate::metrics::DECISION_SECONDS.to_owned()),
+            DECISION_BUCKETS,
+        )?
+        .install_recorder()
+        .map_err(|e| format!("admin_listen: cannot install the Prometheus recorder: {e}"))?;
+    tollgate::metrics::describe();
+    metrics::describe_counter!(
+        proxy::UPSTREAM_ERRORS_TOTAL,
+        metrics::Unit::Count,
+        "Requests answered 502 because the upstream failed."
+    );
+    if !cfg!(feature = "metrics") {
+        tracing::warn!(
+            "built without tollgate's `metrics` feature: /metrics has no tollgate_requests_total \
+             or tollgate_decision_seconds (cargo run --example gateway --features metrics)"
+        );
+    }
+    // Histograms are kept as raw samples until upkeep folds them into buckets.
+    let upkeep = installed.clone();
+    std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                upkeep.run_upkeep();
+            }
+        })?;
+    *handle = Some(installed.clone());
+    Ok(installed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate::Limit;
+
+    #[test]
+    fn limits_are_grouped_by_key_ip_first_global_last() {
+        let limit = |n| Limit::fixed_window(n, Duration::from_secs(1)).unwrap();
+        let header = KeySpec::Header(http::HeaderName::from_static("x-api-key"));
+        let limits = vec![
+            RouteLimit {
+                key: KeySpec::Global,
+                limit: limit(1),
+            },
+            RouteLimit {
+                key: header.clone(),
+                limit: limit(2),
+            },
+            RouteLimit {
+                key: KeySpec::Ip,
+                limit: limit(3),
+            },
+            RouteLimit {
+                key: KeySpec::Global,
+                limit: limit(4),
+            },
+        ];
+        let groups = key_groups(&limits);
+        let shape: Vec<_> = groups.iter().map(|(k, l)| (k.clone(), l.len())).collect();
+        assert_eq!(
+            shape,
+            vec![(KeySpec::Ip, 1), (header, 1), (KeySpec::Global, 2)]
+        );
+    }
+}

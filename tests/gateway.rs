@@ -1,0 +1,1048 @@
+//! The example gateway (`examples/gateway/`), end to end over real TCP.
+//!
+//! The gateway runs **in-process**: this file includes the example's modules with `#[path]`
+//! and calls `server::start` with `listen = "127.0.0.1:0"`, so every test owns a gateway on
+//! a free port, reads the bound address back, and stops it (or drops it) at the end. That
+//! needs no built example binary (`cargo test --test gateway` does not build examples) and
+//! lets a test start two gateways on one Redis. The binary's own part, `main.rs`, only
+//! parses `--config`, prints the address and waits for a signal.
+//!
+//! Upstreams are small axum servers in this file that record what they received. Limits use
+//! windows of an hour or more, so that counts are exact however slow the machine is; nothing
+//! sleeps to wait for a clock.
+//!
+//! The scenarios that depend on the store run on the memory backend, and again on a private
+//! `redis-server` (tests/support) with the `redis` feature.
+
+#[allow(dead_code)]
+#[path = "../examples/gateway/config.rs"]
+mod config;
+#[allow(dead_code)]
+#[path = "../examples/gateway/path.rs"]
+mod path;
+#[allow(dead_code)]
+#[path = "../examples/gateway/proxy.rs"]
+mod proxy;
+#[allow(dead_code)]
+#[path = "../examples/gateway/server.rs"]
+mod server;
+#[cfg(feature = "redis")]
+mod support;
+
+use std::{
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::{Request, State},
+    http::{HeaderMap, Method, StatusCode, Uri},
+    response::Response,
+};
+use futures_util::StreamExt;
+use http_body_util::BodyExt;
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+use tokio::{
+    net::TcpListener,
+    sync::{mpsc, oneshot},
+    task::JoinHandle,
+};
+
+use config::Config;
+use server::Running;
+
+/// Long enough that no test waits on it; exact counts need no clock.
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------
+// Harness
+
+/// `[store]` for the memory backend: the defaults.
+const MEMORY: &str = "";
+
+/// Starts a gateway from `listen = 127.0.0.1:0`, `store` and `routes` (TOML).
+async fn gateway(store: &str, routes: &str) -> Running {
+    let text = format!("listen = \"127.0.0.1:0\"\n{store}\n{routes}");
+    let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    server::start(config).await.unwrap()
+}
+
+fn url(gateway: &Running, path: &str) -> String {
+    format!("http://{}{path}", gateway.addr())
+}
+
+/// What an upstream received.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+/// A recording upstream: answers 200 `upstream saw <n> bytes` with `x-upstream: yes`, or
+/// the status in the request's `x-want-status`.
+struct Upstream {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    task: JoinHandle<()>,
+}
+
+impl Upstream {
+    async fn start() -> Self {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let app = Router::new().fallback(record).with_state(seen.clone());
+        let (addr, task) = serve(app).await;
+        Self { addr, seen, task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn paths(&self) -> Vec<String> {
+        self.seen().iter().map(|s| s.uri.to_string()).collect()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn record(State(seen): State<Arc<Mutex<Vec<Seen>>>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    let status = parts
+        .headers
+        .get("x-want-status")
+        .and_then(|v| v.to_str().ok()?.parse::<u16>().ok())
+        .map_or(StatusCode::OK, |s| StatusCode::from_u16(s).unwrap());
+    let answer = format!("upstream saw {} bytes", body.len());
+    seen.lock().unwrap().push(Seen {
+        method: parts.method,
+        uri: parts.uri,
+        headers: parts.headers,
+        body,
+    });
+    Response::builder()
+        .status(status)
+        .header("x-upstream", "yes")
+        .body(Body::from(answer))
+        .unwrap()
+}
+
+async fn serve(app: Router) -> (SocketAddr, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (addr, task)
+}
+
+/// A port nothing listens on (bound, then released).
+async fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+type HttpClient = Client<HttpConnector, Body>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).unwrap()
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        self.headers.get("retry-after")?.to_str().ok()?.parse().ok()
+    }
+}
+
+async fn send(client: &HttpClient, request: http::Request<Body>) -> Reply {
+    let response = tokio::time::timeout(TIMEOUT, client.request(request))
+        .await
+        .expect("no answer in time")
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+async fn get(client: &HttpClient, url: &str) -> Reply {
+    send(client, http::Request::get(url).body(Body::empty()).unwrap()).await
+}
+
+async fn statuses(client: &HttpClient, gateway: &Running, paths: &[&str]) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for path in paths {
+        statuses.push(get(client, &url(gateway, path)).await.status.as_u16());
+    }
+    statuses
+}
+
+/// `[[routes]]` with one limit.
+fn route(path: &str, upstream: Option<&str>, limit: Option<(&str, &str, u32, &str)>) -> String {
+    let mut text = format!("[[routes]]\npath = {path:?}\n");
+    if let Some(upstream) = upstream {
+        text += &format!("upstream = {upstream:?}\n");
+    }
+    if let Some((key, algorithm, limit, window)) = limit {
+        text += &format!(
+            "[[routes.limits]]\nkey = {key:?}\nalgorithm = {algorithm:?}\nlimit = {limit}\n\
+             window = {window:?}\n"
+        );
+    }
+    text
+}
+
+// ---------------------------------------------------------------------------------------
+// Proxying
+
+#[tokio::test]
+async fn proxies_method_path_query_headers_and_body_intact() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(MEMORY, &route("/api", Some(&upstream.url()), None)).await;
+    let client = client();
+
+    let body: Vec<u8> = (0..100 * 1024).map(|i| (i % 251) as u8).collect();
+    let request = http::Request::post(url(&gw, "/api/items?x=1&y=a%20b&x=2"))
+        .header("x-custom", "hello, world")
+        .header("x-forwarded-for", "203.0.113.9")
+        .header("content-type", "application/octet-stream")
+        .header("connection", "x-hop")
+        .header("x-hop", "secret")
+        .header("keep-alive", "timeout=5")
+        .body(Body::from(body.clone()))
+        .unwrap();
+    let reply = send(&client, request).await;
+
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.headers["x-upstream"], "yes");
+    assert_eq!(reply.text(), "upstream saw 102400 bytes");
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    let seen = &seen[0];
+    assert_eq!(seen.method, Method::POST);
+    assert_eq!(seen.uri.path(), "/api/items");
+    assert_eq!(seen.uri.query(), Some("x=1&y=a%20b&x=2"));
+    assert_eq!(seen.body.as_ref(), body.as_slice());
+    assert_eq!(seen.headers["x-custom"], "hello, world");
+    assert_eq!(seen.headers["content-type"], "application/octet-stream");
+    assert_eq!(seen.headers["content-length"], "102400");
+    // The client's list, then the peer the gateway saw.
+    assert_eq!(seen.headers["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    // Host is end-to-end: the upstream sees the name the client used.
+    assert_eq!(seen.headers["host"], gw.addr().to_string());
+    // Hop-by-hop headers, and the ones Connection names, stay on their hop.
+    assert!(!seen.headers.contains_key("x-hop"), "{:?}", seen.headers);
+    assert!(!seen.headers.contains_key("keep-alive"));
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn upstream_statuses_pass_through_and_a_base_path_is_prepended() {
+    let upstream = Upstream::start().await;
+    let base = format!("{}/v2/", upstream.url());
+    let gw = gateway(MEMORY, &route("/", Some(&base), None)).await;
+    let client = client();
+    for status in [201, 204, 404, 418, 500, 503] {
+        let request = http::Request::delete(url(&gw, "/things/7"))
+            .header("x-want-status", status.to_string())
+            .body(Body::empty())
+            .unwrap();
+        let reply = send(&client, request).await;
+        assert_eq!(reply.status.as_u16(), status);
+        assert_eq!(reply.headers["x-upstream"], "yes");
+    }
+    let seen = upstream.seen();
+    assert!(seen.iter().all(|s| s.method == Method::DELETE));
+    assert!(
+        seen.iter().all(|s| s.uri.path() == "/v2/things/7"),
+        "{seen:?}"
+    );
+}
+
+#[tokio::test]
+async fn unreachable_upstream_is_502() {
+    let port = closed_port().await;
+    let upstream = format!("http://127.0.0.1:{port}");
+    let gw = gateway(MEMORY, &route("/", Some(&upstream), None)).await;
+    let client = client();
+    for _ in 0..3 {
+        let reply = get(&client, &url(&gw, "/x")).await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+    }
+    // The gateway is still up and answering.
+    let reply = get(&client, &url(&gw, "/x")).await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+    gw.stop().await.unwrap();
+}
+
+/// Bodies are streamed both ways: the upstream reads the first request chunk while the
+/// client has not sent the second, and the client reads the first response chunk while the
+/// upstream has not written the second. A buffering gateway would hang here (and time out).
+#[tokio::test]
+async fn bodies_are_streamed_not_buffered() {
+    // The upstream reports each request chunk, then streams its answer chunk by chunk as
+    // the test releases them.
+    let (chunk_seen_tx, mut chunk_seen) = mpsc::unbounded_channel::<Bytes>();
+    let (answer_tx, answer_rx) = mpsc::unbounded_channel::<Bytes>();
+    let answer_rx = Arc::new(Mutex::new(Some(answer_rx)));
+    let app = Router::new().fallback(move |request: Request| {
+        let chunk_seen_tx = chunk_seen_tx.clone();
+        let answer_rx = answer_rx.lock().unwrap().take().unwrap();
+        async move {
+            let mut body = request.into_body().into_data_stream();
+            while let Some(chunk) = body.next().await {
+                chunk_seen_tx.send(chunk.unwrap()).unwrap();
+            }
+            let stream = futures_util::stream::unfold(answer_rx, |mut rx| async move {
+                let chunk = rx.recv().await?;
+                Some((Ok::<_, std::io::Error>(chunk), rx))
+            });
+            Response::new(Body::from_stream(stream))
+        }
+    });
+    let (addr, task) = serve(app).await;
+    let gw = gateway(MEMORY, &route("/", Some(&format!("http://{addr}")), None)).await;
+
+    let (request_tx, request_rx) = mpsc::unbounded_channel::<Bytes>();
+    let request_body = futures_util::stream::unfold(request_rx, |mut rx| async move {
+        let chunk = rx.recv().await?;
+        Some((Ok::<_, std::io::Error>(chunk), rx))
+    });
+    let request = http::Request::post(url(&gw, "/upload"))
+        .body(Body::from_stream(request_body))
+        .unwrap();
+    let client = client();
+    let response = tokio::spawn(async move { client.request(request).await });
+
+    request_tx.send(Bytes::from_static(b"first")).unwrap();
+    assert_eq!(next(&mut chunk_seen).await.unwrap(), "first");
+    request_tx.send(Bytes::from_static(b"second")).unwrap();
+    assert_eq!(next(&mut chunk_seen).await.unwrap(), "second");
+    drop(request_tx);
+
+    answer_tx.send(Bytes::from_static(b"one")).unwrap();
+    let response = tokio::time::timeout(TIMEOUT, response)
+        .await
+        .expect("no response head")
+        .unwrap()
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let frame = tokio::time::timeout(TIMEOUT, body.frame())
+        .await
+        .expect("first response chunk not streamed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(frame.into_data().unwrap(), "one");
+    answer_tx.send(Bytes::from_static(b"two")).unwrap();
+    drop(answer_tx);
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(rest, "two");
+    task.abort();
+}
+
+async fn next(rx: &mut mpsc::UnboundedReceiver<Bytes>) -> Option<Bytes> {
+    tokio::time::timeout(TIMEOUT, rx.recv())
+        .await
+        .expect("chunk not streamed")
+}
+
+// ---------------------------------------------------------------------------------------
+// Limits and routes, on any store
+
+/// Exactly `limit` requests pass on each route, then 429 with Retry-After and the
+/// RateLimit fields; two routes with equal limits keep separate budgets.
+async fn per_route_limits(store: &str) {
+    let upstream = Upstream::start().await;
+    let limit = Some(("ip", "sliding_window", 3, "1h"));
+    let routes = [
+        route("/a", Some(&upstream.url()), limit),
+        route("/b", None, limit),
+        route("/free", None, None),
+    ]
+    .concat();
+    let gw = gateway(store, &routes).await;
+    let client = client();
+
+    for i in 0..3 {
+        let reply = get(&client, &url(&gw, "/a/x")).await;
+        assert_eq!(reply.status, StatusCode::OK, "request {i}");
+        assert_eq!(reply.headers["x-upstream"], "yes");
+        let fields = reply.headers["ratelimit"].to_str().unwrap();
+        assert!(
+            fields.starts_with(&format!("\"r0-l0\";r={};t=", 2 - i)),
+            "{fields}"
+        );
+    }
+    let denied = get(&client, &url(&gw, "/a/x")).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry = denied.retry_after().expect("Retry-After");
+    assert!((3000..=3600).contains(&retry), "Retry-After {retry}");
+    assert_eq!(denied.headers["ratelimit-policy"], "\"r0-l0\";q=3;w=3600");
+    assert_eq!(
+        upstream.seen().len(),
+        3,
+        "a denied request never reaches the upstream"
+    );
+
+    // /b has its own budget, and answers "ok" itself.
+    let reply = get(&client, &url(&gw, "/b")).await;
+    assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+    assert_eq!(
+        statuses(&client, &gw, &["/b", "/b", "/b", "/b"]).await,
+        [200, 200, 429, 429]
+    );
+    // A route without limits is never limited.
+    assert!(
+        statuses(&client, &gw, &["/free"; 10])
+            .await
+            .iter()
+            .all(|s| *s == 200)
+    );
+    // Denials consumed nothing: still exactly 3 upstream calls.
+    assert_eq!(upstream.seen().len(), 3);
+    gw.stop().await.unwrap();
+}
+
+/// `//api`, `/api/../api`, `/%61pi`... are `/api`: they pass its limits, and the upstream
+/// gets the normalised path.
+async fn normalised_paths_cannot_skip_limits(store: &str) {
+    let upstream = Upstream::start().await;
+    let routes = [
+        route(
+            "/api",
+            Some(&upstream.url()),
+            Some(("ip", "sliding_window", 2, "1h")),
+        ),
+        route("/", None, None),
+    ]
+    .concat();
+    let gw = gateway(store, &routes).await;
+    let client = client();
+
+    assert_eq!(
+        statuses(&client, &gw, &["//api", "/%61pi/x?q=1"]).await,
+        [200, 200]
+    );
+    assert_eq!(upstream.paths(), ["/api", "/api/x?q=1"]);
+    let tricks = [
+        "/api",
+        "//api",
+        "/api/../api",
+        "/%61pi",
+        "/%61%70%69/",
+        "/./api",
+        "/x/../api/y",
+        "/%2e%2e/api",
+        "/api/%2e",
+        "///api///v1",
+    ];
+    assert_eq!(statuses(&client, &gw, &tricks).await, [429; 10]);
+    assert_eq!(upstream.seen().len(), 2);
+    // Segment boundaries: /apix is not /api; encoded slashes are refused.
+    let reply = get(&client, &url(&gw, "/apix")).await;
+    assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+    assert_eq!(
+        statuses(&client, &gw, &["/api%2Fx", "/%2F/api", "/api%zz"]).await,
+        [400; 3]
+    );
+    assert_eq!(upstream.seen().len(), 2);
+    gw.stop().await.unwrap();
+}
+
+/// Header and global limits on one route: a layer per kind of key. A missing header is
+/// 400; the global budget is shared by every key.
+async fn header_and_global_keys(store: &str) {
+    let routes = r#"
+        [[routes]]
+        path = "/"
+        [[routes.limits]]
+        key = "header:x-api-key"
+        algorithm = "gcra"
+        limit = 2
+        window = "1h"
+        [[routes.limits]]
+        key = "global"
+        algorithm = "token_bucket"
+        limit = 3
+        window = "1h"
+    "#;
+    let gw = gateway(store, routes).await;
+    let client = client();
+    let with_key = |key: &str| {
+        http::Request::get(url(&gw, "/"))
+            .header("x-api-key", key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut got = Vec::new();
+    for key in ["k1", "k1", "k1", "k2", "k2", "k3"] {
+        got.push(send(&client, with_key(key)).await.status.as_u16());
+    }
+    // k1: 2 by its own limit; k2: 1 before the global 3 are used; k3: global.
+    assert_eq!(got, [200, 200, 429, 200, 429, 429]);
+    let missing = get(&client, &url(&gw, "/")).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    gw.stop().await.unwrap();
+}
+
+/// Several limits with the same key are all-or-nothing: the request denied by the tighter
+/// one uses nothing of the other.
+async fn same_key_limits_are_all_or_nothing(store: &str) {
+    let routes = r#"
+        [[routes]]
+        path = "/"
+        [[routes.limits]]
+        key = "ip"
+        algorithm = "fixed_window"
+        limit = 2
+        window = "300d"
+        [[routes.limits]]
+        key = "ip"
+        algorithm = "sliding_window"
+        limit = 3
+        window = "1h"
+    "#;
+    let gw = gateway(store, routes).await;
+    let client = client();
+    let reply = get(&client, &url(&gw, "/")).await;
+    assert_eq!(
+        reply.headers["ratelimit-policy"],
+        "\"r0-l0\";q=2;w=25920000, \"r0-l1\";q=3;w=3600"
+    );
+    assert_eq!(
+        statuses(&client, &gw, &["/", "/", "/"]).await,
+        [200, 429, 429]
+    );
+    let denied = get(&client, &url(&gw, "/")).await;
+    // The sliding window still has 1 left: the denials took nothing from it.
+    let fields = denied.headers["ratelimit"].to_str().unwrap().to_owned();
+    assert!(fields.contains("\"r0-l1\";r=1;"), "{fields}");
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_per_route_limits() {
+    per_route_limits(MEMORY).await;
+}
+
+#[tokio::test]
+async fn memory_normalised_paths_cannot_skip_limits() {
+    normalised_paths_cannot_skip_limits(MEMORY).await;
+}
+
+#[tokio::test]
+async fn memory_header_and_global_keys() {
+    header_and_global_keys(MEMORY).await;
+}
+
+#[tokio::test]
+async fn memory_same_key_limits_are_all_or_nothing() {
+    same_key_limits_are_all_or_nothing(MEMORY).await;
+}
+
+#[tokio::test]
+async fn longest_prefix_wins_on_segment_boundaries() {
+    let api = Upstream::start().await;
+    let v2 = Upstream::start().await;
+    let routes = [
+        route("/", None, None),
+        route(
+            "/api",
+            Some(&api.url()),
+            Some(("global", "sliding_window", 1, "1h")),
+        ),
+        route("/api/v2/", Some(&v2.url()), None),
+    ]
+    .concat();
+    let gw = gateway(MEMORY, &routes).await;
+    let client = client();
+    // /api/v2 is its own, unlimited route; /api/v2x and /api/v are /api's.
+    assert_eq!(
+        statuses(
+            &client,
+            &gw,
+            &["/api/v2", "/api/v2/x", "/api/v2/x", "/api/v2x", "/api/v"]
+        )
+        .await,
+        [200, 200, 200, 200, 429]
+    );
+    assert_eq!(v2.paths(), ["/api/v2", "/api/v2/x", "/api/v2/x"]);
+    assert_eq!(api.paths(), ["/api/v2x"]);
+    let reply = get(&client, &url(&gw, "/apix")).await;
+    assert_eq!(reply.text(), "ok");
+}
+
+#[tokio::test]
+async fn no_route_is_404() {
+    let gw = gateway(MEMORY, &route("/api", None, None)).await;
+    let client = client();
+    assert_eq!(
+        statuses(&client, &gw, &["/", "/apix", "/api/x"]).await,
+        [404, 404, 200]
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The demo, config errors, shutdown
+
+#[tokio::test]
+async fn demo_config_denies_the_sixth_request() {
+    let mut config = Config::demo();
+    assert_eq!(config.listen, "127.0.0.1:8080".parse().unwrap());
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    let gw = server::start(config).await.unwrap();
+    let client = client();
+    // A sliding window of 5 per 10s: exact as long as these six take under ten seconds.
+    let mut got = Vec::new();
+    for _ in 0..6 {
+        let reply = get(&client, &url(&gw, "/anything")).await;
+        got.push(reply.status.as_u16());
+        if reply.status == StatusCode::OK {
+            assert_eq!(reply.text(), "ok");
+        } else {
+            assert!(reply.retry_after().is_some_and(|s| (1..=10).contains(&s)));
+        }
+    }
+    assert_eq!(got, [200, 200, 200, 200, 200, 429]);
+    gw.stop().await.unwrap();
+}
+
+#[test]
+fn the_example_config_file_is_valid() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gateway.toml");
+    let config = Config::load(&path).unwrap();
+    assert_eq!(config.routes.len(), 4);
+    assert!(config.admin_listen.is_some());
+}
+
+#[test]
+fn invalid_configs_are_rejected_naming_the_field_and_value() {
+    let ok_route = "[[routes]]\npath = \"/\"\n";
+    let limit =
+        |fields: &str| format!("listen = \"127.0.0.1:0\"\n{ok_route}[[routes.limits]]\n{fields}\n");
+    let base = "key = \"ip\"\nalgorithm = \"fixed_window\"\nlimit = 5\nwindow = \"1m\"";
+    let cases: Vec<(String, &[&str])> = vec![
+        // Structure, from serde: unknown fields anywhere, missing listen, wrong types.
+        (
+            "listen = \"127.0.0.1:0\"\nlisten_addr = 1".into(),
+            &["unknown field", "listen_addr"],
+        ),
+        (ok_route.to_owned(), &["missing field", "listen"]),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"memory\"\ncolour = 1".into(),
+            &["unknown field", "colour"],
+        ),
+        (
+            limit(&format!("{base}\nburts = 3")),
+            &["unknown field", "burts"],
+        ),
+        (
+            limit(&base.replace("limit = 5", "limit = -1")),
+            &["limit", "-1"],
+        ),
+        // Values, validated: each names the field and the value.
+        (
+            "listen = \"localhost\"".into(),
+            &["listen", "\"localhost\""],
+        ),
+        (
+            limit(&base.replace("limit = 5", "limit = 0")),
+            &["routes[0].limits[0].limit", "got 0"],
+        ),
+        (
+            limit(&base.replace("\"1m\"", "\"abc\"")),
+            &["routes[0].limits[0].window", "\"abc\""],
+        ),
+        (
+            limit(&base.replace("\"1m\"", "\"0s\"")),
+            &["routes[0].limits[0].window", "0ns"],
+        ),
+        (
+            limit(&base.replace("fixed_window", "leaky_bucket")),
+            &["routes[0].limits[0].algorithm", "\"leaky_bucket\""],
+        ),
+        (
+            limit(&format!("{base}\nburst = 10")),
+            &["routes[0].limits[0].burst", "fixed_window"],
+        ),
+        (
+            limit(&base.replace("\"ip\"", "\"cookie\"")),
+            &["routes[0].limits[0].key", "\"cookie\""],
+        ),
+        (
+            limit(&base.replace("\"ip\"", "\"header:bad name\"")),
+            &["routes[0].limits[0].key", "bad name"],
+        ),
+        (
+            limit(&format!("{base}\nname = \"a b\"")),
+            &["routes[0].limits[0].name", "\"a b\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\nupstream = \"not a url\"".into(),
+            &["routes[0].upstream", "\"not a url\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\nupstream = \"ftp://x:1\"".into(),
+            &["routes[0].upstream", "\"ftp://x:1\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"api\"".into(),
+            &["routes[0].path", "\"api\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/a\"\n[[routes]]\npath = \"/a/\""
+                .into(),
+            &["routes[1].path", "routes[0]"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\ntrusted_proxies = [\"10.0.0.0/33\"]".into(),
+            &["trusted_proxies[0]", "\"10.0.0.0/33\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"etcd\"".into(),
+            &["store.backend", "\"etcd\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"http//nope\"".into(),
+            &["store.url", "\"http//nope\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"".into(),
+            &["store.url", "required"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\non_error = \"maybe\"".into(),
+            &["store.on_error", "\"maybe\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\ntimeout_ms = 0".into(),
+            &["store.timeout_ms", "got 0"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"\n\
+             nodes = [\"redis://127.0.0.1:7000\"]"
+                .into(),
+            &["store.backend", "not supported"],
+        ),
+    ];
+    for (text, expected) in &cases {
+        let error = match Config::parse(text) {
+            Ok(_) => panic!("accepted:\n{text}"),
+            Err(error) => error.to_string(),
+        };
+        for part in *expected {
+            assert!(
+                error.contains(part),
+                "{part:?} not in {error:?} for:\n{text}"
+            );
+        }
+    }
+    // A file that cannot be read names itself.
+    let error = Config::load(std::path::Path::new("/nonexistent/gateway.toml")).unwrap_err();
+    assert!(
+        error.to_string().contains("/nonexistent/gateway.toml"),
+        "{error}"
+    );
+}
+
+#[cfg(not(feature = "redis"))]
+#[test]
+fn redis_backend_without_the_feature_is_a_clear_error() {
+    let text =
+        "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"";
+    let error = Config::parse(text).unwrap_err().to_string();
+    assert!(
+        error.contains("store.backend") && error.contains("redis feature"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_lets_requests_in_flight_finish() {
+    let (arrived_tx, arrived) = oneshot::channel::<()>();
+    let (release, release_rx) = oneshot::channel::<()>();
+    let hooks = Arc::new(Mutex::new(Some((arrived_tx, release_rx))));
+    let app = Router::new().fallback(move || {
+        let hooks = hooks.lock().unwrap().take();
+        async move {
+            if let Some((arrived, release)) = hooks {
+                arrived.send(()).unwrap();
+                release.await.unwrap();
+            }
+            "finished"
+        }
+    });
+    let (addr, task) = serve(app).await;
+    let gw = gateway(MEMORY, &route("/", Some(&format!("http://{addr}")), None)).await;
+    let gateway_addr = gw.addr();
+    let client = client();
+    let request = http::Request::get(url(&gw, "/slow"))
+        .body(Body::empty())
+        .unwrap();
+    let in_flight = tokio::spawn(async move { send(&client, request).await });
+    tokio::time::timeout(TIMEOUT, arrived)
+        .await
+        .unwrap()
+        .unwrap();
+
+    let stopping = tokio::spawn(gw.stop());
+    // New connections are refused once the listener is closed (polled, bounded).
+    let mut refused = false;
+    for _ in 0..1000 {
+        if tokio::net::TcpStream::connect(gateway_addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        refused,
+        "the gateway still accepts connections while shutting down"
+    );
+    assert!(
+        !stopping.is_finished(),
+        "stopped before the request in flight finished"
+    );
+
+    release.send(()).unwrap();
+    let reply = tokio::time::timeout(TIMEOUT, in_flight)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((reply.status, reply.text()), (StatusCode::OK, "finished"));
+    tokio::time::timeout(TIMEOUT, stopping)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    task.abort();
+}
+
+// ---------------------------------------------------------------------------------------
+// Metrics
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn metrics_count_outcomes_per_route() {
+    let port = closed_port().await;
+    let text = format!(
+        "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{}",
+        route("/metered", None, Some(("ip", "sliding_window", 2, "1h"))),
+        route(
+            "/metered-key",
+            Some(&format!("http://127.0.0.1:{port}")),
+            Some(("header:x-k", "gcra", 5, "1h"))
+        ),
+    );
+    let gw = server::start(Config::parse(&text).unwrap()).await.unwrap();
+    let client = client();
+    assert_eq!(
+        statuses(&client, &gw, &["/metered"; 3]).await,
+        [200, 200, 429]
+    );
+    assert_eq!(statuses(&client, &gw, &["/metered-key"]).await, [400]);
+    let request = http::Request::get(url(&gw, "/metered-key"))
+        .header("x-k", "1")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&client, request).await.status, StatusCode::BAD_GATEWAY);
+
+    let admin = gw.admin_addr().unwrap();
+    let page = get(&client, &format!("http://{admin}/metrics")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let page = page.text().to_owned();
+    let value = |name: &str, labels: &[&str]| -> Option<f64> {
+        page.lines()
+            .filter(|line| line.starts_with(&format!("{name}{{")))
+            .find(|line| labels.iter().all(|l| line.contains(l)))
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+    };
+    let requests = "tollgate_requests_total";
+    assert_eq!(
+        value(requests, &["route=\"/metered\"", "outcome=\"allowed\""]),
+        Some(2.0),
+        "{page}"
+    );
+    assert_eq!(
+        value(requests, &["route=\"/metered\"", "outcome=\"denied\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            requests,
+            &["route=\"/metered-key\"", "outcome=\"key_missing\""]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(requests, &["route=\"/metered-key\"", "outcome=\"allowed\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value("tollgate_decision_seconds_count", &["route=\"/metered\""]),
+        Some(3.0),
+        "{page}"
+    );
+    assert!(
+        value(
+            "tollgate_decision_seconds_bucket",
+            &["route=\"/metered\"", "le=\"+Inf\""]
+        )
+        .is_some()
+    );
+    assert_eq!(
+        value(
+            "tollgate_gateway_upstream_errors_total",
+            &["route=\"/metered-key\""]
+        ),
+        Some(1.0)
+    );
+    gw.stop().await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use support::RedisServer;
+
+    /// `[store]` on `redis`, under a prefix of its own.
+    fn store(redis: &RedisServer, prefix: &str) -> String {
+        format!(
+            "[store]\nbackend = \"redis\"\nurl = {:?}\nprefix = {prefix:?}\ntimeout_ms = 2000\n",
+            redis.url()
+        )
+    }
+
+    #[tokio::test]
+    async fn redis_per_route_limits() {
+        let redis = RedisServer::start();
+        per_route_limits(&store(&redis, "routes")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_normalised_paths_cannot_skip_limits() {
+        let redis = RedisServer::start();
+        normalised_paths_cannot_skip_limits(&store(&redis, "paths")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_header_and_global_keys() {
+        let redis = RedisServer::start();
+        header_and_global_keys(&store(&redis, "keys")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_same_key_limits_are_all_or_nothing() {
+        let redis = RedisServer::start();
+        same_key_limits_are_all_or_nothing(&store(&redis, "multi")).await;
+    }
+
+    /// Two gateways on one Redis share one budget: exactly `limit` pass in total, whichever
+    /// instance the requests reach.
+    #[tokio::test]
+    async fn two_gateways_on_one_redis_enforce_one_combined_limit() {
+        let redis = RedisServer::start();
+        let upstream = Upstream::start().await;
+        let routes = route(
+            "/api",
+            Some(&upstream.url()),
+            Some(("ip", "sliding_window", 5, "1h")),
+        );
+        let store = store(&redis, "shared");
+        let one = gateway(&store, &routes).await;
+        let two = gateway(&store, &routes).await;
+        let client = client();
+        let mut allowed = 0;
+        for i in 0..12 {
+            let gw = if i % 2 == 0 { &one } else { &two };
+            match get(&client, &url(gw, "/api")).await.status {
+                StatusCode::OK => allowed += 1,
+                StatusCode::TOO_MANY_REQUESTS => {}
+                other => panic!("unexpected {other}"),
+            }
+        }
+        assert_eq!(allowed, 5);
+        assert_eq!(upstream.seen().len(), 5);
+        // Concurrent requests to both instances: still nothing more.
+        let mut tasks = Vec::new();
+        for i in 0..20 {
+            let client = client.clone();
+            let url = url(if i % 2 == 0 { &one } else { &two }, "/api");
+            tasks.push(tokio::spawn(async move { get(&client, &url).await.status }));
+        }
+        for task in tasks {
+            assert_eq!(task.await.unwrap(), StatusCode::TOO_MANY_REQUESTS);
+        }
+        // The keys are the config's: <prefix>:{<client>}:<limit name>...
+        let keys = redis.cli(&["--scan", "--pattern", "shared:*"]).unwrap();
+        assert!(keys.contains("shared:{127.0.0.1}:r0-l0:"), "{keys}");
+        one.stop().await.unwrap();
+        two.stop().await.unwrap();
+    }
+
+    /// With Redis down, `on_error` decides: deny answers 503, allow lets requests through.
+    #[tokio::test]
+    async fn failure_policy_applies_when_redis_is_down() {
+        let mut redis = RedisServer::start();
+        let routes = route("/", None, Some(("ip", "sliding_window", 100, "1h")));
+        let deny = store(&redis, "deny").replace("timeout_ms = 2000", "on_error = \"deny\"");
+        let allow = store(&redis, "allow").replace("timeout_ms = 2000", "on_error = \"allow\"");
+        let deny = gateway(&deny, &routes).await;
+        let allow = gateway(&allow, &routes).await;
+        let client = client();
+        assert_eq!(statuses(&client, &deny, &["/"]).await, [200]);
+        redis.kill();
+        let reply = get(&client, &url(&deny, "/")).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(reply.retry_after(), Some(1));
+        let reply = get(&client, &url(&allow, "/")).await;
+        assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+    }
+
+    #[tokio::test]
+    async fn unreachable_redis_fails_at_startup() {
+        let port = closed_port().await;
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\n\
+             url = \"redis://127.0.0.1:{port}\""
+        );
+        let error = server::start(Config::parse(&text).unwrap())
+            .await
+            .unwrap_err();
+        assert!(error.to_string().contains("store.url"), "{error}");
+    }
+}
