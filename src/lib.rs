@@ -55,6 +55,7 @@
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
 //! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
 //! - `bb8`: build a `RedisStore` from a bb8-redis pool.
+//! - `cluster`: `RedisStore::connect_cluster` for Redis Cluster.
 //! - `metrics`: request counters and decision latency per layer through the `metrics`
 //!   facade; see [`metrics`].
 //!

@@ -71,6 +71,8 @@ pub struct RedisStore {
 #[derive(Clone)]
 enum Connection {
     Manager(ConnectionManager),
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "bb8")]
     Pool(bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>),
 }
@@ -79,6 +81,8 @@ impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let connection = match self.connection {
             Connection::Manager(_) => "ConnectionManager",
+            #[cfg(feature = "cluster")]
+            Connection::Cluster(_) => "ClusterConnection",
             #[cfg(feature = "bb8")]
             Connection::Pool(_) => "bb8::Pool",
         };
@@ -113,6 +117,31 @@ impl RedisStore {
             .await
             .map_err(store_error)?;
         Ok(Self::from_manager(manager))
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` (feature `cluster`).
+    ///
+    /// Every key of one decision shares a hash tag, so each script runs on the one master
+    /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
+    /// redirections (failover, resharding) are followed by redis-rs, and the script is
+    /// loaded on every master on `NOSCRIPT`.
+    ///
+    /// # Errors
+    ///
+    /// When a URL is invalid or no node can be reached now.
+    #[cfg(feature = "cluster")]
+    pub async fn connect_cluster<N: AsRef<str>>(nodes: &[N]) -> Result<Self, StoreError> {
+        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .retries(2)
+            .min_retry_wait(50)
+            .max_retry_wait(250)
+            .connection_timeout(Duration::from_millis(500))
+            .response_timeout(Duration::from_secs(1))
+            .build()
+            .map_err(store_error)?;
+        let connection = client.get_async_connection().await.map_err(store_error)?;
+        Ok(Self::new(Connection::Cluster(connection)))
     }
 
     /// Uses an existing connection manager.
@@ -221,6 +250,8 @@ async fn invoke(
 ) -> Result<Vec<i64>, StoreError> {
     match connection {
         Connection::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
+        #[cfg(feature = "cluster")]
+        Connection::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
         Connection::Pool(pool) => {
             let mut connection = pool.get().await.map_err(|e| match e {
