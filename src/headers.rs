@@ -105,11 +105,18 @@ impl HeaderWriter {
 
     /// Writes the fields for `decision` into `headers`.
     pub(crate) fn write(&self, headers: &mut HeaderMap, decision: &Decision) {
-        let retry_after =
-            (!decision.is_allowed()).then(|| ceil_secs(decision.retry_after_ms()).max(1));
-        if let Some(secs) = retry_after {
+        let retry_after = if decision.is_allowed() {
+            // An inner layer may have denied the request already: keep every `t` of this
+            // response no later than its Retry-After.
+            headers
+                .get(RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+        } else {
+            let secs = ceil_secs(decision.retry_after_ms()).max(1);
             headers.insert(RETRY_AFTER, HeaderValue::from(secs));
-        }
+            Some(secs)
+        };
         if decision.limits().is_empty() {
             return;
         }

@@ -42,6 +42,7 @@ async fn redis_time_is_the_default_clock() {
 async fn script_flush_between_requests_keeps_decisions_correct() {
     let server = RedisServer::start();
     let store = RedisStore::connect(&server.url()).await.unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let limits = hourly(5);
     let mut allowed_total = 0;
     for _ in 0..10 {

@@ -15,8 +15,8 @@ pub const DEFAULT_IPV6_PREFIX: u8 = 64;
 /// shares one budget: use [`ClientIp`] with the proxies' addresses instead.**
 ///
 /// The address is read from the request extensions: axum's `ConnectInfo<SocketAddr>`
-/// (serve with `into_make_service_with_connect_info::<SocketAddr>()`, or `MockConnectInfo`
-/// in tests) or a plain `SocketAddr` extension. IPv4-mapped IPv6 addresses count as IPv4,
+/// (serve with `into_make_service_with_connect_info::<SocketAddr>()`), axum's
+/// `MockConnectInfo<SocketAddr>` (tests), or a plain `SocketAddr` extension. IPv4-mapped IPv6 addresses count as IPv4,
 /// and IPv6 addresses are grouped by prefix ([`DEFAULT_IPV6_PREFIX`] bits).
 #[derive(Debug, Clone, Copy)]
 pub struct PeerIp {
@@ -170,6 +170,11 @@ fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
     #[cfg(feature = "axum")]
     if let Some(info) = extensions.get::<axum::extract::ConnectInfo<SocketAddr>>() {
         return Some(info.0.ip());
+    }
+    #[cfg(feature = "axum")]
+    if let Some(mock) = extensions.get::<axum::extract::connect_info::MockConnectInfo<SocketAddr>>()
+    {
+        return Some(mock.0.ip());
     }
     if let Some(addr) = extensions.get::<SocketAddr>() {
         return Some(addr.ip());

@@ -113,9 +113,11 @@ impl RedisStore {
             .set_max_delay(Duration::from_millis(250))
             .set_connection_timeout(Some(Duration::from_millis(500)))
             .set_response_timeout(Some(Duration::from_secs(1)));
-        let manager = ConnectionManager::new_with_config(client, config)
+        let mut manager = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(store_error)?;
+        // Loaded now, the first burst of calls does not all meet NOSCRIPT at once.
+        SCRIPT.load_async(&mut manager).await.map_err(store_error)?;
         Ok(Self::from_manager(manager))
     }
 
@@ -140,7 +142,11 @@ impl RedisStore {
             .response_timeout(Duration::from_secs(1))
             .build()
             .map_err(store_error)?;
-        let connection = client.get_async_connection().await.map_err(store_error)?;
+        let mut connection = client.get_async_connection().await.map_err(store_error)?;
+        SCRIPT
+            .load_async(&mut connection)
+            .await
+            .map_err(store_error)?;
         Ok(Self::new(Connection::Cluster(connection)))
     }
 
