@@ -1,6 +1,6 @@
 //! Errors: invalid configuration, and a store that could not decide.
 
-use std::{error::Error as StdError, fmt};
+use std::{error::Error as StdError, fmt, sync::Arc};
 
 /// A value rejected while building a [`Limit`](crate::Limit) or a layer.
 ///
@@ -50,10 +50,12 @@ pub enum StoreErrorKind {
 }
 
 /// A store failed to decide; the layer's failure policy chooses what the request gets.
-#[derive(Debug)]
+///
+/// Cheap to clone: one failed call of a batch fails every request in it.
+#[derive(Debug, Clone)]
 pub struct StoreError {
     kind: StoreErrorKind,
-    source: Option<Box<dyn StdError + Send + Sync>>,
+    source: Option<Arc<dyn StdError + Send + Sync>>,
 }
 
 impl StoreError {
@@ -61,7 +63,7 @@ impl StoreError {
     pub fn new(kind: StoreErrorKind, source: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
         Self {
             kind,
-            source: Some(source.into()),
+            source: Some(Arc::from(source.into())),
         }
     }
 

@@ -113,12 +113,43 @@ proptest! {
                 .unwrap()
                 .with_prefix(&prefix)
                 .unwrap()
-                .with_clock(clock.clone());
+                .with_clock(clock.clone())
+                .with_block_cache(0);
             let keys = [Key::new("a"), Key::new("b")];
             for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
                 clock.set(*now);
                 let got = store.check(&keys[key], &limits, cost).await.unwrap();
                 prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
+    /// The block cache answers repeated denials locally: the same decisions and the same
+    /// `retry_after` as Redis without it; `remaining` may lag behind, never ahead.
+    #[test]
+    fn the_block_cache_changes_no_decision(limits in limits_strategy(), steps in steps_strategy()) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let server = SERVER.with(|s| s.url());
+        let expected = model_run(&limits, &steps);
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let prefix = format!("cached{}", CASE.with(|c| { c.set(c.get() + 1); c.get() }));
+            let store = RedisStore::connect(&server)
+                .await
+                .unwrap()
+                .with_prefix(&prefix)
+                .unwrap()
+                .with_clock(clock.clone());
+            let keys = [Key::new("a"), Key::new("b")];
+            for (&(_, cost, key), (now, _, want)) in steps.iter().zip(&expected) {
+                clock.set(*now);
+                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                prop_assert_eq!(got.is_allowed(), want.is_allowed());
+                prop_assert_eq!(got.retry_after(), want.retry_after());
+                for (g, w) in got.limits().iter().zip(want.limits()) {
+                    prop_assert!(g.remaining <= w.remaining);
+                }
             }
             Ok(())
         })?;

@@ -41,7 +41,11 @@ async fn redis_time_is_the_default_clock() {
 #[tokio::test]
 async fn script_flush_between_requests_keeps_decisions_correct() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    // Without the block cache, so that every decision reaches Redis.
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_block_cache(0);
     server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let limits = hourly(5);
     let mut allowed_total = 0;
@@ -123,7 +127,10 @@ async fn hostile_identities_stay_bounded_and_apart() {
 #[tokio::test]
 async fn a_batch_of_limits_with_every_algorithm_shares_one_call() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_block_cache(0);
     let limits = [
         Limit::fixed_window(3, Duration::from_secs(3600)).unwrap(),
         Limit::sliding_window(3, Duration::from_secs(3600)).unwrap(),

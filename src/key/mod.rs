@@ -50,6 +50,12 @@ impl Key {
     /// ```
     pub fn new(bytes: impl AsRef<[u8]>) -> Self {
         let bytes = bytes.as_ref();
+        if bytes.is_empty() {
+            // An empty hash tag `{}` would not be a tag: Redis Cluster would hash each
+            // limit's whole key, and one key's limits could land in different slots.
+            // `~` is escaped everywhere else, so it stands for "empty" alone.
+            return Self("~".into());
+        }
         let mut encoded = String::with_capacity(bytes.len());
         escape_into(bytes, &mut encoded);
         if encoded.len() <= MAX_KEY_LEN {

@@ -6,28 +6,40 @@ use std::{
     time::Duration,
 };
 
-use futures_util::{FutureExt, future::BoxFuture};
+mod batch;
+mod block_cache;
+
+use futures_util::{
+    FutureExt,
+    future::{self, BoxFuture},
+};
 use redis::{
     RedisError, Script, ScriptInvocation,
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 use smallvec::SmallVec;
 
+use self::{
+    batch::{Coalescer, CoalescerConfig},
+    block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE},
+};
 use super::Store;
 use crate::{
-    ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind, clock::Clock, key::Key,
+    ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
+    clock::{Clock, SystemClock},
+    key::Key,
 };
 
 /// The script: the algorithms and the entry point, joined at build time, so that one
 /// EVALSHA decides a batch of requests with several limits each.
 pub const SCRIPT_SOURCE: &str = concat!(
-    include_str!("../../lua/prelude.lua"),
-    include_str!("../../lua/fixed_window.lua"),
-    include_str!("../../lua/sliding_window.lua"),
-    include_str!("../../lua/sliding_window_counter.lua"),
-    include_str!("../../lua/token_bucket.lua"),
-    include_str!("../../lua/gcra.lua"),
-    include_str!("../../lua/main.lua"),
+    include_str!("../../../lua/prelude.lua"),
+    include_str!("../../../lua/fixed_window.lua"),
+    include_str!("../../../lua/sliding_window.lua"),
+    include_str!("../../../lua/sliding_window_counter.lua"),
+    include_str!("../../../lua/token_bucket.lua"),
+    include_str!("../../../lua/gcra.lua"),
+    include_str!("../../../lua/main.lua"),
 );
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
@@ -51,7 +63,10 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 ///
 /// The default connection is redis-rs's auto-reconnecting multiplexed
 /// [`ConnectionManager`]: one connection pipelines every concurrent call, which measured
-/// faster than a pool. Clones share the connection.
+/// faster than a pool. Decisions waiting at the same moment share one script call
+/// ([`with_coalescing`](Self::with_coalescing)), and keys Redis denied are answered from a
+/// local [block cache](Self::with_block_cache) until their `retry_after` passes. Clones
+/// share the connection, the batching task and the cache.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -66,15 +81,27 @@ pub struct RedisStore {
     connection: Connection,
     prefix: Arc<str>,
     clock: Option<Arc<dyn Clock>>,
+    coalescer: Option<Arc<Coalescer>>,
+    block_cache: Option<Arc<BlockCache>>,
 }
 
 #[derive(Clone)]
-enum Connection {
+pub(crate) enum Connection {
     Manager(ConnectionManager),
     #[cfg(feature = "cluster")]
     Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "bb8")]
     Pool(bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>),
+}
+
+impl Connection {
+    fn is_cluster(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Self::Cluster(_) = self {
+            return true;
+        }
+        false
+    }
 }
 
 impl fmt::Debug for RedisStore {
@@ -90,6 +117,8 @@ impl fmt::Debug for RedisStore {
             .field("connection", &connection)
             .field("prefix", &self.prefix)
             .field("clock", &self.clock)
+            .field("coalescing", &self.coalescer.is_some())
+            .field("block_cache", &self.block_cache.is_some())
             .finish()
     }
 }
@@ -126,7 +155,7 @@ impl RedisStore {
     /// Every key of one decision shares a hash tag, so each script runs on the one master
     /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
     /// redirections (failover, resharding) are followed by redis-rs, and the script is
-    /// loaded on every master on `NOSCRIPT`.
+    /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot.
     ///
     /// # Errors
     ///
@@ -155,18 +184,21 @@ impl RedisStore {
         Self::new(Connection::Manager(manager))
     }
 
-    /// Uses a bb8-redis pool: each decision checks a connection out. Slower than the
-    /// default multiplexed connection; for apps that already have a pool.
+    /// Uses a bb8-redis pool: each call checks a connection out. Slower than the default
+    /// multiplexed connection; for apps that already have a pool.
     #[cfg(feature = "bb8")]
     pub fn from_pool(pool: bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>) -> Self {
         Self::new(Connection::Pool(pool))
     }
 
     fn new(connection: Connection) -> Self {
+        let coalescer = Coalescer::new(connection.clone(), None, CoalescerConfig::default());
         Self {
             connection,
             prefix: DEFAULT_PREFIX.into(),
             clock: None,
+            coalescer: Some(Arc::new(coalescer)),
+            block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
         }
     }
 
@@ -195,10 +227,68 @@ impl RedisStore {
     /// Sends the time from `clock` instead of reading Redis `TIME`: for tests, and for
     /// Redis-compatible servers without `TIME` in scripts. Replicas' clocks then must
     /// agree. Keys then live 5 s past the end of their state, so that a clock lagging
-    /// Redis's never finds state gone that it still counts.
+    /// Redis's never finds state gone that it still counts. The block cache reads the
+    /// same clock.
     pub fn with_clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Some(Arc::new(clock));
+        let clock: Arc<dyn Clock> = Arc::new(clock);
+        self.clock = Some(clock.clone());
+        self.rebuild_coalescer(|config| config);
         self
+    }
+
+    /// Whether decisions that wait at the same moment share one script call (on by
+    /// default).
+    ///
+    /// A background task takes every decision waiting when it is free and sends them as
+    /// one `EVALSHA` (per hash slot on a cluster), so Redis runs one script per batch
+    /// instead of one per request; a lone request is sent at once, without waiting for
+    /// company. Off, each decision is its own `EVALSHA`.
+    pub fn with_coalescing(mut self, on: bool) -> Self {
+        if on {
+            self.coalescer = None;
+            self.rebuild_coalescer(|config| config);
+        } else {
+            self.coalescer = None;
+        }
+        self
+    }
+
+    /// At most `max` decisions wait for Redis at once (4096 by default); beyond that a
+    /// decision fails at once with [`StoreErrorKind::Overloaded`] and the layer's failure
+    /// policy answers it, so a slow Redis never grows an unbounded queue in memory.
+    /// Applies with coalescing on.
+    pub fn with_queue_limit(mut self, max: usize) -> Self {
+        self.rebuild_coalescer(|config| CoalescerConfig {
+            queue: max.max(1),
+            ..config
+        });
+        self
+    }
+
+    /// Remembers up to `entries` denied keys (10 000 by default; 0 turns it off).
+    ///
+    /// Once Redis denies a key with `retry_after` T, the same request (same limits, same
+    /// cost) is denied here until T passes, without a Redis call: a flood from
+    /// one key costs Redis about one call per retry period instead of one per request.
+    /// The decision and `retry_after` are exact, because nothing can make a denied request
+    /// fit earlier than its `retry_after`; `remaining` is the value Redis gave at the
+    /// denial (it may have grown since). If the Redis state is wiped meanwhile, the key
+    /// stays denied until T.
+    pub fn with_block_cache(mut self, entries: usize) -> Self {
+        self.block_cache = (entries > 0).then(|| Arc::new(BlockCache::new(entries)));
+        self
+    }
+
+    fn rebuild_coalescer(&mut self, config: impl FnOnce(CoalescerConfig) -> CoalescerConfig) {
+        let current = self
+            .coalescer
+            .as_ref()
+            .map_or_else(CoalescerConfig::default, |c| c.config());
+        self.coalescer = Some(Arc::new(Coalescer::new(
+            self.connection.clone(),
+            self.clock.clone(),
+            config(current),
+        )));
     }
 
     /// The Redis key that holds `limit`'s state for `key`.
@@ -213,22 +303,36 @@ impl RedisStore {
         out
     }
 
-    fn invocation(&self, key: &Key, limits: &[Limit], cost: u32) -> ScriptInvocation<'static> {
-        let mut invocation = SCRIPT.prepare_invoke();
-        match &self.clock {
-            Some(clock) => invocation.arg(clock.now_ms()),
-            None => invocation.arg(""),
+    fn encode(&self, key: &Key, limits: &[Limit], cost: u32) -> Encoded {
+        let keys: SmallVec<[String; 2]> = limits.iter().map(|l| self.redis_key(key, l)).collect();
+        let slot = if self.connection.is_cluster() {
+            slot_of(&keys[0])
+        } else {
+            0
         };
-        invocation.arg(1).arg(cost).arg(limits.len());
+        let mut args = SmallVec::new();
+        args.push(u64::from(cost));
+        args.push(limits.len() as u64);
         for limit in limits {
-            invocation
-                .key(self.redis_key(key, limit))
-                .arg(limit.algorithm().code())
-                .arg(limit.limit())
-                .arg(limit.window_ms())
-                .arg(limit.capacity());
+            args.push(u64::from(limit.algorithm().code()));
+            args.push(u64::from(limit.limit()));
+            args.push(limit.window_ms());
+            args.push(u64::from(limit.capacity()));
         }
-        invocation
+        Encoded {
+            keys,
+            args,
+            quotas: limits.iter().map(Limit::limit).collect(),
+            slot,
+        }
+    }
+
+    /// Milliseconds on the store's local clock: for the block cache only.
+    fn local_now_ms(&self) -> u64 {
+        match &self.clock {
+            Some(clock) => clock.now_ms(),
+            None => SystemClock.now_ms(),
+        }
     }
 }
 
@@ -239,18 +343,114 @@ impl Store for RedisStore {
         limits: &[Limit],
         cost: u32,
     ) -> BoxFuture<'static, Result<Decision, StoreError>> {
-        let invocation = self.invocation(key, limits, cost);
-        let connection = self.connection.clone();
-        let quotas: SmallVec<[u32; 4]> = limits.iter().map(Limit::limit).collect();
+        // A request that can never fit is not "blocked until" anything: Redis answers it.
+        let fits_at_all = limits.iter().all(|l| cost <= l.capacity());
+        let block_cache = self.block_cache.clone().filter(|_| fits_at_all);
+        if let Some(cache) = &block_cache
+            && let Some(decision) = cache.get(key, limits, cost, self.local_now_ms())
+        {
+            return future::ready(Ok(decision)).boxed();
+        }
+        let encoded = self.encode(key, limits, cost);
+        let decided = match self
+            .coalescer
+            .as_ref()
+            .and_then(|c| c.submit(encoded.clone()))
+        {
+            Some(Ok(reply)) => async move {
+                reply.await.unwrap_or_else(|_| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the batch task stopped",
+                    ))
+                })
+            }
+            .boxed(),
+            Some(Err(error)) => return future::ready(Err(error)).boxed(),
+            None => {
+                let connection = self.connection.clone();
+                let now = self.clock.as_ref().map(|c| c.now_ms());
+                async move {
+                    let reply = invoke(connection, invocation(now, &[&encoded])).await?;
+                    parse(&reply, &encoded.quotas)
+                }
+                .boxed()
+            }
+        };
+        let Some(cache) = block_cache else {
+            return decided;
+        };
+        let key = key.clone();
+        let fingerprint = BlockCache::fingerprint(limits);
+        let clock = self.clock.clone();
         async move {
-            let reply = invoke(connection, invocation).await?;
-            parse(&reply, &quotas)
+            let decision = decided.await?;
+            if decision.is_allowed() {
+                cache.forget(&key, fingerprint);
+            } else {
+                let now = clock.map_or_else(|| SystemClock.now_ms(), |c| c.now_ms());
+                cache.insert(key, fingerprint, cost, now, &decision);
+            }
+            Ok(decision)
         }
         .boxed()
     }
 }
 
-async fn invoke(
+/// One request, ready to join a script call.
+#[derive(Debug, Clone)]
+pub(crate) struct Encoded {
+    keys: SmallVec<[String; 2]>,
+    /// cost, number of limits, then code, limit, window ms, capacity per limit.
+    args: SmallVec<[u64; 6]>,
+    quotas: SmallVec<[u32; 2]>,
+    /// The hash slot of the keys (0 outside a cluster).
+    slot: u16,
+}
+
+/// One script call deciding `requests` in order, at `now` (None: Redis `TIME`).
+pub(crate) fn invocation(now: Option<u64>, requests: &[&Encoded]) -> ScriptInvocation<'static> {
+    let mut invocation = SCRIPT.prepare_invoke();
+    match now {
+        Some(now) => invocation.arg(now),
+        None => invocation.arg(""),
+    };
+    invocation.arg(requests.len());
+    for request in requests {
+        for key in &request.keys {
+            invocation.key(key.as_str());
+        }
+        for arg in &request.args {
+            invocation.arg(*arg);
+        }
+    }
+    invocation
+}
+
+/// The Redis Cluster hash slot of `key`: CRC16 of its hash tag, modulo 16384.
+#[cfg(feature = "cluster")]
+fn slot_of(key: &str) -> u16 {
+    let key = key.as_bytes();
+    let tag = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .map(|close| &rest[..close])
+        })
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(key);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
+}
+
+#[cfg(not(feature = "cluster"))]
+fn slot_of(_key: &str) -> u16 {
+    0
+}
+
+pub(crate) async fn invoke(
     connection: Connection,
     invocation: ScriptInvocation<'static>,
 ) -> Result<Vec<i64>, StoreError> {
@@ -271,7 +471,7 @@ async fn invoke(
 }
 
 /// One request's share of the script's reply: four integers per limit.
-fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreError> {
+pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreError> {
     if reply.len() != quotas.len() * 4 {
         return Err(StoreError::new(
             StoreErrorKind::Response,

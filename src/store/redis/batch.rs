@@ -1,0 +1,167 @@
+//! Coalescing: the decisions waiting at the same moment go to Redis as one script call.
+
+use std::{
+    mem,
+    sync::{Arc, OnceLock},
+};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+
+use super::{Connection, Encoded, invocation, invoke, parse};
+use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
+
+/// How the batching task behaves.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CoalescerConfig {
+    /// Decisions waiting for a batch, at most.
+    pub(crate) queue: usize,
+    /// Requests in one script call, at most.
+    pub(crate) max_batch: usize,
+    /// Script calls on the wire at once, at most. While they are all out, new decisions
+    /// wait and join the next batch.
+    pub(crate) max_in_flight: usize,
+}
+
+impl Default for CoalescerConfig {
+    fn default() -> Self {
+        Self {
+            queue: 4096,
+            max_batch: 128,
+            max_in_flight: 2,
+        }
+    }
+}
+
+type Reply = oneshot::Sender<Result<Decision, StoreError>>;
+
+/// The sending half of the batching task, started on first use (it needs a runtime).
+pub(crate) struct Coalescer {
+    config: CoalescerConfig,
+    connection: Connection,
+    clock: Option<Arc<dyn Clock>>,
+    sender: OnceLock<Option<mpsc::Sender<(Encoded, Reply)>>>,
+}
+
+impl Coalescer {
+    pub(crate) fn new(
+        connection: Connection,
+        clock: Option<Arc<dyn Clock>>,
+        config: CoalescerConfig,
+    ) -> Self {
+        Self {
+            config,
+            connection,
+            clock,
+            sender: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn config(&self) -> CoalescerConfig {
+        self.config
+    }
+
+    /// Queues `request`. `None` when there is no runtime to run the task on (the caller
+    /// then calls Redis itself); an error when the queue is full.
+    pub(crate) fn submit(
+        &self,
+        request: Encoded,
+    ) -> Option<Result<oneshot::Receiver<Result<Decision, StoreError>>, StoreError>> {
+        let sender = self
+            .sender
+            .get_or_init(|| {
+                let runtime = tokio::runtime::Handle::try_current().ok()?;
+                let (sender, receiver) = mpsc::channel(self.config.queue);
+                runtime.spawn(run(
+                    receiver,
+                    self.connection.clone(),
+                    self.clock.clone(),
+                    self.config,
+                ));
+                Some(sender)
+            })
+            .as_ref()?;
+        let (reply, receiver) = oneshot::channel();
+        Some(match sender.try_send((request, reply)) {
+            Ok(()) => Ok(receiver),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(StoreError::new(
+                StoreErrorKind::Overloaded,
+                format!("{} decisions already wait for Redis", self.config.queue),
+            )),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the batch task stopped",
+            )),
+        })
+    }
+}
+
+/// The batching task: ends when every store clone is gone.
+async fn run(
+    mut receiver: mpsc::Receiver<(Encoded, Reply)>,
+    connection: Connection,
+    clock: Option<Arc<dyn Clock>>,
+    config: CoalescerConfig,
+) {
+    let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    let mut waiting = Vec::new();
+    while let Some(first) = receiver.recv().await {
+        waiting.push(first);
+        // Wait for a free slot on the wire; whatever arrives meanwhile joins the batch.
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
+        while waiting.len() < config.max_batch {
+            match receiver.try_recv() {
+                Ok(next) => waiting.push(next),
+                Err(_) => break,
+            }
+        }
+        let now = clock.as_ref().map(|c| c.now_ms());
+        let permit = Arc::new(permit);
+        for batch in by_slot(mem::take(&mut waiting)) {
+            tokio::spawn(send(batch, connection.clone(), now, permit.clone()));
+        }
+    }
+}
+
+/// Splits a batch by hash slot (a script's keys must share one slot in a cluster).
+fn by_slot(mut batch: Vec<(Encoded, Reply)>) -> Vec<Vec<(Encoded, Reply)>> {
+    let first = batch.first().map(|(r, _)| r.slot);
+    if batch.iter().all(|(r, _)| Some(r.slot) == first) {
+        return vec![batch];
+    }
+    batch.sort_by_key(|(r, _)| r.slot);
+    let mut groups: Vec<Vec<(Encoded, Reply)>> = Vec::new();
+    for item in batch {
+        match groups.last_mut() {
+            Some(group) if group[0].0.slot == item.0.slot => group.push(item),
+            _ => groups.push(vec![item]),
+        }
+    }
+    groups
+}
+
+/// One script call for `batch`; every request gets its share of the reply.
+async fn send(
+    batch: Vec<(Encoded, Reply)>,
+    connection: Connection,
+    now: Option<u64>,
+    _permit: Arc<OwnedSemaphorePermit>,
+) {
+    let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
+    let result = invoke(connection, invocation(now, &requests)).await;
+    let mut offset = 0;
+    for (request, reply) in batch {
+        let decision = match &result {
+            Ok(values) => {
+                let len = request.quotas.len() * 4;
+                let share = values.get(offset..offset + len).unwrap_or_default();
+                offset += len;
+                parse(share, &request.quotas)
+            }
+            Err(error) => Err(error.clone()),
+        };
+        // The caller may have given up (timeout); the decision stands all the same.
+        let _ = reply.send(decision);
+    }
+}

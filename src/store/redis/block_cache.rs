@@ -1,0 +1,114 @@
+//! The block cache: denied keys are answered locally until their `retry_after` passes.
+
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use quick_cache::{Equivalent, sync::Cache};
+
+use crate::{Decision, Limit, LimitDecision, key::Key};
+
+/// The default number of denied keys remembered.
+pub(crate) const DEFAULT_BLOCK_CACHE_SIZE: usize = 10_000;
+
+/// A denial, as Redis answered it at `at` (local ms).
+#[derive(Debug, Clone)]
+struct Blocked {
+    at: u64,
+    until: u64,
+    cost: u32,
+    limits: std::sync::Arc<[LimitDecision]>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct CacheKey {
+    key: Key,
+    limits: u64,
+}
+
+/// A borrowed [`CacheKey`], so that a lookup allocates nothing.
+#[derive(Hash)]
+struct CacheKeyRef<'a> {
+    key: &'a Key,
+    limits: u64,
+}
+
+impl Equivalent<CacheKey> for CacheKeyRef<'_> {
+    fn equivalent(&self, other: &CacheKey) -> bool {
+        self.limits == other.limits && *self.key == other.key
+    }
+}
+
+/// Denied keys, bounded (quick_cache evicts the coldest entries when full).
+pub(crate) struct BlockCache {
+    entries: Cache<CacheKey, Blocked>,
+}
+
+impl BlockCache {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            entries: Cache::new(capacity),
+        }
+    }
+
+    /// A fingerprint of a list of limits (their ids, in order).
+    pub(crate) fn fingerprint(limits: &[Limit]) -> u64 {
+        // Fixed keys: the same limits give the same fingerprint in every store clone.
+        let mut hasher =
+            std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default().build_hasher();
+        for limit in limits {
+            limit.id().hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    /// The denial still standing for `key` at `now`, if any, for a request of `cost`.
+    pub(crate) fn get(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Option<Decision> {
+        let lookup = CacheKeyRef {
+            key,
+            limits: Self::fingerprint(limits),
+        };
+        let blocked = self.entries.get(&lookup)?;
+        // A cheaper request may fit earlier than the one that was denied, a dearer one
+        // later: only the same request has the same `retry_after`.
+        if now >= blocked.until || cost != blocked.cost {
+            return None;
+        }
+        let elapsed = now.saturating_sub(blocked.at);
+        let limits = blocked
+            .limits
+            .iter()
+            .map(|l| {
+                let retry_after_ms = l.retry_after_ms.saturating_sub(elapsed);
+                LimitDecision {
+                    allowed: retry_after_ms == 0 && l.allowed,
+                    retry_after_ms,
+                    reset_after_ms: l.reset_after_ms.saturating_sub(elapsed),
+                    ..*l
+                }
+            })
+            .collect();
+        Some(Decision::new(limits))
+    }
+
+    /// Forgets a denial of `key`: a cheaper request fit, so the denial's `retry_after` may
+    /// be later now than it was.
+    pub(crate) fn forget(&self, key: &Key, limits: u64) {
+        if !self.entries.is_empty() {
+            self.entries.remove(&CacheKeyRef { key, limits });
+        }
+    }
+
+    /// Remembers that Redis denied `key` at `now`.
+    pub(crate) fn insert(&self, key: Key, limits: u64, cost: u32, now: u64, decision: &Decision) {
+        let retry_after = decision.retry_after().as_millis() as u64;
+        if retry_after == 0 {
+            return;
+        }
+        let blocked = Blocked {
+            at: now,
+            until: now + retry_after,
+            cost,
+            limits: decision.limits().into(),
+        };
+        self.entries.insert(CacheKey { key, limits }, blocked);
+    }
+}
