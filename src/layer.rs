@@ -68,7 +68,7 @@ impl RateLimitLayer {
             on_missing_key: MissingKey::default(),
             timeout: Some(DEFAULT_TIMEOUT),
             headers: HeaderStyle::default(),
-            rejection: DefaultRejection,
+            rejection: DefaultRejection::new(),
             name: Arc::from(DEFAULT_NAME),
         }
     }

@@ -36,6 +36,14 @@
 //! Denied requests consume nothing. Arithmetic is exact integer arithmetic, in the
 //! [reference model](algorithm) and in the Lua scripts alike.
 //!
+//! # gRPC
+//!
+//! tonic servers take the same layer: `Server::builder().layer(layer)`. gRPC calls are
+//! never answered HTTP 429: a denied call gets a trailers-only `RESOURCE_EXHAUSTED` with the
+//! wait in its message and `retry-after` metadata, a call without a key `INVALID_ARGUMENT`.
+//! See [`DefaultRejection`] for the answers and their opt-ins; streams are counted once,
+//! when they start.
+//!
 //! # Choosing a key
 //!
 //! [`PeerIp`](key::PeerIp) (the default) is the TCP peer. **Behind a proxy or load balancer
@@ -58,6 +66,10 @@
 //! - `cluster`: `RedisStore::connect_cluster` for Redis Cluster.
 //! - `metrics`: request counters and decision latency per layer through the `metrics`
 //!   facade; see [`metrics`].
+//! - `tonic`: [`PeerIp`](key::PeerIp) and [`ClientIp`](key::ClientIp) read tonic's
+//!   `TcpConnectInfo`, so `tonic::transport::Server::builder().layer(..)` can limit by IP.
+//! - `grpc-status-details`: `DefaultRejection::grpc_retry_info` puts a
+//!   `google.rpc.RetryInfo` into rate-limited gRPC answers (`grpc-status-details-bin`).
 //!
 //! [Tower]: https://docs.rs/tower
 
@@ -85,7 +97,7 @@ pub use headers::HeaderStyle;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
-pub use rejection::{DefaultRejection, OnRejection, is_grpc};
+pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
 

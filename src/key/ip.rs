@@ -16,8 +16,14 @@ pub const DEFAULT_IPV6_PREFIX: u8 = 64;
 ///
 /// The address is read from the request extensions: axum's `ConnectInfo<SocketAddr>`
 /// (serve with `into_make_service_with_connect_info::<SocketAddr>()`), axum's
-/// `MockConnectInfo<SocketAddr>` (tests), or a plain `SocketAddr` extension. IPv4-mapped IPv6 addresses count as IPv4,
-/// and IPv6 addresses are grouped by prefix ([`DEFAULT_IPV6_PREFIX`] bits).
+/// `MockConnectInfo<SocketAddr>` (tests), tonic's `TcpConnectInfo` (feature `tonic`;
+/// `tonic::transport::Server` adds it to every request before its layers run), or a plain
+/// `SocketAddr` extension. IPv4-mapped IPv6 addresses count as IPv4, and IPv6 addresses are
+/// grouped by prefix ([`DEFAULT_IPV6_PREFIX`] bits).
+///
+/// tonic's TLS transport wraps the address in `TlsConnectInfo<TcpConnectInfo>`, which this
+/// extractor does not read: key such servers with a closure that reads it, or insert the
+/// `SocketAddr` in a layer in front of this one.
 #[derive(Debug, Clone, Copy)]
 pub struct PeerIp {
     ipv6_prefix: u8,
@@ -160,8 +166,9 @@ impl<B> KeyExtractor<B> for ClientIp {
 
 fn no_peer() -> KeyError {
     KeyError::new(
-        "no peer address in the request extensions (serve with \
-         into_make_service_with_connect_info::<SocketAddr>(), or insert a SocketAddr)",
+        "no peer address in the request extensions (axum: serve with \
+         into_make_service_with_connect_info::<SocketAddr>(); tonic: enable tollgate's \
+         `tonic` feature; or insert a SocketAddr)",
     )
 }
 
@@ -175,6 +182,13 @@ fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
     if let Some(mock) = extensions.get::<axum::extract::connect_info::MockConnectInfo<SocketAddr>>()
     {
         return Some(mock.0.ip());
+    }
+    #[cfg(feature = "tonic")]
+    if let Some(addr) = extensions
+        .get::<tonic::transport::server::TcpConnectInfo>()
+        .and_then(|info| info.remote_addr())
+    {
+        return Some(addr.ip());
     }
     if let Some(addr) = extensions.get::<SocketAddr>() {
         return Some(addr.ip());
@@ -336,6 +350,33 @@ mod tests {
         assert_eq!(ip_key(v6, 128).as_str(), "2001:db8:1:2:3:4:5:6");
         let mapped: IpAddr = "::ffff:1.2.3.4".parse().unwrap();
         assert_eq!(ip_key(mapped, 64).as_str(), "1.2.3.4");
+    }
+
+    #[cfg(feature = "tonic")]
+    #[test]
+    fn tonic_connect_info_is_the_peer() {
+        use tonic::transport::server::{Connected, TcpConnectInfo};
+
+        // `TcpConnectInfo` has private fields: make it the way tonic does, from a stream.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        let info: TcpConnectInfo = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (_client, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), async {
+                listener.accept().await.unwrap().0
+            });
+            accepted.connect_info()
+        });
+        let mut req = Request::get("/").body(()).unwrap();
+        req.extensions_mut().insert(info);
+        assert_eq!(PeerIp::new().extract(&req).unwrap().as_str(), "127.0.0.1");
+        assert_eq!(
+            ClientIp::new([]).extract(&req).unwrap().as_str(),
+            "127.0.0.1"
+        );
     }
 
     #[test]
