@@ -17,6 +17,7 @@ use tower_service::Service;
 
 use crate::{
     Decision, FailurePolicy, StoreError,
+    breaker::Admission,
     key::Key,
     metrics::{self, Outcome as Recorded, Timer},
     rejection::OnRejection,
@@ -58,12 +59,14 @@ pin_project! {
 }
 
 /// What a checking request needs once the store has decided.
-struct Pending<S, ReqB> {
-    service: S,
-    request: Request<ReqB>,
-    key: Key,
-    cost: u32,
-    timer: Timer,
+pub(crate) struct Pending<S, ReqB> {
+    pub(crate) service: S,
+    pub(crate) request: Request<ReqB>,
+    pub(crate) key: Key,
+    pub(crate) cost: u32,
+    pub(crate) timer: Timer,
+    /// How the circuit breaker let this request through.
+    pub(crate) admission: Admission,
 }
 
 impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
@@ -72,24 +75,14 @@ where
 {
     pub(crate) fn checking(
         check: BoxFuture<'static, Result<Decision, StoreError>>,
-        service: S,
-        request: Request<ReqB>,
-        key: Key,
-        cost: u32,
-        timer: Timer,
+        pending: Pending<S, ReqB>,
         shared: Arc<Shared<R>>,
     ) -> Self {
         Self {
             state: State::Checking {
                 check,
                 deadline: None,
-                pending: Some(Pending {
-                    service,
-                    request,
-                    key,
-                    cost,
-                    timer,
-                }),
+                pending: Some(pending),
             },
             shared: Some(shared),
         }
@@ -170,7 +163,15 @@ where
                         key,
                         cost,
                         timer,
+                        admission,
                     } = pending.take().expect("polled after completion");
+                    if let Some(breaker) = &shared.breaker {
+                        match &result {
+                            Ok(_) => breaker.succeeded(),
+                            Err(_) if admission != Admission::Skip => breaker.failed(admission),
+                            Err(_) => {}
+                        }
+                    }
                     let recorded = match &result {
                         Ok(decision) if decision.is_allowed() => Recorded::Allowed,
                         Ok(_) => Recorded::Denied,
@@ -179,7 +180,7 @@ where
                     metrics::decided(&shared.name, recorded, &timer);
                     let outcome = match result {
                         Ok(decision) => Outcome::Decided(decision),
-                        Err(error) => on_store_error(shared, error, &key, cost),
+                        Err(error) => on_store_error(shared, error, &key, cost, admission),
                     };
                     match outcome {
                         Outcome::Decided(decision) if !decision.is_allowed() => {
@@ -224,10 +225,21 @@ where
     }
 }
 
-fn on_store_error<R>(shared: &Shared<R>, error: StoreError, key: &Key, cost: u32) -> Outcome {
+fn on_store_error<R>(
+    shared: &Shared<R>,
+    error: StoreError,
+    key: &Key,
+    cost: u32,
+    admission: Admission,
+) -> Outcome {
     let policy = shared.on_store_error.as_str();
     let layer = &*shared.name;
-    tracing::warn!(%error, %key, policy, layer, "rate limit store failed");
+    if admission == Admission::Skip {
+        // The failures that opened the circuit were logged already.
+        tracing::debug!(%error, %key, policy, layer, "rate limit store skipped");
+    } else {
+        tracing::warn!(%error, %key, policy, layer, "rate limit store failed");
+    }
     match &shared.on_store_error {
         FailurePolicy::Allow => Outcome::Unlimited,
         FailurePolicy::Deny => Outcome::Failed(error),

@@ -6,6 +6,7 @@ use tower_layer::Layer;
 
 use crate::{
     FailurePolicy, Limit, MissingKey,
+    breaker::{Breaker, CircuitBreaker},
     headers::{HeaderStyle, HeaderWriter},
     key::PeerIp,
     rejection::DefaultRejection,
@@ -37,6 +38,7 @@ pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
     headers: HeaderStyle,
     rejection: R,
     name: Arc<str>,
+    breaker: Option<Arc<Breaker>>,
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<K, C, R> {
@@ -52,6 +54,7 @@ impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<
             .field("headers", &self.headers)
             .field("rejection", &self.rejection)
             .field("name", &self.name)
+            .field("breaker", &self.breaker)
             .finish()
     }
 }
@@ -70,6 +73,7 @@ impl RateLimitLayer {
             headers: HeaderStyle::default(),
             rejection: DefaultRejection::new(),
             name: Arc::from(DEFAULT_NAME),
+            breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
         }
     }
 }
@@ -98,6 +102,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
             headers: self.headers,
             rejection: self.rejection,
             name: self.name,
+            breaker: self.breaker,
         }
     }
 
@@ -115,6 +120,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
             headers: self.headers,
             rejection: self.rejection,
             name: self.name,
+            breaker: self.breaker,
         }
     }
 
@@ -150,6 +156,15 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
         self
     }
 
+    /// Stops asking a store that keeps failing, for a moment: its requests go straight to
+    /// the failure policy, so a dead Redis costs no timeout per request. On by default
+    /// ([`CircuitBreaker::default`]: open after 5 consecutive failures, probe every
+    /// 500 ms); `None` asks the store every time.
+    pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+        self.breaker = breaker.map(|config| Arc::new(Breaker::new(config)));
+        self
+    }
+
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
     pub fn headers(mut self, style: HeaderStyle) -> Self {
         self.headers = style;
@@ -170,6 +185,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
             headers: self.headers,
             rejection,
             name: self.name,
+            breaker: self.breaker,
         }
     }
 
@@ -199,6 +215,7 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             timeout: self.timeout,
             rejection: self.rejection.clone(),
             name: self.name.clone(),
+            breaker: self.breaker.clone(),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
     }

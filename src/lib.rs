@@ -76,6 +76,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod algorithm;
+mod breaker;
 pub mod clock;
 mod decision;
 mod error;
@@ -90,6 +91,7 @@ mod rejection;
 mod service;
 pub mod store;
 
+pub use breaker::CircuitBreaker;
 pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;

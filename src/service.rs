@@ -7,12 +7,20 @@ use std::{
     time::Duration,
 };
 
+use futures_util::{FutureExt, future};
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::{
-    FailurePolicy, Limit, MissingKey, RequestCost, future::ResponseFuture, headers::HeaderWriter,
-    key::KeyExtractor, metrics, rejection::OnRejection, store::Store,
+    FailurePolicy, Limit, MissingKey, RequestCost, StoreError, StoreErrorKind,
+    breaker::{Admission, Breaker},
+    future::Pending,
+    future::ResponseFuture,
+    headers::HeaderWriter,
+    key::KeyExtractor,
+    metrics,
+    rejection::OnRejection,
+    store::Store,
 };
 
 /// What a [`RateLimit`] service shares with its response futures.
@@ -24,6 +32,7 @@ pub(crate) struct Shared<R> {
     pub(crate) on_missing_key: MissingKey,
     pub(crate) timeout: Option<Duration>,
     pub(crate) rejection: R,
+    pub(crate) breaker: Option<Arc<Breaker>>,
     /// The layer's name: the `route` label of its metrics.
     pub(crate) name: Arc<str>,
 }
@@ -122,10 +131,30 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
-        let check = shared.store.check(&key, &shared.limits, cost);
+        let admission = shared
+            .breaker
+            .as_ref()
+            .map_or(Admission::Ask, |b| b.admit());
+        let check = if admission == Admission::Skip {
+            future::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "circuit open: the store failed repeatedly",
+            )))
+            .boxed()
+        } else {
+            shared.store.check(&key, &shared.limits, cost)
+        };
         // The clone goes on serving; the service that was polled ready handles this call.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::checking(check, inner, request, key, cost, timer, self.shared.clone())
+        let pending = Pending {
+            service: inner,
+            request,
+            key,
+            cost,
+            timer,
+            admission,
+        };
+        ResponseFuture::checking(check, pending, self.shared.clone())
     }
 }

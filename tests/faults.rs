@@ -1,0 +1,337 @@
+//! Fault injection against real redis-server processes the harness controls: killed and
+//! restarted under load, SCRIPT FLUSH, CLIENT KILL, DEBUG SLEEP and CLIENT PAUSE, and the
+//! block cache under a one-key flood. Every request must get an answer by the failure
+//! policy (never a 500, never a hang), and limiting must resume by itself.
+//!
+//! Time bounds here are generous on purpose (seconds, against a 100 ms store timeout):
+//! they catch hangs, not slowness.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{Router, body::Body, routing::get};
+use http::{Request, Response, StatusCode};
+use support::RedisServer;
+use tokio::{task::JoinSet, time::timeout};
+use tollgate::{
+    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, Store, StoreErrorKind, key::GlobalKey,
+    key::Key, store::RedisStore,
+};
+use tower::ServiceExt;
+
+const TIMEOUT: Duration = Duration::from_millis(100);
+/// Far beyond the store timeout: a request slower than this hangs.
+const HANG: Duration = Duration::from_secs(3);
+
+/// A huge limit over a long window: every request Redis decides is allowed and carries
+/// the `RateLimit` fields; requests decided by the failure policy do not.
+fn app(store: RedisStore, policy: FailurePolicy) -> Router {
+    let limit = Limit::fixed_window(100_000_000, Duration::from_secs(3600)).unwrap();
+    let layer = RateLimitLayer::new(limit)
+        .key(GlobalKey)
+        .store(store)
+        .timeout(Some(TIMEOUT))
+        .on_store_error(policy);
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer)
+}
+
+async fn send(app: &Router) -> Response<Body> {
+    let request = Request::get("/").body(Body::empty()).unwrap();
+    timeout(HANG, app.clone().oneshot(request))
+        .await
+        .expect("a request hung")
+        .unwrap()
+}
+
+fn decided_by_redis(response: &Response<Body>) -> bool {
+    response.headers().contains_key("ratelimit")
+}
+
+/// Requests from `tasks` concurrent clients until stopped; returns every status.
+struct Load {
+    stop: Arc<AtomicBool>,
+    tasks: JoinSet<Vec<StatusCode>>,
+}
+
+impl Load {
+    fn start(app: &Router, tasks: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut set = JoinSet::new();
+        for _ in 0..tasks {
+            let app = app.clone();
+            let stop = stop.clone();
+            set.spawn(async move {
+                let mut statuses = Vec::new();
+                // Bounded: at most 20 000 requests per client.
+                while !stop.load(Ordering::Relaxed) && statuses.len() < 20_000 {
+                    statuses.push(send(&app).await.status());
+                    tokio::task::yield_now().await;
+                }
+                statuses
+            });
+        }
+        Self { stop, tasks: set }
+    }
+
+    async fn stop(mut self) -> Vec<StatusCode> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        while let Some(statuses) = self.tasks.join_next().await {
+            all.extend(statuses.unwrap());
+        }
+        all
+    }
+}
+
+/// Polls until Redis decides a request again; panics after `within`.
+async fn wait_until_redis_decides(app: &Router, within: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < within {
+        if decided_by_redis(&send(app).await) {
+            eprintln!("limiting resumed after {:?}", started.elapsed());
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("limiting did not resume within {within:?}");
+}
+
+async fn pause() {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restart_under_load_fail_open() {
+    let mut server = RedisServer::start();
+    let app = app(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        FailurePolicy::Allow,
+    );
+    let load = Load::start(&app, 8);
+    pause().await;
+    server.kill();
+    pause().await;
+    server.restart();
+    wait_until_redis_decides(&app, Duration::from_secs(10)).await;
+    let statuses = load.stop().await;
+    assert!(statuses.len() > 50, "{}", statuses.len());
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restart_under_load_fail_closed() {
+    let mut server = RedisServer::start();
+    let app = app(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        FailurePolicy::Deny,
+    );
+    let load = Load::start(&app, 8);
+    pause().await;
+    server.kill();
+    // While Redis is down, requests are answered 503 (never 500).
+    let down = send(&app).await;
+    assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(down.headers()["retry-after"], "1");
+    pause().await;
+    server.restart();
+    wait_until_redis_decides(&app, Duration::from_secs(10)).await;
+    let statuses = load.stop().await;
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::OK || *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&StatusCode::SERVICE_UNAVAILABLE));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_under_load_fails_nothing() {
+    let server = RedisServer::start();
+    let app = app(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        FailurePolicy::Deny,
+    );
+    let load = Load::start(&app, 8);
+    for _ in 0..5 {
+        pause().await;
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
+    }
+    let statuses = load.stop().await;
+    // NOSCRIPT reloads the script and retries: no request ever failed.
+    assert!(statuses.len() > 50, "{}", statuses.len());
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_kill_under_load_recovers() {
+    let server = RedisServer::start();
+    let app = app(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        FailurePolicy::Deny,
+    );
+    let load = Load::start(&app, 8);
+    for _ in 0..3 {
+        pause().await;
+        server.cli(&["CLIENT", "KILL", "TYPE", "normal"]).unwrap();
+    }
+    wait_until_redis_decides(&app, Duration::from_secs(10)).await;
+    let statuses = load.stop().await;
+    // Calls on a killed connection fail (503 by the policy), never 500.
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::OK || *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+}
+
+/// DEBUG SLEEP makes Redis stall longer than the timeout: requests are answered by the
+/// policy at the timeout, and once the circuit opens, at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_redis_costs_at_most_the_timeout() {
+    let server = RedisServer::start();
+    let app = app(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        FailurePolicy::Allow,
+    );
+    assert!(decided_by_redis(&send(&app).await));
+    let port = server.port().to_string();
+    let sleeper = std::thread::spawn(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", "3"])
+            .output()
+            .unwrap()
+    });
+    pause().await;
+    let mut slow = 0;
+    for _ in 0..30 {
+        let started = Instant::now();
+        let response = send(&app).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        // Far below the 3 s stall: each request waited at most about the timeout.
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        if started.elapsed() >= TIMEOUT - Duration::from_millis(10) {
+            slow += 1;
+        }
+    }
+    // Five failures open the circuit; then only the probes wait.
+    assert!(slow <= 10, "{slow} requests waited for the timeout");
+    sleeper.join().unwrap();
+    wait_until_redis_decides(&app, Duration::from_secs(10)).await;
+}
+
+/// With Redis paused, decisions queue up to the configured bound and no further: the
+/// rest fail at once as Overloaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_of_waiting_decisions_is_bounded() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_queue_limit(64);
+    let limits = [Limit::fixed_window(1_000_000, Duration::from_secs(3600)).unwrap()];
+    // Warm up: the batching task runs.
+    store.check(&Key::new("k"), &limits, 1).await.unwrap();
+    server.cli(&["CLIENT", "PAUSE", "1500", "ALL"]).unwrap();
+    let mut set = JoinSet::new();
+    for i in 0..2000u32 {
+        let check = store.check(&Key::from(i), &limits, 1);
+        set.spawn(async move { timeout(Duration::from_secs(10), check).await });
+    }
+    let (mut queued, mut overloaded) = (0, 0);
+    while let Some(result) = set.join_next().await {
+        match result.unwrap().expect("a decision hung") {
+            // Decided, or sent and timed out in redis-rs (1 s) while Redis was paused.
+            Ok(_) => queued += 1,
+            Err(e) if e.kind() == StoreErrorKind::Timeout => queued += 1,
+            Err(e) if e.kind() == StoreErrorKind::Overloaded => overloaded += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // At most the queue (64) plus the batches on the wire (2 x 128) waited for Redis.
+    assert!(queued <= 64 + 2 * 128, "{queued} decisions were queued");
+    assert_eq!(queued + overloaded, 2000);
+}
+
+/// A flood of one key at 100x its limit: the block cache answers the denials, so Redis
+/// sees about `limit` calls per window, plus one to learn of each denial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_key_flood_spares_redis() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let limits = [Limit::fixed_window(10, Duration::from_secs(1)).unwrap()];
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let started = Instant::now();
+    let mut allowed = 0;
+    for _ in 0..1000 {
+        allowed += u32::from(
+            store
+                .check(&Key::new("flood"), &limits, 1)
+                .await
+                .unwrap()
+                .is_allowed(),
+        );
+    }
+    let windows = started.elapsed().as_secs() + 2;
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    let calls: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|l| l.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .expect("EVALSHA was called");
+    assert!(allowed as u64 <= 10 * windows);
+    assert!(
+        calls <= 12 * windows,
+        "{calls} Redis calls for 1000 requests in {windows} windows"
+    );
+}
+
+/// Requests without any circuit breaker still never wait beyond the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_breaker_every_request_waits_at_most_the_timeout() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    let layer = RateLimitLayer::new(limit)
+        .key(GlobalKey)
+        .store(store)
+        .timeout(Some(TIMEOUT))
+        .circuit_breaker(None::<CircuitBreaker>)
+        .on_store_error(FailurePolicy::Deny);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    server.cli(&["CLIENT", "PAUSE", "1500", "ALL"]).unwrap();
+    for _ in 0..5 {
+        let started = Instant::now();
+        assert_eq!(send(&app).await.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
