@@ -6,6 +6,7 @@
 use criterion::{criterion_group, criterion_main};
 
 mod algorithms;
+mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
@@ -13,7 +14,7 @@ mod redis;
 mod support;
 
 #[cfg(feature = "redis")]
-criterion_group!(benches, algorithms::bench_all, redis::bench_all);
+criterion_group!(benches, algorithms::bench_all, memory::bench_all, redis::bench_all);
 #[cfg(not(feature = "redis"))]
-criterion_group!(benches, algorithms::bench_all);
+criterion_group!(benches, algorithms::bench_all, memory::bench_all);
 criterion_main!(benches);

@@ -2,6 +2,11 @@
 
 use std::time::Duration;
 
+use smallvec::SmallVec;
+
+/// Per-limit outcomes: inline for up to two limits, the common case.
+pub(crate) type LimitDecisions = SmallVec<[LimitDecision; 2]>;
+
 /// The outcome for one [`Limit`](crate::Limit) of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitDecision {
@@ -35,12 +40,16 @@ impl LimitDecision {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     allowed: bool,
-    limits: Vec<LimitDecision>,
+    limits: LimitDecisions,
 }
 
 impl Decision {
     /// A decision from per-limit outcomes, in the order of the limits.
     pub fn new(limits: Vec<LimitDecision>) -> Self {
+        Self::from_limits(SmallVec::from_vec(limits))
+    }
+
+    pub(crate) fn from_limits(limits: LimitDecisions) -> Self {
         let allowed = limits.iter().all(|l| l.allowed);
         Self { allowed, limits }
     }
@@ -50,7 +59,7 @@ impl Decision {
     pub fn unlimited() -> Self {
         Self {
             allowed: true,
-            limits: Vec::new(),
+            limits: SmallVec::new(),
         }
     }
 

@@ -1,8 +1,14 @@
 //! [`Limit`]: an algorithm and its quota, validated when it is built.
 
-use std::{fmt, str::FromStr, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    hash::{Hash, Hasher},
+    str::FromStr,
+    sync::Arc,
+    time::Duration,
+};
 
-use crate::{ConfigError, key::escape_into};
+use crate::ConfigError;
 
 /// The rate-limit algorithms. Each is implemented twice, with the same integer arithmetic:
 /// as a pure reference model in [`algorithm`](crate::algorithm) (which the in-memory store
@@ -37,6 +43,7 @@ impl Algorithm {
     }
 
     /// The short code that goes into Redis keys and the script's arguments.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) const fn code(self) -> u8 {
         match self {
             Self::FixedWindow => 1,
@@ -130,6 +137,8 @@ pub struct Limit {
     /// `[name:]algo:limit:window_ms[:burst]`, the last part of the store key. It names
     /// every parameter, so changing a limit never reads state written by another.
     id: Arc<str>,
+    /// A 64-bit hash of `id`, for in-process maps.
+    fingerprint: u64,
 }
 
 impl fmt::Debug for Limit {
@@ -329,7 +338,8 @@ impl Limit {
     ) -> Self {
         let mut id = String::new();
         if let Some(name) = &name {
-            escape_into(name.as_bytes(), &mut id);
+            // Names are validated to key-safe characters.
+            id.push_str(name);
             id.push(':');
         }
         id.push_str(algorithm.key_tag());
@@ -341,12 +351,16 @@ impl Limit {
             id.push(':');
             id.push_str(itoa::Buffer::new().format(burst));
         }
+        // Fixed keys: equal ids give equal fingerprints in every store and process run.
+        let mut hasher = std::hash::DefaultHasher::new();
+        id.hash(&mut hasher);
         Self {
             algorithm,
             limit,
             window_ms,
             burst,
             name,
+            fingerprint: hasher.finish(),
             id: id.into(),
         }
     }
@@ -391,8 +405,14 @@ impl Limit {
     }
 
     /// The last part of this limit's store key.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn id(&self) -> &str {
         &self.id
+    }
+
+    /// A hash of [`id`](Self::id): what in-process maps key a limit by.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 }
 

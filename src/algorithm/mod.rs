@@ -39,7 +39,7 @@ pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;
 pub use token_bucket::TokenBucket;
 
-use crate::{Algorithm, Decision, Limit, LimitDecision};
+use crate::{Algorithm, Decision, Limit, LimitDecision, decision::LimitDecisions};
 
 /// The state one algorithm keeps for one key and limit. `State::new` is the state of a key
 /// that does not exist yet.
@@ -47,7 +47,8 @@ use crate::{Algorithm, Decision, Limit, LimitDecision};
 #[allow(missing_docs)]
 pub enum State {
     FixedWindow(FixedWindow),
-    SlidingWindow(SlidingWindow),
+    /// Boxed: its log would make every other state as large.
+    SlidingWindow(Box<SlidingWindow>),
     SlidingWindowCounter(SlidingWindowCounter),
     TokenBucket(TokenBucket),
     Gcra(Gcra),
@@ -91,7 +92,7 @@ impl State {
     pub fn new(algorithm: Algorithm) -> Self {
         match algorithm {
             Algorithm::FixedWindow => Self::FixedWindow(FixedWindow::default()),
-            Algorithm::SlidingWindow => Self::SlidingWindow(SlidingWindow::default()),
+            Algorithm::SlidingWindow => Self::SlidingWindow(Box::default()),
             Algorithm::SlidingWindowCounter => {
                 Self::SlidingWindowCounter(SlidingWindowCounter::default())
             }
@@ -118,7 +119,13 @@ impl State {
     }
 
     fn model(&mut self) -> &mut dyn Model {
-        dispatch!(self, s => s as &mut dyn Model)
+        match self {
+            Self::FixedWindow(s) => s,
+            Self::SlidingWindow(s) => &mut **s,
+            Self::SlidingWindowCounter(s) => s,
+            Self::TokenBucket(s) => s,
+            Self::Gcra(s) => s,
+        }
     }
 }
 
@@ -132,7 +139,7 @@ impl State {
 pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Decision {
     assert_eq!(states.len(), limits.len(), "one state per limit");
     let cost = u64::from(cost);
-    let mut decisions = Vec::with_capacity(limits.len());
+    let mut decisions = LimitDecisions::new();
     for (state, limit) in states.iter_mut().zip(limits) {
         assert_eq!(
             state.algorithm(),
@@ -167,7 +174,7 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
         decision.remaining = model.remaining(now, limit);
         decision.reset_after_ms = model.reset_after(now, limit);
     }
-    Decision::new(decisions)
+    Decision::from_limits(decisions)
 }
 
 /// `ceil(a / b)` for `b > 0`.

@@ -5,11 +5,23 @@ use crate::Limit;
 ///
 /// Tokens are counted in units of `1 / window_ms` of a token, so the bucket holds
 /// `burst * window_ms` units and refills exactly `limit` units per millisecond.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenBucket {
-    /// `None`: a key not seen yet, which is a full bucket.
-    tokens: Option<u64>,
+    /// [`NEW`]: a key not seen yet, which is a full bucket. (No bucket holds that many
+    /// units: capacities stay below 2^50.)
+    tokens: u64,
     last: u64,
+}
+
+const NEW: u64 = u64::MAX;
+
+impl Default for TokenBucket {
+    fn default() -> Self {
+        Self {
+            tokens: NEW,
+            last: 0,
+        }
+    }
 }
 
 impl TokenBucket {
@@ -18,7 +30,7 @@ impl TokenBucket {
     }
 
     fn tokens(&self) -> u64 {
-        self.tokens.unwrap_or_default()
+        if self.tokens == NEW { 0 } else { self.tokens }
     }
 
     /// Milliseconds before refilling starts again (the clock stepped back).
@@ -30,22 +42,18 @@ impl TokenBucket {
 impl Model for TokenBucket {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let capacity = Self::capacity(limit);
-        match self.tokens {
-            None => {
-                self.tokens = Some(capacity);
-                self.last = now;
-            }
-            Some(tokens) if now > self.last => {
-                let elapsed = now - self.last;
-                let to_full = div_ceil(capacity - tokens, u64::from(limit.limit()));
-                self.tokens = Some(if elapsed >= to_full {
-                    capacity
-                } else {
-                    tokens + elapsed * u64::from(limit.limit())
-                });
-                self.last = now;
-            }
-            Some(_) => {}
+        if self.tokens == NEW {
+            self.tokens = capacity;
+            self.last = now;
+        } else if now > self.last {
+            let elapsed = now - self.last;
+            let to_full = div_ceil(capacity - self.tokens, u64::from(limit.limit()));
+            self.tokens = if elapsed >= to_full {
+                capacity
+            } else {
+                self.tokens + elapsed * u64::from(limit.limit())
+            };
+            self.last = now;
         }
     }
 
@@ -59,7 +67,7 @@ impl Model for TokenBucket {
     }
 
     fn commit(&mut self, _now: u64, limit: &Limit, cost: u64) {
-        self.tokens = Some(self.tokens() - cost * limit.window_ms());
+        self.tokens = self.tokens() - cost * limit.window_ms();
     }
 
     fn remaining(&self, _now: u64, limit: &Limit) -> u64 {

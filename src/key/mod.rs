@@ -22,6 +22,7 @@ mod ip;
 
 use std::{fmt, net::IpAddr};
 
+use compact_str::CompactString;
 use http::Request;
 use sha2::{Digest, Sha256};
 
@@ -34,8 +35,10 @@ pub use ip::{ClientIp, DEFAULT_IPV6_PREFIX, ForwardedHeader, PeerIp};
 pub const MAX_KEY_LEN: usize = 128;
 
 /// An encoded, bounded identity: see the [module docs](crate::key).
+///
+/// Keys up to 24 bytes (every IP address) live inline, without an allocation.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(Box<str>);
+pub struct Key(CompactString);
 
 impl Key {
     /// Encodes `bytes` (any bytes at all) into a key.
@@ -54,22 +57,22 @@ impl Key {
             // An empty hash tag `{}` would not be a tag: Redis Cluster would hash each
             // limit's whole key, and one key's limits could land in different slots.
             // `~` is escaped everywhere else, so it stands for "empty" alone.
-            return Self("~".into());
+            return Self(CompactString::const_new("~"));
         }
-        let mut encoded = String::with_capacity(bytes.len());
+        let mut encoded = CompactString::with_capacity(bytes.len());
         escape_into(bytes, &mut encoded);
         if encoded.len() <= MAX_KEY_LEN {
-            return Self(encoded.into_boxed_str());
+            return Self(encoded);
         }
         // `#` is always escaped above, so a hashed key never equals an encoded one.
         let digest = Sha256::digest(bytes);
-        let mut hashed = String::with_capacity(33);
+        let mut hashed = CompactString::with_capacity(33);
         hashed.push('#');
         for byte in &digest[..16] {
             hashed.push(HEX[usize::from(byte >> 4)] as char);
             hashed.push(HEX[usize::from(byte & 0xf)] as char);
         }
-        Self(hashed.into_boxed_str())
+        Self(hashed)
     }
 
     /// The encoded key, as it appears in store keys.
@@ -118,7 +121,7 @@ macro_rules! key_from_int {
     ($($t:ty),*) => {$(
         impl From<$t> for Key {
             fn from(value: $t) -> Self {
-                Self(itoa::Buffer::new().format(value).into())
+                Self(CompactString::new(itoa::Buffer::new().format(value)))
             }
         }
     )*};
@@ -133,7 +136,7 @@ fn is_safe(byte: u8) -> bool {
 }
 
 /// Appends `bytes` to `out`, percent-encoding every byte that is not safe.
-pub(crate) fn escape_into(bytes: &[u8], out: &mut String) {
+fn escape_into(bytes: &[u8], out: &mut CompactString) {
     for &byte in bytes {
         if is_safe(byte) {
             out.push(byte as char);

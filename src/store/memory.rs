@@ -2,15 +2,16 @@
 
 use std::{
     fmt,
-    hash::{BuildHasher, RandomState},
+    hash::BuildHasher,
     sync::{
-        Arc, Mutex, MutexGuard,
+        Arc,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
 };
 
 use futures_util::future::{self, BoxFuture, FutureExt};
-use hashbrown::HashMap;
+use hashbrown::{DefaultHashBuilder, HashTable};
+use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 use super::Store;
@@ -42,20 +43,26 @@ pub struct MemoryStore {
 
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
-    hasher: RandomState,
+    hasher: DefaultHashBuilder,
     clock: Arc<dyn Clock>,
     max_keys_per_shard: Option<usize>,
     next_sweep_ms: AtomicU64,
     sweep_cursor: AtomicUsize,
 }
 
-type Shard = HashMap<Box<str>, Slots>;
+/// Hashed once per decision: the hash picks the shard (from bits that the table itself
+/// does not use) and finds the entry.
+type Shard = HashTable<Entry>;
 
-/// The state of every limit seen for one key.
-type Slots = SmallVec<[Slot; 1]>;
+struct Entry {
+    key: Key,
+    /// The state of every limit seen for this key; one inline.
+    slots: SmallVec<[Slot; 1]>,
+}
 
 struct Slot {
-    limit_id: Arc<str>,
+    /// [`Limit::fingerprint`].
+    limit: u64,
     state: State,
     expires_at: u64,
 }
@@ -101,7 +108,7 @@ impl MemoryStore {
         Self {
             inner: Arc::new(Inner {
                 shards,
-                hasher: RandomState::new(),
+                hasher: DefaultHashBuilder::default(),
                 clock,
                 max_keys_per_shard,
                 next_sweep_ms: AtomicU64::new(0),
@@ -148,22 +155,39 @@ impl Store for MemoryStore {
 }
 
 impl Inner {
+    fn hash(&self, key: &Key) -> u64 {
+        self.hasher.hash_one(key.as_str())
+    }
+
     fn decide(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
-        let shard = &self.shards[self.hasher.hash_one(key.as_str()) as usize % SHARDS];
-        let mut shard = lock(shard);
-        if !shard.contains_key(key.as_str()) {
-            self.make_room(&mut shard, now);
-        }
-        let slots = shard.entry_ref(key.as_str()).or_default();
+        let hash = self.hash(key);
+        // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
+        // top seven as the tag, so within a shard both stay well spread.
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let entry = match shard.find_entry(hash, |e| e.key == *key) {
+            Ok(occupied) => occupied.into_mut(),
+            Err(absent) => {
+                let table = absent.into_table();
+                self.make_room(table, now);
+                let entry = Entry {
+                    key: key.clone(),
+                    slots: SmallVec::new(),
+                };
+                table
+                    .insert_unique(hash, entry, |e| self.hash(&e.key))
+                    .into_mut()
+            }
+        };
+        let slots = &mut entry.slots;
 
         // Take each limit's state out of its slot, decide, and put them back.
         let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
         for limit in limits {
-            let index = match slots.iter().position(|s| &*s.limit_id == limit.id()) {
+            let index = match slots.iter().position(|s| s.limit == limit.fingerprint()) {
                 Some(index) => index,
                 None => {
                     slots.push(Slot {
-                        limit_id: limit.id().into(),
+                        limit: limit.fingerprint(),
                         state: State::new(limit.algorithm()),
                         expires_at: 0,
                     });
@@ -214,27 +238,25 @@ impl Inner {
         let victim = shard
             .iter()
             .take(8)
-            .min_by_key(|(_, slots)| slots.iter().map(|s| s.expires_at).max())
-            .map(|(key, _)| key.clone());
-        if let Some(victim) = victim {
-            shard.remove(&victim);
+            .min_by_key(|e| e.slots.iter().map(|s| s.expires_at).max())
+            .map(|e| e.key.clone());
+        if let Some(victim) = victim
+            && let Ok(entry) = shard.find_entry(self.hash(&victim), |e| e.key == victim)
+        {
+            entry.remove();
         }
     }
 }
 
 fn purge(shard: &mut Shard, now: u64) {
-    shard.retain(|_, slots| {
-        slots.retain(|slot| slot.expires_at > now);
-        !slots.is_empty()
+    shard.retain(|entry| {
+        entry.slots.retain(|slot| slot.expires_at > now);
+        !entry.slots.is_empty()
     });
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // A panic while holding the lock cannot leave a shard half-updated in a way that
-    // matters more than losing the limit, so keep serving.
-    shard
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    shard.lock()
 }
 
 #[cfg(test)]

@@ -1,10 +1,8 @@
 //! The block cache: denied keys are answered locally until their `retry_after` passes.
 
-use std::hash::{BuildHasher, Hash, Hasher};
-
 use quick_cache::{Equivalent, sync::Cache};
 
-use crate::{Decision, Limit, LimitDecision, key::Key};
+use crate::{Decision, Limit, LimitDecision, decision::LimitDecisions, key::Key};
 
 /// The default number of denied keys remembered.
 pub(crate) const DEFAULT_BLOCK_CACHE_SIZE: usize = 10_000;
@@ -49,15 +47,11 @@ impl BlockCache {
         }
     }
 
-    /// A fingerprint of a list of limits (their ids, in order).
+    /// A fingerprint of a list of limits, in order.
     pub(crate) fn fingerprint(limits: &[Limit]) -> u64 {
-        // Fixed keys: the same limits give the same fingerprint in every store clone.
-        let mut hasher =
-            std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default().build_hasher();
-        for limit in limits {
-            limit.id().hash(&mut hasher);
-        }
-        hasher.finish()
+        limits.iter().fold(0, |acc, limit| {
+            acc.rotate_left(17).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ limit.fingerprint()
+        })
     }
 
     /// The denial still standing for `key` at `now`, if any, for a request of `cost`.
@@ -73,7 +67,7 @@ impl BlockCache {
             return None;
         }
         let elapsed = now.saturating_sub(blocked.at);
-        let limits = blocked
+        let limits: LimitDecisions = blocked
             .limits
             .iter()
             .map(|l| {
@@ -86,7 +80,7 @@ impl BlockCache {
                 }
             })
             .collect();
-        Some(Decision::new(limits))
+        Some(Decision::from_limits(limits))
     }
 
     /// Forgets a denial of `key`: a cheaper request fit, so the denial's `retry_after` may

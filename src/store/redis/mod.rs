@@ -26,6 +26,7 @@ use self::{
 use super::Store;
 use crate::{
     ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
+    decision::LimitDecisions,
     clock::{Clock, SystemClock},
     key::Key,
 };
@@ -483,7 +484,7 @@ pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreErro
         ));
     }
     let to_u64 = |v: i64| u64::try_from(v).unwrap_or(0);
-    let decisions = reply
+    let decisions: LimitDecisions = reply
         .chunks_exact(4)
         .zip(quotas)
         .map(|(v, &limit)| LimitDecision {
@@ -494,7 +495,7 @@ pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreErro
             retry_after_ms: to_u64(v[3]),
         })
         .collect();
-    Ok(Decision::new(decisions))
+    Ok(Decision::from_limits(decisions))
 }
 
 fn store_error(error: RedisError) -> StoreError {
