@@ -26,35 +26,45 @@ pub const DEFAULT_NAME: &str = "default";
 /// part is set with a builder method. **Clones of the layer, and every service it makes,
 /// share one budget** (one store), so `Router::layer` applies one limit across all
 /// routes; build a second layer (or name the limits differently) for separate budgets.
-#[derive(Clone)]
 pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
-    limits: Vec<Limit>,
     key: Arc<K>,
     cost: C,
+    rejection: R,
+    /// Everything that does not change the layer's type.
+    settings: Settings,
+}
+
+#[derive(Debug, Clone)]
+struct Settings {
+    limits: Vec<Limit>,
     store: Arc<dyn Store>,
     on_store_error: FailurePolicy,
     on_missing_key: MissingKey,
     timeout: Option<Duration>,
     headers: HeaderStyle,
-    rejection: R,
     name: Arc<str>,
     breaker: Option<Arc<Breaker>>,
+}
+
+// By hand: the key extractor is shared through an `Arc`, so it need not be `Clone`.
+impl<K, C: Clone, R: Clone> Clone for RateLimitLayer<K, C, R> {
+    fn clone(&self) -> Self {
+        Self {
+            key: self.key.clone(),
+            cost: self.cost.clone(),
+            rejection: self.rejection.clone(),
+            settings: self.settings.clone(),
+        }
+    }
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<K, C, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("limits", &self.limits)
             .field("key", &self.key)
             .field("cost", &self.cost)
-            .field("store", &self.store)
-            .field("on_store_error", &self.on_store_error)
-            .field("on_missing_key", &self.on_missing_key)
-            .field("timeout", &self.timeout)
-            .field("headers", &self.headers)
             .field("rejection", &self.rejection)
-            .field("name", &self.name)
-            .field("breaker", &self.breaker)
+            .field("settings", &self.settings)
             .finish()
     }
 }
@@ -63,17 +73,19 @@ impl RateLimitLayer {
     /// Limits each peer IP to `limit`, in memory.
     pub fn new(limit: Limit) -> Self {
         Self {
-            limits: vec![limit],
             key: Arc::new(PeerIp::new()),
             cost: 1,
-            store: Arc::new(MemoryStore::new()),
-            on_store_error: FailurePolicy::default(),
-            on_missing_key: MissingKey::default(),
-            timeout: Some(DEFAULT_TIMEOUT),
-            headers: HeaderStyle::default(),
             rejection: DefaultRejection::new(),
-            name: Arc::from(DEFAULT_NAME),
-            breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
+            settings: Settings {
+                limits: vec![limit],
+                store: Arc::new(MemoryStore::new()),
+                on_store_error: FailurePolicy::default(),
+                on_missing_key: MissingKey::default(),
+                timeout: Some(DEFAULT_TIMEOUT),
+                headers: HeaderStyle::default(),
+                name: Arc::from(DEFAULT_NAME),
+                breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
+            },
         }
     }
 }
@@ -83,8 +95,8 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// request consumes nothing from any of them; all are decided in one store call.
     /// Adding a limit equal to one already present changes nothing.
     pub fn limit(mut self, limit: Limit) -> Self {
-        if !self.limits.contains(&limit) {
-            self.limits.push(limit);
+        if !self.settings.limits.contains(&limit) {
+            self.settings.limits.push(limit);
         }
         self
     }
@@ -92,17 +104,10 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
     pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R> {
         RateLimitLayer {
-            limits: self.limits,
             key: Arc::new(key),
             cost: self.cost,
-            store: self.store,
-            on_store_error: self.on_store_error,
-            on_missing_key: self.on_missing_key,
-            timeout: self.timeout,
-            headers: self.headers,
             rejection: self.rejection,
-            name: self.name,
-            breaker: self.breaker,
+            settings: self.settings,
         }
     }
 
@@ -110,41 +115,34 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// `Fn(&Request<B>) -> u32`. See [`RequestCost`](crate::RequestCost).
     pub fn cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R> {
         RateLimitLayer {
-            limits: self.limits,
             key: self.key,
             cost,
-            store: self.store,
-            on_store_error: self.on_store_error,
-            on_missing_key: self.on_missing_key,
-            timeout: self.timeout,
-            headers: self.headers,
             rejection: self.rejection,
-            name: self.name,
-            breaker: self.breaker,
+            settings: self.settings,
         }
     }
 
     /// Keeps the state in `store` (a `RedisStore` to share limits between replicas).
     pub fn store(mut self, store: impl Store) -> Self {
-        self.store = Arc::new(store);
+        self.settings.store = Arc::new(store);
         self
     }
 
     /// Keeps the state in a store already shared with other layers.
     pub fn shared_store(mut self, store: Arc<dyn Store>) -> Self {
-        self.store = store;
+        self.settings.store = store;
         self
     }
 
     /// What requests get when the store fails or times out. See [`FailurePolicy`].
     pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
-        self.on_store_error = policy;
+        self.settings.on_store_error = policy;
         self
     }
 
     /// What requests without a key get. See [`MissingKey`].
     pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
-        self.on_missing_key = policy;
+        self.settings.on_missing_key = policy;
         self
     }
 
@@ -152,7 +150,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// ([`DEFAULT_TIMEOUT`] by default; `None` waits for the store as long as it takes).
     /// A call that timed out is never retried: it may already have counted.
     pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.timeout = timeout;
+        self.settings.timeout = timeout;
         self
     }
 
@@ -161,13 +159,13 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// ([`CircuitBreaker::default`]: open after 5 consecutive failures, probe every
     /// 500 ms); `None` asks the store every time.
     pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
-        self.breaker = breaker.map(|config| Arc::new(Breaker::new(config)));
+        self.settings.breaker = breaker.map(|config| Arc::new(Breaker::new(config)));
         self
     }
 
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
     pub fn headers(mut self, style: HeaderStyle) -> Self {
-        self.headers = style;
+        self.settings.headers = style;
         self
     }
 
@@ -175,30 +173,23 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// [`OnRejection`](crate::OnRejection).
     pub fn on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2> {
         RateLimitLayer {
-            limits: self.limits,
             key: self.key,
             cost: self.cost,
-            store: self.store,
-            on_store_error: self.on_store_error,
-            on_missing_key: self.on_missing_key,
-            timeout: self.timeout,
-            headers: self.headers,
             rejection,
-            name: self.name,
-            breaker: self.breaker,
+            settings: self.settings,
         }
     }
 
     /// Names this layer in metrics (the `route` label, feature `metrics`) and in the
     /// store-failure log lines; [`DEFAULT_NAME`] by default. See [`metrics`](crate::metrics).
     pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into().into();
+        self.settings.name = name.into().into();
         self
     }
 
     /// The limits, in the order they are reported.
     pub fn limits(&self) -> &[Limit] {
-        &self.limits
+        &self.settings.limits
     }
 }
 
@@ -207,15 +198,15 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
 
     fn layer(&self, inner: S) -> Self::Service {
         let shared = Shared {
-            headers: HeaderWriter::new(self.headers, &self.limits),
-            limits: self.limits.clone().into(),
-            store: self.store.clone(),
-            on_store_error: self.on_store_error.clone(),
-            on_missing_key: self.on_missing_key,
-            timeout: self.timeout,
+            headers: HeaderWriter::new(self.settings.headers, &self.settings.limits),
+            limits: self.settings.limits.clone().into(),
+            store: self.settings.store.clone(),
+            on_store_error: self.settings.on_store_error.clone(),
+            on_missing_key: self.settings.on_missing_key,
+            timeout: self.settings.timeout,
             rejection: self.rejection.clone(),
-            name: self.name.clone(),
-            breaker: self.breaker.clone(),
+            name: self.settings.name.clone(),
+            breaker: self.settings.breaker.clone(),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
     }

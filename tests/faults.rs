@@ -35,11 +35,15 @@ const HANG: Duration = Duration::from_secs(3);
 /// A huge limit over a long window: every request Redis decides is allowed and carries
 /// the `RateLimit` fields; requests decided by the failure policy do not.
 fn app(store: RedisStore, policy: FailurePolicy) -> Router {
+    app_with_timeout(store, policy, TIMEOUT)
+}
+
+fn app_with_timeout(store: RedisStore, policy: FailurePolicy, timeout: Duration) -> Router {
     let limit = Limit::fixed_window(100_000_000, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
         .key(GlobalKey)
         .store(store)
-        .timeout(Some(TIMEOUT))
+        .timeout(Some(timeout))
         .on_store_error(policy);
     Router::new()
         .route("/", get(|| async { "ok" }))
@@ -162,10 +166,9 @@ async fn kill_9_and_restart_under_load_fail_closed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_under_load_fails_nothing() {
     let server = RedisServer::start();
-    let app = app(
-        RedisStore::connect(&server.url()).await.unwrap(),
-        FailurePolicy::Deny,
-    );
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    // A long timeout: this test is about NOSCRIPT, not about a busy machine's latency.
+    let app = app_with_timeout(store, FailurePolicy::Deny, Duration::from_secs(2));
     let load = Load::start(&app, 8);
     for _ in 0..5 {
         pause().await;
@@ -236,8 +239,9 @@ async fn a_stalled_redis_costs_at_most_the_timeout() {
             slow += 1;
         }
     }
-    // Five failures open the circuit; then only the probes wait.
-    assert!(slow <= 10, "{slow} requests waited for the timeout");
+    // Five failures open the circuit; then only the probes wait (without the breaker all
+    // 30 would; the margin absorbs a busy machine).
+    assert!(slow <= 15, "{slow} requests waited for the timeout");
     sleeper.join().unwrap();
     wait_until_redis_decides(&app, Duration::from_secs(10)).await;
 }
