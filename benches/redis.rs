@@ -1,5 +1,6 @@
 //! `RedisStore::check` next to the floor: a raw EVALSHA of a trivial script on the same
-//! kind of connection, one at a time and 64 concurrent.
+//! kind of connection, one at a time and 64 concurrent; with the `cluster` feature, the
+//! same check on a local Redis Cluster (three masters, three replicas) beside it.
 
 use std::time::Duration;
 
@@ -22,6 +23,12 @@ pub(crate) fn bench_all(c: &mut Criterion) {
         let client = redis::Client::open(server.url()).unwrap();
         (store, ConnectionManager::new(client).await.unwrap())
     });
+    #[cfg(feature = "cluster")]
+    let cluster = crate::support::cluster::RedisCluster::start();
+    #[cfg(feature = "cluster")]
+    let cluster_store = runtime
+        .block_on(RedisStore::connect_cluster(&cluster.urls()))
+        .unwrap();
     let trivial = Script::new("return redis.call('INCR', KEYS[1])");
     let limits = [Limit::fixed_window(u32::MAX, Duration::from_secs(60)).unwrap()];
     let key = Key::new("bench");
@@ -47,7 +54,19 @@ pub(crate) fn bench_all(c: &mut Criterion) {
                     .iter(|| join_all((0..concurrency).map(|_| store.check(&key, &limits, 1))));
             },
         );
+        // The same key, so the same single master: the cost of the cluster client.
+        #[cfg(feature = "cluster")]
+        group.bench_function(
+            BenchmarkId::new("cluster_store_check_fixed_window", concurrency),
+            |b| {
+                b.to_async(&runtime).iter(|| {
+                    join_all((0..concurrency).map(|_| cluster_store.check(&key, &limits, 1)))
+                });
+            },
+        );
     }
     group.finish();
     drop(server);
+    #[cfg(feature = "cluster")]
+    drop(cluster);
 }

@@ -750,10 +750,18 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
             &["store.timeout_ms", "got 0"],
         ),
         (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"".into(),
+            &["store.nodes", "at least one node"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"\nnodes = []".into(),
+            &["store.nodes", "at least one node"],
+        ),
+        (
             "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"\n\
-             nodes = [\"redis://127.0.0.1:7000\"]"
+             nodes = [\"redis://127.0.0.1:7000\", \"127.0.0.1:7001\"]"
                 .into(),
-            &["store.backend", "not supported"],
+            &["store.nodes[1]", "\"127.0.0.1:7001\""],
         ),
     ];
     for (text, expected) in &cases {
@@ -784,6 +792,18 @@ fn redis_backend_without_the_feature_is_a_clear_error() {
     let error = Config::parse(text).unwrap_err().to_string();
     assert!(
         error.contains("store.backend") && error.contains("redis feature"),
+        "{error}"
+    );
+}
+
+#[cfg(not(feature = "cluster"))]
+#[test]
+fn redis_cluster_backend_without_the_feature_is_a_clear_error() {
+    let text = "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"\n\
+                nodes = [\"redis://127.0.0.1:7000\"]";
+    let error = Config::parse(text).unwrap_err().to_string();
+    assert!(
+        error.contains("store.backend") && error.contains("cluster feature"),
         "{error}"
     );
 }
@@ -1031,6 +1051,93 @@ mod redis {
         assert_eq!(reply.retry_after(), Some(1));
         let reply = get(&client, &url(&allow, "/")).await;
         assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+    }
+
+    /// Two gateways on one Redis Cluster share one budget, too; the keys spread over the
+    /// masters, one client's limits on one of them.
+    #[cfg(feature = "cluster")]
+    #[tokio::test]
+    async fn two_gateways_on_a_redis_cluster_enforce_one_combined_limit() {
+        let cluster = support::cluster::RedisCluster::start();
+        let upstream = Upstream::start().await;
+        let mut routes = route(
+            "/api",
+            Some(&upstream.url()),
+            Some(("header:x-client", "sliding_window", 5, "1h")),
+        );
+        routes += "[[routes.limits]]\nkey = \"header:x-client\"\nalgorithm = \"gcra\"\n\
+                   limit = 100\nwindow = \"1h\"\n";
+        let nodes: Vec<String> = cluster.urls();
+        let store = format!(
+            "[store]\nbackend = \"redis-cluster\"\nnodes = {nodes:?}\nprefix = \"shared\"\n\
+             timeout_ms = 2000\non_error = \"deny\"\n"
+        );
+        let one = gateway(&store, &routes).await;
+        let two = gateway(&store, &routes).await;
+        let client = client();
+        let request = |gw: &Running, who: &str| {
+            http::Request::get(url(gw, "/api"))
+                .header("x-client", who)
+                .body(Body::empty())
+                .unwrap()
+        };
+        // Clients enough to land on every master; each gets exactly 5, across both.
+        let clients: Vec<String> = (0..30).map(|i| format!("client-{i}")).collect();
+        for who in &clients {
+            let mut allowed = 0;
+            for i in 0..8 {
+                let gw = if i % 2 == 0 { &one } else { &two };
+                match send(&client, request(gw, who)).await.status {
+                    StatusCode::OK => allowed += 1,
+                    StatusCode::TOO_MANY_REQUESTS => {}
+                    other => panic!("unexpected {other} for {who}"),
+                }
+            }
+            assert_eq!(allowed, 5, "{who}");
+        }
+        assert_eq!(upstream.seen().len(), 5 * clients.len());
+        // Concurrent requests to both instances: still nothing more.
+        let mut tasks = Vec::new();
+        for i in 0..20 {
+            let client = client.clone();
+            let request = request(if i % 2 == 0 { &one } else { &two }, "client-0");
+            tasks.push(tokio::spawn(
+                async move { send(&client, request).await.status },
+            ));
+        }
+        for task in tasks {
+            assert_eq!(task.await.unwrap(), StatusCode::TOO_MANY_REQUESTS);
+        }
+        let masters = cluster.masters();
+        assert_eq!(masters.len(), 3);
+        for master in masters {
+            let keys = cluster
+                .cli(master, &["--scan", "--pattern", "shared:*"])
+                .unwrap();
+            assert!(!keys.is_empty(), "no keys on node {master}");
+        }
+        let keys = cluster
+            .cli(cluster.node_for_key("shared:{client-0}:x"), &["--scan"])
+            .unwrap();
+        assert!(keys.contains("shared:{client-0}:r0-l0:"), "{keys}");
+        assert!(keys.contains("shared:{client-0}:r0-l1:"), "{keys}");
+        assert!(cluster.assert_every_key_expires() >= 2 * clients.len());
+        one.stop().await.unwrap();
+        two.stop().await.unwrap();
+    }
+
+    #[cfg(feature = "cluster")]
+    #[tokio::test]
+    async fn unreachable_redis_cluster_fails_at_startup() {
+        let port = closed_port().await;
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"\n\
+             nodes = [\"redis://127.0.0.1:{port}\"]"
+        );
+        let error = server::start(Config::parse(&text).unwrap())
+            .await
+            .unwrap_err();
+        assert!(error.to_string().contains("store.nodes"), "{error}");
     }
 
     #[tokio::test]

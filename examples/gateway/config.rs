@@ -80,6 +80,7 @@ pub(crate) struct StoreConfig {
 pub(crate) enum Backend {
     Memory,
     Redis { url: String },
+    RedisCluster { nodes: Vec<String> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,17 +275,21 @@ impl RawStore {
                 Backend::Redis { url }
             }
             "redis-cluster" => {
-                if self.nodes.as_ref().is_none_or(Vec::is_empty) {
+                let nodes = self.nodes.unwrap_or_default();
+                if nodes.is_empty() {
                     return Err(ConfigError::new(
                         "store.nodes",
                         "needs at least one node with backend = \"redis-cluster\"",
                     ));
                 }
-                return Err(ConfigError::new(
-                    "store.backend",
-                    "\"redis-cluster\" is not supported by the gateway yet; use \"redis\" \
-                     or \"memory\"",
-                ));
+                if !cfg!(feature = "cluster") {
+                    return Err(ConfigError::new(
+                        "store.backend",
+                        "\"redis-cluster\" needs the gateway built with the cluster feature \
+                         (cargo run --example gateway --features cluster -- ...)",
+                    ));
+                }
+                Backend::RedisCluster { nodes }
             }
             other => {
                 return Err(ConfigError::new(

@@ -283,6 +283,7 @@ async fn connect_store(config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
     match &config.backend {
         Backend::Memory => Ok(Arc::new(MemoryStore::new().with_max_keys(MEMORY_MAX_KEYS))),
         Backend::Redis { url } => connect_redis(url, &config.prefix).await,
+        Backend::RedisCluster { nodes } => connect_redis_cluster(nodes, &config.prefix).await,
     }
 }
 
@@ -301,6 +302,23 @@ async fn connect_redis(url: &str, prefix: &str) -> Result<Arc<dyn Store>, Error>
 async fn connect_redis(_url: &str, _prefix: &str) -> Result<Arc<dyn Store>, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
+}
+
+#[cfg(feature = "cluster")]
+async fn connect_redis_cluster(nodes: &[String], prefix: &str) -> Result<Arc<dyn Store>, Error> {
+    let store = tollgate::store::RedisStore::connect_cluster(nodes)
+        .await
+        .map_err(|e| format!("store.nodes: cannot connect to the cluster at {nodes:?}: {e}"))?
+        .with_prefix(prefix)
+        .map_err(|e| format!("store.prefix: {e}"))?;
+    tracing::info!(?nodes, prefix, "connected to redis cluster");
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "cluster"))]
+async fn connect_redis_cluster(_nodes: &[String], _prefix: &str) -> Result<Arc<dyn Store>, Error> {
+    // Config validation already refused this; kept for a clear message all the same.
+    Err("store.backend: \"redis-cluster\" needs the gateway built with the cluster feature".into())
 }
 
 /// The process's Prometheus recorder, installed on first use (tests start several

@@ -1,9 +1,12 @@
-//! Test harness: real `redis-server` processes on free loopback ports, stopped on drop.
+//! Test harness: real `redis-server` processes on free loopback ports, stopped on drop;
+//! [`cluster::RedisCluster`] forms six of them into a Redis Cluster.
 //!
 //! Never touches the machine's shared Redis on 6379. A missing `redis-server` is a loud
 //! failure that names the fix; nothing is skipped.
 
 #![allow(dead_code, unreachable_pub)]
+
+pub mod cluster;
 
 use std::{
     io::{BufRead, BufReader},
@@ -128,6 +131,11 @@ impl RedisServer {
         self.port
     }
 
+    /// Whether the process runs (not [`kill`](Self::kill)ed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// `redis://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
@@ -168,8 +176,9 @@ impl Drop for RedisServer {
     }
 }
 
-/// Fails unless every key in `server` has a TTL (no immortal rate-limit state).
-pub fn assert_every_key_expires(server: &RedisServer) {
+/// Fails unless every key in `server` has a TTL (no immortal rate-limit state). Returns
+/// how many keys it checked.
+pub fn assert_every_key_expires(server: &RedisServer) -> usize {
     let keys = server.cli(&["--scan"]).expect("redis-cli --scan");
     let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
     for key in &keys {
@@ -178,4 +187,5 @@ pub fn assert_every_key_expires(server: &RedisServer) {
         // -1: no TTL, the defect. -2: the key expired between SCAN and PTTL, fine.
         assert_ne!(ttl, -1, "key {key:?} has no TTL");
     }
+    keys.len()
 }

@@ -1,0 +1,422 @@
+//! `RedisStore` on a real Redis Cluster (`tests/support/cluster.rs`: six `redis-server`
+//! processes, three masters with one replica each): keys spread over every master,
+//! multi-limit decisions never cross slots, and decisions go on through a failover and a
+//! resharding while requests flow.
+//!
+//! Windows are an hour long and time is a `ManualClock` (sent as the script's `now`), so
+//! counts are exact. Nothing sleeps to wait for the cluster: the harness polls with
+//! deadlines, and every check runs under a generous timeout, so a hang fails the test
+//! instead of blocking it. The request streams are bounded in count and in time.
+
+#![cfg(feature = "cluster")]
+
+mod support;
+
+use std::{
+    convert::Infallible,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use http::{Request, Response, StatusCode};
+use support::cluster::RedisCluster;
+use tokio::{task::JoinSet, time::timeout};
+use tollgate::{
+    Decision, FailurePolicy, Limit, RateLimitLayer, Store, StoreError, StoreErrorKind,
+    clock::ManualClock,
+    key::{GlobalKey, Key},
+    store::RedisStore,
+};
+use tower::{Layer, ServiceExt, service_fn};
+
+const HOUR: Duration = Duration::from_secs(3600);
+/// 800 s into an hour: hour-long windows never roll over during a test.
+const NOW_MS: u64 = 1_700_000_000_000;
+/// A check slower than this is a hang.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the cluster may take to serve a slot again after a failover.
+const RESUME: Duration = Duration::from_secs(20);
+
+fn every_algorithm(limit: u32) -> [Limit; 5] {
+    [
+        Limit::fixed_window(limit, HOUR).unwrap(),
+        Limit::sliding_window(limit, HOUR).unwrap(),
+        Limit::sliding_window_counter(limit, HOUR).unwrap(),
+        Limit::token_bucket(limit, HOUR).unwrap(),
+        Limit::gcra(limit, HOUR).unwrap(),
+    ]
+}
+
+async fn connect(cluster: &RedisCluster) -> RedisStore {
+    RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .unwrap()
+        .with_clock(ManualClock::new(NOW_MS))
+}
+
+/// One check that must answer in time: a decision or a `StoreError`, never a hang.
+async fn check(store: &RedisStore, key: &Key, limits: &[Limit]) -> Result<Decision, StoreError> {
+    timeout(CHECK_TIMEOUT, store.check(key, limits, 1))
+        .await
+        .unwrap_or_else(|_| panic!("a check did not answer within {CHECK_TIMEOUT:?}"))
+}
+
+/// Polls `done` every 10 ms; panics naming `what` after `limit`. Returns the time taken.
+async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "waited {limit:?} for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    start.elapsed()
+}
+
+/// What a stream of requests got back, shared with the test while it runs.
+#[derive(Debug, Default)]
+struct Tally {
+    allowed: AtomicU64,
+    denied: AtomicU64,
+    /// `StoreError`s; through a layer: 200s without rate-limit fields (failed open).
+    errors: AtomicU64,
+    /// Errors after which the request may still have counted (timeouts, lost connections);
+    /// an error answer (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) means the script did not run.
+    uncertain: AtomicU64,
+    /// The first few errors, for the report.
+    samples: Mutex<Vec<String>>,
+}
+
+impl Tally {
+    fn record(&self, outcome: &Result<Decision, StoreError>) {
+        let counter = match outcome {
+            Ok(decision) if decision.is_allowed() => &self.allowed,
+            Ok(_) => &self.denied,
+            Err(error) => {
+                if error.kind() != StoreErrorKind::Response {
+                    self.uncertain.fetch_add(1, Ordering::Relaxed);
+                }
+                let mut samples = self.samples.lock().unwrap();
+                if samples.len() < 3 {
+                    samples.push(error.to_string());
+                }
+                &self.errors
+            }
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn samples(&self) -> Vec<String> {
+        self.samples.lock().unwrap().clone()
+    }
+
+    fn get(&self) -> [u64; 3] {
+        [&self.allowed, &self.denied, &self.errors].map(|c| c.load(Ordering::Relaxed))
+    }
+
+    fn answers(&self) -> u64 {
+        self.get().iter().sum()
+    }
+}
+
+/// The bounds of every request stream: it stops at `stop`, or after this long, or after
+/// this many requests per task, whichever comes first.
+const STREAM_TIME: Duration = Duration::from_secs(90);
+const STREAM_REQUESTS: usize = 50_000;
+/// The pause between two requests of one task: a steady stream, not a busy loop.
+const PACE: Duration = Duration::from_millis(1);
+
+/// `tasks` tasks checking `limits` on `key` in a loop, each check under [`check`]'s
+/// timeout (a hang panics the task, which fails the test when it is joined).
+fn stream(
+    set: &mut JoinSet<()>,
+    store: &RedisStore,
+    key: &Key,
+    limits: &[Limit],
+    tasks: usize,
+    stop: &Arc<AtomicBool>,
+) -> Arc<Tally> {
+    let tally = Arc::new(Tally::default());
+    for _ in 0..tasks {
+        let (store, key, limits) = (store.clone(), key.clone(), limits.to_vec());
+        let (stop, tally) = (stop.clone(), tally.clone());
+        set.spawn(async move {
+            let start = Instant::now();
+            for _ in 0..STREAM_REQUESTS {
+                if stop.load(Ordering::Relaxed) || start.elapsed() > STREAM_TIME {
+                    break;
+                }
+                tally.record(&check(&store, &key, &limits).await);
+                tokio::time::sleep(PACE).await;
+            }
+        });
+    }
+    tally
+}
+
+/// Joins every stream; a panic in one (a hang, a bug) fails the test here.
+async fn join(mut set: JoinSet<()>, stop: &AtomicBool) {
+    stop.store(true, Ordering::Relaxed);
+    while let Some(result) = set.join_next().await {
+        result.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn keys_spread_over_every_master_and_never_cross_slots() {
+    let cluster = RedisCluster::start();
+    let store = connect(&cluster).await;
+    let limits = every_algorithm(3);
+    let identities = 300;
+    for i in 0..identities {
+        // All five algorithms on one key in one call: a CROSSSLOT error would be an Err.
+        let decision = store
+            .check(&Key::new(format!("user-{i}")), &limits, 1)
+            .await
+            .unwrap();
+        assert!(decision.is_allowed(), "user-{i}: {decision:?}");
+        assert_eq!(decision.limits().len(), 5);
+    }
+    let masters = cluster.masters();
+    assert_eq!(masters.len(), 3, "{}", cluster.describe());
+    let sizes: Vec<u64> = masters.iter().map(|&m| cluster.dbsize(m)).collect();
+    assert!(sizes.iter().all(|&size| size > 0), "{sizes:?}");
+    assert_eq!(sizes.iter().sum::<u64>(), 5 * identities, "{sizes:?}");
+    // Each identity's keys are in one slot, on the master that owns it.
+    for i in [0, 1, 2, 99, 150, 299] {
+        let key = Key::new(format!("user-{i}"));
+        let names: Vec<String> = limits.iter().map(|l| store.redis_key(&key, l)).collect();
+        let slot = cluster.keyslot(&names[0]);
+        let master = cluster.master_of_slot(slot);
+        for name in &names {
+            assert_eq!(cluster.keyslot(name), slot, "{name}");
+            let exists = cluster.cli(master, &["EXISTS", name]).unwrap();
+            assert_eq!(exists.trim(), "1", "{name} on node {master}");
+        }
+    }
+    // A hostile identity cannot pick its slot: braces are encoded, the whole identity is
+    // the hash tag.
+    let hostile = Key::new("{user-0}");
+    let name = store.redis_key(&hostile, &limits[0]);
+    assert_eq!(cluster.keyslot(&name), cluster.keyslot("%7Buser-0%7D"));
+    assert!(cluster.assert_every_key_expires() >= 5 * 300);
+}
+
+/// Kill -9 the master that owns a hot key while requests flow: the replica is promoted
+/// (automatically, after `cluster-node-timeout`), every request gets an answer in time
+/// (decisions or `StoreError`s, and only 200 or 429 through a layer that fails open), and
+/// limiting resumes on the new master with the state it had replicated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_master_fails_over_and_limiting_resumes() {
+    let mut cluster = RedisCluster::start();
+    let store = connect(&cluster).await;
+    let hot = Key::new("hot");
+    let tight = [Limit::fixed_window(20, HOUR)
+        .unwrap()
+        .named("tight")
+        .unwrap()];
+    let loose = [Limit::fixed_window(1_000_000, HOUR)
+        .unwrap()
+        .named("loose")
+        .unwrap()];
+    let tight_key = store.redis_key(&hot, &tight[0]);
+    let loose_key = store.redis_key(&hot, &loose[0]);
+    let slot = cluster.keyslot(&tight_key);
+    assert_eq!(cluster.keyslot(&loose_key), slot);
+    let master = cluster.master_of_slot(slot);
+    let replica = cluster.replica_of(master);
+
+    // Exhaust the tight limit and let the replica catch up with that state.
+    for i in 0..20 {
+        let decision = check(&store, &hot, &tight).await.unwrap();
+        assert!(decision.is_allowed(), "request {i}");
+    }
+    assert!(!check(&store, &hot, &tight).await.unwrap().is_allowed());
+    cluster.wait_replicated(master);
+
+    // The same store behind layers that fail open: a global limit of 50 (soon denying)
+    // and a loose one (asking Redis on every request).
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut streams = JoinSet::new();
+    let direct = stream(&mut streams, &store, &hot, &loose, 3, &stop);
+    let layered = Arc::new(Tally::default());
+    for quota in [50, 1_000_000] {
+        let layer = RateLimitLayer::new(Limit::fixed_window(quota, HOUR).unwrap())
+            .store(store.clone())
+            .key(GlobalKey)
+            .on_store_error(FailurePolicy::Allow)
+            .timeout(Some(Duration::from_secs(2)));
+        let service = layer.layer(service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(String::from("ok")))
+        }));
+        let (stop, tally) = (stop.clone(), layered.clone());
+        streams.spawn(async move {
+            let start = Instant::now();
+            for _ in 0..STREAM_REQUESTS {
+                if stop.load(Ordering::Relaxed) || start.elapsed() > STREAM_TIME {
+                    break;
+                }
+                let call = service.clone().oneshot(Request::new(()));
+                let response = timeout(CHECK_TIMEOUT, call)
+                    .await
+                    .expect("the layer answered in time")
+                    .unwrap();
+                let counter = match response.status() {
+                    StatusCode::OK if response.headers().contains_key("ratelimit") => {
+                        &tally.allowed
+                    }
+                    StatusCode::OK => &tally.errors,
+                    StatusCode::TOO_MANY_REQUESTS => &tally.denied,
+                    other => panic!("the layer answered {other} while Redis failed over"),
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(PACE).await;
+            }
+        });
+    }
+    // Requests flow, and the layer has denied some, before the kill.
+    wait_until("requests before the kill", RESUME, || {
+        direct.answers() >= 100 && layered.get()[1] > 0
+    })
+    .await;
+
+    let before_kill = (direct.get(), layered.get());
+    cluster.kill(master);
+    let promoted_in = cluster.wait_for("the replica to take over", RESUME, |c| {
+        c.all_agree_owner(slot, replica) && c.is_serving()
+    });
+    let resumed_in = {
+        let start = Instant::now();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match check(&store, &hot, &loose).await {
+                Ok(decision) => {
+                    assert!(decision.is_allowed());
+                    break start.elapsed();
+                }
+                Err(error) => assert!(
+                    start.elapsed() < RESUME,
+                    "no decision {RESUME:?} after the promotion ({tries} tries): {error}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    // The new master has the replicated state: the exhausted limit stays exhausted.
+    let after = check(&store, &hot, &tight).await.unwrap();
+    assert!(
+        !after.is_allowed(),
+        "the failover reset the limit: {after:?}"
+    );
+    // Requests keep flowing on the new master.
+    let answered = direct.answers();
+    wait_until("requests after the failover", RESUME, || {
+        direct.get()[0] >= before_kill.0[0] + 100 && direct.answers() >= answered + 100
+    })
+    .await;
+    join(streams, &stop).await;
+
+    assert_eq!(cluster.node_for_key(&loose_key), replica);
+    for key in [&tight_key, &loose_key] {
+        let exists = cluster.cli(replica, &["EXISTS", key]).unwrap();
+        assert_eq!(exists.trim(), "1", "{key} on the new master");
+    }
+    let count = cluster.cli(replica, &["HGET", &tight_key, "c"]).unwrap();
+    assert_eq!(count.trim(), "20");
+    // Replicas never see SCRIPT LOAD: the script ran there because NOSCRIPT reloaded it.
+    let stats = cluster.cli(replica, &["INFO", "commandstats"]).unwrap();
+    assert!(stats.contains("cmdstat_script|load:"), "{stats}");
+    // The layers failed open while the slot had no master, and limited before.
+    let [ok, limited, failed_open] = layered.get();
+    assert!(failed_open > 0 && limited > 0, "{:?}", layered.get());
+    let [allowed, denied, errors] = direct.get();
+    eprintln!(
+        "failover: promoted {promoted_in:?} after the kill, first decision {resumed_in:?} \
+         later; store: {allowed} allowed, {denied} denied, {errors} errors {:?} \
+         (before the kill: {:?}); layers: {ok} x 200, {limited} x 429, {failed_open} x 200 \
+         failed open",
+        direct.samples(),
+        before_kill.0
+    );
+}
+
+/// Move the hot key's slot to another master while requests flow: redirections are
+/// followed, nothing hangs, and the count moves with the key (a limit of N per hour allows
+/// exactly N in total across the move).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moving_the_hot_slot_keeps_its_count() {
+    const N: u32 = 300;
+    let cluster = Arc::new(RedisCluster::start());
+    let store = connect(&cluster).await;
+    let hot = Key::new("hot");
+    let limit = [Limit::fixed_window(N, HOUR).unwrap()];
+    let multi = every_algorithm(100_000);
+    let name = store.redis_key(&hot, &limit[0]);
+    let slot = cluster.keyslot(&name);
+    let from = cluster.master_of_slot(slot);
+    let to = *cluster.masters().iter().find(|&&m| m != from).unwrap();
+
+    let mut allowed = 0;
+    for _ in 0..50 {
+        allowed += u32::from(check(&store, &hot, &limit).await.unwrap().is_allowed());
+        check(&store, &hot, &multi).await.unwrap();
+    }
+    assert_eq!(allowed, 50);
+    assert_eq!(cluster.cli(from, &["EXISTS", &name]).unwrap().trim(), "1");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut streams = JoinSet::new();
+    let single = stream(&mut streams, &store, &hot, &limit, 3, &stop);
+    let several = stream(&mut streams, &store, &hot, &multi, 1, &stop);
+    wait_until("requests before the move", RESUME, || {
+        single.answers() >= 50
+    })
+    .await;
+    let moving = cluster.clone();
+    let started = Instant::now();
+    let moved = tokio::task::spawn_blocking(move || moving.move_slot(slot, to))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let answered = single.answers();
+    wait_until("requests after the move", RESUME, || {
+        single.answers() >= answered + 50 && several.answers() >= 10
+    })
+    .await;
+    join(streams, &stop).await;
+
+    // The key went with its slot.
+    assert!(moved >= 6, "moved {moved} keys");
+    assert_eq!(cluster.node_for_key(&name), to);
+    let left = cluster.cli(from, &["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()]);
+    assert_eq!(left.unwrap().trim(), "0");
+    // Exactly N in total, before, during and after the move.
+    for _ in 0..N + 10 {
+        allowed += u32::from(check(&store, &hot, &limit).await.unwrap().is_allowed());
+    }
+    // (A request that timed out may have counted without being told so: only those
+    // may make up the difference. Redirections and TRYAGAIN never ran the script.)
+    let [during, _, errors] = single.get();
+    let uncertain = single.uncertain.load(Ordering::Relaxed);
+    let total = u64::from(allowed) + during;
+    assert!(
+        total <= u64::from(N) && total + uncertain >= u64::from(N),
+        "allowed {total} of {N} ({errors} errors, {uncertain} of them maybe counted)"
+    );
+    let count = cluster.cli(to, &["HGET", &name, "c"]).unwrap();
+    assert_eq!(count.trim(), N.to_string());
+    // The store's slot map was stale after the move: the old owner redirected it.
+    let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
+    assert!(errorstats.contains("errorstat_MOVED"), "{errorstats}");
+    let several_samples = several.samples();
+    let several = several.get();
+    eprintln!(
+        "resharding: {moved} keys moved in {took:?}; single-limit stream {:?} {:?}, \
+         five-limit stream {several:?} {:?} (allowed, denied, errors)",
+        single.get(),
+        single.samples(),
+        several_samples,
+    );
+}
