@@ -9,7 +9,7 @@ use std::{
     task::{Context, Poll, ready},
 };
 
-use futures_util::{FutureExt, future::BoxFuture};
+use futures_util::FutureExt;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
@@ -22,6 +22,7 @@ use crate::{
     metrics::{self, Outcome as Recorded, Timer},
     rejection::OnRejection,
     service::Shared,
+    store::Check,
 };
 
 pin_project! {
@@ -43,7 +44,7 @@ pin_project! {
         S: Service<Request<ReqB>>,
     {
         Checking {
-            check: BoxFuture<'static, Result<Decision, StoreError>>,
+            check: Check,
             deadline: Option<Pin<Box<Sleep>>>,
             pending: Option<Pending<S, ReqB>>,
         },
@@ -74,7 +75,7 @@ where
     S: Service<Request<ReqB>>,
 {
     pub(crate) fn checking(
-        check: BoxFuture<'static, Result<Decision, StoreError>>,
+        check: Check,
         pending: Pending<S, ReqB>,
         shared: Arc<Shared<R>>,
     ) -> Self {

@@ -7,7 +7,6 @@ use std::{
     time::Duration,
 };
 
-use futures_util::{FutureExt, future};
 use http::{Request, Response};
 use tower_service::Service;
 
@@ -20,7 +19,7 @@ use crate::{
     key::KeyExtractor,
     metrics,
     rejection::OnRejection,
-    store::Store,
+    store::{Check, Store},
 };
 
 /// What a [`RateLimit`] service shares with its response futures.
@@ -136,11 +135,10 @@ where
             .as_ref()
             .map_or(Admission::Ask, |b| b.admit());
         let check = if admission == Admission::Skip {
-            future::ready(Err(StoreError::new(
+            Check::ready(Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "circuit open: the store failed repeatedly",
             )))
-            .boxed()
         } else {
             shared.store.check(&key, &shared.limits, cost)
         };

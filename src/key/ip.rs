@@ -1,5 +1,6 @@
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
+use compact_str::format_compact;
 use http::{HeaderMap, Request};
 use ipnet::IpNet;
 
@@ -204,15 +205,17 @@ fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 fn ip_key(ip: IpAddr, ipv6_prefix: u8) -> Key {
-    match canonical(ip) {
-        IpAddr::V4(v4) => Key::new(v4.to_string()),
-        IpAddr::V6(v6) if ipv6_prefix >= 128 => Key::new(v6.to_string()),
+    // Addresses print as digits, hex letters, `.`, `:` and `/`: key-safe, no escaping,
+    // and short enough to stay inline.
+    Key::from_safe(match canonical(ip) {
+        IpAddr::V4(v4) => format_compact!("{v4}"),
+        IpAddr::V6(v6) if ipv6_prefix >= 128 => format_compact!("{v6}"),
         IpAddr::V6(v6) => {
             let mask = u128::MAX << (128 - u32::from(ipv6_prefix));
             let network = Ipv6Addr::from(u128::from(v6) & mask);
-            Key::new(format!("{network}/{ipv6_prefix}"))
+            format_compact!("{network}/{ipv6_prefix}")
         }
-    }
+    })
 }
 
 /// Every entry of every instance of `name`, in order; `None` for an unreadable entry.

@@ -75,6 +75,15 @@ impl Key {
         Self(hashed)
     }
 
+    /// A key from text known to be key-safe (IP addresses), without escaping it again.
+    pub(crate) fn from_safe(text: CompactString) -> Self {
+        debug_assert!(
+            text.bytes().all(is_safe) && text.len() <= MAX_KEY_LEN,
+            "{text}"
+        );
+        Self(text)
+    }
+
     /// The encoded key, as it appears in store keys.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -9,14 +9,13 @@ use std::{
     },
 };
 
-use futures_util::future::{self, BoxFuture, FutureExt};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
-use super::Store;
+use super::{Check, Store};
 use crate::{
-    Decision, Limit, StoreError,
+    Decision, Limit,
     algorithm::{self, State},
     clock::{Clock, SystemClock},
     key::Key,
@@ -144,13 +143,8 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
-    fn check(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-    ) -> BoxFuture<'static, Result<Decision, StoreError>> {
-        future::ready(Ok(self.decide(key, limits, cost))).boxed()
+    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        Check::ready(Ok(self.decide(key, limits, cost)))
     }
 }
 

@@ -4,42 +4,33 @@
 //! - `RedisStore` (feature `redis`): one Lua script per decision, so that every replica
 //!   of a service shares one budget.
 
+mod check;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
 use std::{fmt, sync::Arc};
 
-use futures_util::future::BoxFuture;
-
+pub use check::Check;
 pub use memory::MemoryStore;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 
-use crate::{Decision, Limit, StoreError, key::Key};
+use crate::{Limit, key::Key};
 
 /// Decides requests: checks `cost` against every limit for `key` in one atomic step,
 /// all-or-nothing, and records it when allowed.
 ///
-/// The future owns everything it needs (`'static`), so implementations read the
-/// arguments before they return it.
+/// The answer owns everything it needs (`'static`), so implementations read the
+/// arguments before they return it. A store that decides without I/O returns
+/// [`Check::ready`]: the layer then skips the timer and allocation of a pending call.
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Decides one request of `cost` against `limits` (at least one) for `key`.
-    fn check(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-    ) -> BoxFuture<'static, Result<Decision, StoreError>>;
+    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check;
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
-    fn check(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-    ) -> BoxFuture<'static, Result<Decision, StoreError>> {
+    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         (**self).check(key, limits, cost)
     }
 }

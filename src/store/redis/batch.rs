@@ -34,6 +34,16 @@ impl Default for CoalescerConfig {
 
 type Reply = oneshot::Sender<Result<Decision, StoreError>>;
 
+/// What became of a submitted request.
+pub(crate) enum Submitted {
+    /// Queued; the decision comes on this channel.
+    Queued(oneshot::Receiver<Result<Decision, StoreError>>),
+    /// Not queued: the queue is full (or the task is gone).
+    Refused(StoreError),
+    /// No runtime to run the task on: the caller calls Redis itself.
+    NoRuntime(Encoded),
+}
+
 /// The sending half of the batching task, started on first use (it needs a runtime).
 pub(crate) struct Coalescer {
     config: CoalescerConfig,
@@ -60,12 +70,8 @@ impl Coalescer {
         self.config
     }
 
-    /// Queues `request`. `None` when there is no runtime to run the task on (the caller
-    /// then calls Redis itself); an error when the queue is full.
-    pub(crate) fn submit(
-        &self,
-        request: Encoded,
-    ) -> Option<Result<oneshot::Receiver<Result<Decision, StoreError>>, StoreError>> {
+    /// Queues `request` for the batching task.
+    pub(crate) fn submit(&self, request: Encoded) -> Submitted {
         let sender = self
             .sender
             .get_or_init(|| {
@@ -79,19 +85,22 @@ impl Coalescer {
                 ));
                 Some(sender)
             })
-            .as_ref()?;
+            .as_ref();
+        let Some(sender) = sender else {
+            return Submitted::NoRuntime(request);
+        };
         let (reply, receiver) = oneshot::channel();
-        Some(match sender.try_send((request, reply)) {
-            Ok(()) => Ok(receiver),
-            Err(mpsc::error::TrySendError::Full(_)) => Err(StoreError::new(
+        match sender.try_send((request, reply)) {
+            Ok(()) => Submitted::Queued(receiver),
+            Err(mpsc::error::TrySendError::Full(_)) => Submitted::Refused(StoreError::new(
                 StoreErrorKind::Overloaded,
                 format!("{} decisions already wait for Redis", self.config.queue),
             )),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(StoreError::new(
+            Err(mpsc::error::TrySendError::Closed(_)) => Submitted::Refused(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the batch task stopped",
             )),
-        })
+        }
     }
 }
 

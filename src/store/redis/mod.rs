@@ -9,25 +9,22 @@ use std::{
 mod batch;
 mod block_cache;
 
-use futures_util::{
-    FutureExt,
-    future::{self, BoxFuture},
-};
 use redis::{
     RedisError, Script, ScriptInvocation,
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 use smallvec::SmallVec;
+use tokio::sync::oneshot;
 
 use self::{
-    batch::{Coalescer, CoalescerConfig},
+    batch::{Coalescer, CoalescerConfig, Submitted},
     block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE},
 };
-use super::Store;
+use super::{Check, Store};
 use crate::{
     ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
-    decision::LimitDecisions,
     clock::{Clock, SystemClock},
+    decision::LimitDecisions,
     key::Key,
 };
 
@@ -338,64 +335,60 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    fn check(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-    ) -> BoxFuture<'static, Result<Decision, StoreError>> {
+    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         // A request that can never fit is not "blocked until" anything: Redis answers it.
         let fits_at_all = limits.iter().all(|l| cost <= l.capacity());
         let block_cache = self.block_cache.clone().filter(|_| fits_at_all);
         if let Some(cache) = &block_cache
             && let Some(decision) = cache.get(key, limits, cost, self.local_now_ms())
         {
-            return future::ready(Ok(decision)).boxed();
+            return Check::ready(Ok(decision));
         }
         let encoded = self.encode(key, limits, cost);
-        let decided = match self
-            .coalescer
-            .as_ref()
-            .and_then(|c| c.submit(encoded.clone()))
-        {
-            Some(Ok(reply)) => async move {
-                reply.await.unwrap_or_else(|_| {
+        // Queued for the batching task, or (no runtime to run it on) sent directly.
+        let call = match &self.coalescer {
+            Some(coalescer) => match coalescer.submit(encoded) {
+                Submitted::Queued(reply) => Call::Queued(reply),
+                Submitted::Refused(error) => return Check::ready(Err(error)),
+                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
+            },
+            None => Call::Direct(encoded),
+        };
+        let connection = self.connection.clone();
+        let clock = self.clock.clone();
+        let key = key.clone();
+        let fingerprint = BlockCache::fingerprint(limits);
+        Check::pending(async move {
+            let decision = match call {
+                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
                     Err(StoreError::new(
                         StoreErrorKind::Unavailable,
                         "the batch task stopped",
                     ))
-                })
-            }
-            .boxed(),
-            Some(Err(error)) => return future::ready(Err(error)).boxed(),
-            None => {
-                let connection = self.connection.clone();
-                let now = self.clock.as_ref().map(|c| c.now_ms());
-                async move {
+                })?,
+                Call::Direct(encoded) => {
+                    let now = clock.as_ref().map(|c| c.now_ms());
                     let reply = invoke(connection, invocation(now, &[&encoded])).await?;
-                    parse(&reply, &encoded.quotas)
+                    parse(&reply, &encoded.quotas)?
                 }
-                .boxed()
-            }
-        };
-        let Some(cache) = block_cache else {
-            return decided;
-        };
-        let key = key.clone();
-        let fingerprint = BlockCache::fingerprint(limits);
-        let clock = self.clock.clone();
-        async move {
-            let decision = decided.await?;
-            if decision.is_allowed() {
-                cache.forget(&key, fingerprint);
-            } else {
-                let now = clock.map_or_else(|| SystemClock.now_ms(), |c| c.now_ms());
-                cache.insert(key, fingerprint, cost, now, &decision);
+            };
+            if let Some(cache) = block_cache {
+                if decision.is_allowed() {
+                    cache.forget(&key, fingerprint);
+                } else {
+                    let now = clock.map_or_else(|| SystemClock.now_ms(), |c| c.now_ms());
+                    cache.insert(key, fingerprint, cost, now, &decision);
+                }
             }
             Ok(decision)
-        }
-        .boxed()
+        })
     }
+}
+
+/// How a decision reaches Redis.
+enum Call {
+    Queued(oneshot::Receiver<Result<Decision, StoreError>>),
+    Direct(Encoded),
 }
 
 /// One request, ready to join a script call.
