@@ -14,7 +14,12 @@ mod redis;
 mod support;
 
 #[cfg(feature = "redis")]
-criterion_group!(benches, algorithms::bench_all, memory::bench_all, redis::bench_all);
+criterion_group!(
+    benches,
+    algorithms::bench_all,
+    memory::bench_all,
+    redis::bench_all
+);
 #[cfg(not(feature = "redis"))]
 criterion_group!(benches, algorithms::bench_all, memory::bench_all);
 criterion_main!(benches);

@@ -17,7 +17,10 @@ use tollgate::{Limit, MemoryStore, key::Key};
 
 /// Threads per workload: `BENCH_THREADS` or 2.
 fn threads() -> u64 {
-    std::env::var("BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2)
+    std::env::var("BENCH_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(2)
 }
 const KEYS: u32 = 1_000_000;
 
