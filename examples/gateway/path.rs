@@ -3,9 +3,10 @@
 //!
 //! Rule (RFC 3986 section 6.2.2, plus collapsing empty segments):
 //! 1. percent-encoded unreserved characters (`A-Z a-z 0-9 - . _ ~`) are decoded
-//!    (`/%61pi` is `/api`), other escapes are kept with upper-case hex digits; an encoded
-//!    `/` or `\` (`%2F`, `%5C`) or a broken escape is rejected with 400, since upstreams
-//!    disagree on whether it separates segments;
+//!    (`/%61pi` is `/api`), other escapes are kept with upper-case hex digits, and raw
+//!    non-ASCII bytes are percent-encoded (`/café` is `/caf%C3%A9`, one spelling for one
+//!    path); a `\`, raw or encoded, an encoded `/` (`%2F`) or a broken escape is rejected
+//!    with 400, since upstreams disagree on whether they separate segments;
 //! 2. empty segments are dropped (`//api` is `/api`);
 //! 3. `.` segments are dropped and `..` removes the segment before it, never going above
 //!    the root (`/api/../api`, `/../api` and `/./api` are `/api`);
@@ -23,7 +24,7 @@ pub(crate) enum PathError {
     NotAbsolute,
     /// `%` not followed by two hex digits.
     BadEscape,
-    /// `%2F` or `%5C`: an encoded segment separator.
+    /// `%2F`, `%5C` or a raw `\`: a separator some upstreams see and others do not.
     EncodedSeparator,
 }
 
@@ -32,7 +33,7 @@ impl fmt::Display for PathError {
         f.write_str(match self {
             Self::NotAbsolute => "the path must start with /",
             Self::BadEscape => "% must be followed by two hex digits",
-            Self::EncodedSeparator => "encoded / or \\ (%2F, %5C) is not allowed in paths",
+            Self::EncodedSeparator => "\\ and encoded / or \\ (%2F, %5C) are not allowed in paths",
         })
     }
 }
@@ -75,12 +76,18 @@ fn decode_unreserved(raw: &str) -> Result<String, PathError> {
     let mut i = 0;
     while i < bytes.len() {
         let byte = bytes[i];
+        if byte == b'\\' {
+            return Err(PathError::EncodedSeparator);
+        }
+        if !byte.is_ascii() {
+            // Upstreams decode `%C3%A9` and a raw `é` alike: keep one spelling.
+            push_escaped(&mut out, byte);
+            i += 1;
+            continue;
+        }
         if byte != b'%' {
-            // `raw` is a str and only ASCII bytes are ever split off, so pushing the char
-            // that starts here keeps it valid UTF-8.
-            let ch = raw[i..].chars().next().unwrap_or('\u{FFFD}');
-            out.push(ch);
-            i += ch.len_utf8();
+            out.push(char::from(byte));
+            i += 1;
             continue;
         }
         let (Some(hi), Some(lo)) = (
@@ -95,16 +102,18 @@ fn decode_unreserved(raw: &str) -> Result<String, PathError> {
             v if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') => {
                 out.push(char::from(v));
             }
-            v => {
-                const HEX: &[u8; 16] = b"0123456789ABCDEF";
-                out.push('%');
-                out.push(char::from(HEX[usize::from(v >> 4)]));
-                out.push(char::from(HEX[usize::from(v & 0xf)]));
-            }
+            v => push_escaped(&mut out, v),
         }
         i += 3;
     }
     Ok(out)
+}
+
+fn push_escaped(out: &mut String, byte: u8) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    out.push('%');
+    out.push(char::from(HEX[usize::from(byte >> 4)]));
+    out.push(char::from(HEX[usize::from(byte & 0xf)]));
 }
 
 fn hex(byte: u8) -> Option<u8> {
