@@ -1,0 +1,359 @@
+//! The server that `bench/load.sh` measures: a hello-world axum route behind one
+//! rate limiter, chosen with `--mode`, in one of two scenarios.
+//!
+//! ```text
+//! cargo run --release --example bench_server --features redis,bb8,cluster -- \
+//!     --mode redis --scenario allow --redis redis://127.0.0.1:16379 --port 0
+//! ```
+//!
+//! Modes:
+//! - `plain`: axum only, the baseline;
+//! - `memory`: tollgate with its `MemoryStore`;
+//! - `redis`: tollgate with `RedisStore::connect` (the defaults: `ConnectionManager`,
+//!   coalescing and block cache on); `redis-nocoalesce`: coalescing off;
+//!   `redis-nocache`: block cache off; `redis-pool`: over a bb8-redis pool of 16
+//!   (bb8's defaults, so a `PING` per checkout); `redis-cluster`: `connect_cluster` on
+//!   the nodes given with `--cluster`;
+//! - `governor`: tower_governor 0.8;
+//! - `handwritten`: an axum middleware that runs a fixed-window `INCR`+`PEXPIRE` script per
+//!   request with `redis::Script::invoke_async` on one `MultiplexedConnection`, the
+//!   reference point of the performance issue.
+//!
+//! Scenarios: `allow` (a limit so high that nothing is rejected) and `reject` (1 request
+//! per hour on one key shared by every request, so everything after the first is
+//! rejected: the one-key flood). Every limiter is a fixed window on one global key.
+//!
+//! Prints `listening on 127.0.0.1:<port>` once it serves (Redis connected, scripts
+//! loaded). On SIGTERM or Ctrl-C it stops and prints `statuses: 200=<n> 429=<n>
+//! other=<n>`, the answers it gave, so that the script can check that a scenario did what
+//! it says (a store error would otherwise pass unnoticed, or be counted as a rejection);
+//! store failures are answered 503 and logged to stderr.
+
+use std::{
+    net::SocketAddr,
+    process::ExitCode,
+    sync::{
+        Arc, LazyLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    extract::{Request, State},
+    http::StatusCode,
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use tollgate::{FailurePolicy, Limit, RateLimitLayer, key::GlobalKey, store::RedisStore};
+use tower::util::MapResponseLayer;
+use tower_governor::{
+    GovernorLayer, governor::GovernorConfigBuilder, key_extractor::GlobalKeyExtractor,
+};
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The allowed scenario: a fixed window of this many requests per second.
+const ALLOW_LIMIT: u32 = 1_000_000_000;
+const ALLOW_WINDOW: Duration = Duration::from_secs(1);
+/// The rejecting scenario: one request per hour.
+const REJECT_LIMIT: u32 = 1;
+const REJECT_WINDOW: Duration = Duration::from_secs(3600);
+
+/// The hand-written reference: a fixed window counted with INCR, the TTL set on the
+/// first hit. Returns `{allowed, remaining or ms until reset}`.
+static FIXED_WINDOW: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+local count = redis.call('INCR', KEYS[1])
+if count == 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+local limit = tonumber(ARGV[1])
+if count > limit then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+return {1, limit - count}
+",
+    )
+});
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Plain,
+    Memory,
+    Redis,
+    RedisNoCoalesce,
+    RedisNoCache,
+    RedisPool,
+    RedisCluster,
+    Governor,
+    Handwritten,
+}
+
+impl Mode {
+    const ALL: [(&'static str, Mode); 9] = [
+        ("plain", Mode::Plain),
+        ("memory", Mode::Memory),
+        ("redis", Mode::Redis),
+        ("redis-nocoalesce", Mode::RedisNoCoalesce),
+        ("redis-nocache", Mode::RedisNoCache),
+        ("redis-pool", Mode::RedisPool),
+        ("redis-cluster", Mode::RedisCluster),
+        ("governor", Mode::Governor),
+        ("handwritten", Mode::Handwritten),
+    ];
+
+    fn parse(name: &str) -> Result<Self, Error> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, mode)| *mode)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
+                format!("unknown mode {name:?}; one of {}", names.join(", ")).into()
+            })
+    }
+}
+
+#[derive(Debug)]
+struct Args {
+    mode: Mode,
+    reject: bool,
+    redis: Option<String>,
+    cluster: Vec<String>,
+    port: u16,
+}
+
+const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject] \
+                     [--redis <url>] [--cluster <url,url,..>] [--port <port>]";
+
+fn parse_args() -> Result<Args, Error> {
+    let mut mode = None;
+    let mut reject = false;
+    let mut redis = None;
+    let mut cluster = Vec::new();
+    let mut port = 0;
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || {
+            args.next()
+                .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        match flag.as_str() {
+            "--mode" => mode = Some(Mode::parse(&value()?)?),
+            "--scenario" => {
+                reject = match value()?.as_str() {
+                    "allow" => false,
+                    "reject" => true,
+                    other => return Err(format!("unknown scenario {other:?}\n{USAGE}").into()),
+                }
+            }
+            "--redis" => redis = Some(value()?),
+            "--cluster" => {
+                cluster = value()?
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+            }
+            "--port" => port = value()?.parse()?,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}").into()),
+        }
+    }
+    let mode = mode.ok_or_else(|| format!("--mode is required\n{USAGE}"))?;
+    Ok(Args {
+        mode,
+        reject,
+        redis,
+        cluster,
+        port,
+    })
+}
+
+/// Answers given, by status.
+#[derive(Debug, Default)]
+struct Statuses {
+    ok: AtomicU64,
+    too_many: AtomicU64,
+    other: AtomicU64,
+}
+
+impl Statuses {
+    fn count(&self, status: StatusCode) {
+        let counter = match status {
+            StatusCode::OK => &self.ok,
+            StatusCode::TOO_MANY_REQUESTS => &self.too_many,
+            _ => &self.other,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("bench_server: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Error> {
+    // Store failures are logged (tollgate warns once per failed decision), so that the
+    // script can show why a run was invalid. RUST_LOG overrides the level.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .init();
+    let args = parse_args()?;
+    let app = app(&args).await?;
+    let statuses = Arc::new(Statuses::default());
+    let counted = statuses.clone();
+    let app = app.layer(MapResponseLayer::new(move |response: Response| {
+        counted.count(response.status());
+        response
+    }));
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
+    println!("listening on {}", listener.local_addr()?);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown())
+    .await?;
+    println!(
+        "statuses: 200={} 429={} other={}",
+        statuses.ok.load(Ordering::Relaxed),
+        statuses.too_many.load(Ordering::Relaxed),
+        statuses.other.load(Ordering::Relaxed)
+    );
+    Ok(())
+}
+
+/// SIGTERM (what the script sends) or Ctrl-C.
+async fn shutdown() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("install a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn hello() -> &'static str {
+    "Hello, World!"
+}
+
+async fn app(args: &Args) -> Result<Router, Error> {
+    let router = Router::new().route("/", get(hello));
+    let (limit, window) = if args.reject {
+        (REJECT_LIMIT, REJECT_WINDOW)
+    } else {
+        (ALLOW_LIMIT, ALLOW_WINDOW)
+    };
+    // A store failure is answered 503, so that it shows in the status counts instead of
+    // passing as an allowed request.
+    let layer = RateLimitLayer::new(Limit::fixed_window(limit, window)?)
+        .key(GlobalKey)
+        .on_store_error(FailurePolicy::Deny);
+    let redis_url = || {
+        args.redis
+            .as_deref()
+            .ok_or_else(|| Error::from("this mode needs --redis <url>"))
+    };
+    Ok(match args.mode {
+        Mode::Plain => router,
+        Mode::Memory => router.layer(layer),
+        Mode::Redis => router.layer(layer.store(RedisStore::connect(redis_url()?).await?)),
+        Mode::RedisNoCoalesce => router.layer(
+            layer.store(
+                RedisStore::connect(redis_url()?)
+                    .await?
+                    .with_coalescing(false),
+            ),
+        ),
+        Mode::RedisNoCache => {
+            router.layer(layer.store(RedisStore::connect(redis_url()?).await?.with_block_cache(0)))
+        }
+        Mode::RedisPool => {
+            let manager = bb8_redis::RedisConnectionManager::new(redis_url()?)?;
+            let pool = bb8_redis::bb8::Pool::builder()
+                .max_size(16)
+                .build(manager)
+                .await?;
+            router.layer(layer.store(RedisStore::from_pool(pool)))
+        }
+        Mode::RedisCluster => {
+            if args.cluster.is_empty() {
+                return Err("mode redis-cluster needs --cluster <url,url,..>".into());
+            }
+            router.layer(layer.store(RedisStore::connect_cluster(&args.cluster).await?))
+        }
+        Mode::Governor => {
+            let mut config = GovernorConfigBuilder::default();
+            if args.reject {
+                config.period(REJECT_WINDOW).burst_size(REJECT_LIMIT);
+            } else {
+                // One cell per nanosecond: never empty.
+                config.per_nanosecond(1).burst_size(ALLOW_LIMIT);
+            }
+            let config = config
+                .key_extractor(GlobalKeyExtractor)
+                .finish()
+                .ok_or("invalid governor quota")?;
+            router.layer(GovernorLayer::new(config))
+        }
+        Mode::Handwritten => {
+            let client = redis::Client::open(redis_url()?)?;
+            let mut connection = client.get_multiplexed_async_connection().await?;
+            FIXED_WINDOW.load_async(&mut connection).await?;
+            let state = Handwritten {
+                connection,
+                key: if args.reject {
+                    "bench:handwritten:reject"
+                } else {
+                    "bench:handwritten:allow"
+                },
+                limit: u64::from(limit),
+                window_ms: u64::try_from(window.as_millis())?,
+            };
+            router.layer(middleware::from_fn_with_state(state, handwritten))
+        }
+    })
+}
+
+#[derive(Clone)]
+struct Handwritten {
+    connection: redis::aio::MultiplexedConnection,
+    key: &'static str,
+    limit: u64,
+    window_ms: u64,
+}
+
+/// The reference middleware: one script call per request.
+async fn handwritten(State(state): State<Handwritten>, request: Request, next: Next) -> Response {
+    let mut connection = state.connection;
+    let decided: redis::RedisResult<(i64, i64)> = FIXED_WINDOW
+        .key(state.key)
+        .arg(state.limit)
+        .arg(state.window_ms)
+        .invoke_async(&mut connection)
+        .await;
+    match decided {
+        Ok((1, _)) => next.run(request).await,
+        Ok(_) => StatusCode::TOO_MANY_REQUESTS.into_response(),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
