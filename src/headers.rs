@@ -10,6 +10,7 @@
 //! - Optionally the legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
 //!   `X-RateLimit-Reset` (seconds) of the most restrictive limit.
 
+use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue, header::RETRY_AFTER};
 
 use crate::{Decision, Limit};
@@ -90,15 +91,25 @@ pub(crate) fn policy_value(limits: &[Limit]) -> Option<HeaderValue> {
 #[derive(Debug, Clone)]
 pub(crate) struct HeaderWriter {
     style: HeaderStyle,
-    names: Vec<String>,
+    /// `"<name>";r=` for each limit: the constant start of its `RateLimit` item.
+    items: Vec<String>,
+    /// Enough bytes for the whole `RateLimit` value, so it is allocated once.
+    rendered_len: usize,
     policy: Option<HeaderValue>,
 }
 
 impl HeaderWriter {
     pub(crate) fn new(style: HeaderStyle, limits: &[Limit]) -> Self {
+        let items: Vec<String> = limits
+            .iter()
+            .map(|limit| format!("\"{}\";r=", policy_name(limit)))
+            .collect();
+        // Each item: its start, up to 20 digits twice, `;t=` and `, `.
+        let rendered_len = items.iter().map(|item| item.len() + 45).sum();
         Self {
             style,
-            names: limits.iter().map(policy_name).collect(),
+            items,
+            rendered_len,
             policy: policy_value(limits),
         }
     }
@@ -124,23 +135,22 @@ impl HeaderWriter {
             if let Some(policy) = &self.policy {
                 headers.append(RATELIMIT_POLICY.clone(), policy.clone());
             }
-            let mut value = String::with_capacity(32 * self.names.len());
-            for (name, limit) in self.names.iter().zip(decision.limits()) {
+            // Rendered into one buffer that becomes the header value without a copy.
+            let mut value = BytesMut::with_capacity(self.rendered_len);
+            for (item, limit) in self.items.iter().zip(decision.limits()) {
                 if !value.is_empty() {
-                    value.push_str(", ");
+                    value.extend_from_slice(b", ");
                 }
                 let mut reset = ceil_secs(limit.reset_after_ms);
                 if let Some(retry_after) = retry_after {
                     reset = reset.min(retry_after);
                 }
-                value.push('"');
-                value.push_str(name);
-                value.push_str("\";r=");
-                value.push_str(itoa::Buffer::new().format(limit.remaining));
-                value.push_str(";t=");
-                value.push_str(itoa::Buffer::new().format(reset));
+                value.extend_from_slice(item.as_bytes());
+                value.extend_from_slice(itoa::Buffer::new().format(limit.remaining).as_bytes());
+                value.extend_from_slice(b";t=");
+                value.extend_from_slice(itoa::Buffer::new().format(reset).as_bytes());
             }
-            if let Ok(value) = HeaderValue::from_str(&value) {
+            if let Ok(value) = HeaderValue::from_maybe_shared(value.freeze()) {
                 headers.append(RATELIMIT.clone(), value);
             }
         }
