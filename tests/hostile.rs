@@ -24,6 +24,8 @@ mod config;
 #[path = "../examples/gateway/path.rs"]
 mod path;
 
+mod oracles;
+
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::Duration,
@@ -31,8 +33,11 @@ use std::{
 
 use http::{HeaderMap, HeaderName, HeaderValue, Request};
 use ipnet::IpNet;
+use oracles::{
+    POOL, TRUSTED, canonical, check_ip_key, check_key, check_normal, is_hashed, named, peer_key,
+};
 use proptest::{collection::vec, prelude::*};
-use tollgate::key::{ClientIp, ForwardedHeader, HeaderKey, Key, KeyExtractor, MAX_KEY_LEN, PeerIp};
+use tollgate::key::{ClientIp, ForwardedHeader, HeaderKey, KeyExtractor};
 
 fn config(cases: u32) -> ProptestConfig {
     ProptestConfig {
@@ -63,55 +68,6 @@ fn hostile_byte() -> impl Strategy<Value = u8> {
 /// Around the lengths where the encoding switches to a hash (128 encoded bytes).
 fn hostile_bytes() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![vec(hostile_byte(), 0..50), vec(hostile_byte(), 40..140)]
-}
-
-/// The bytes a readable key stands for; `None` for a hashed key.
-fn decode(key: &str) -> Option<Vec<u8>> {
-    if key.starts_with('#') {
-        return None;
-    }
-    if key == "~" {
-        return Some(Vec::new());
-    }
-    let bytes = key.as_bytes();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
-            out.push(u8::from_str_radix(hex, 16).unwrap());
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    Some(out)
-}
-
-#[track_caller]
-fn check_key(input: &[u8]) -> Key {
-    let key = Key::new(input);
-    let s = key.as_str();
-    assert!(!s.is_empty() && s.len() <= MAX_KEY_LEN, "{s:?}");
-    assert!(
-        s.bytes()
-            .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}'),
-        "unsafe byte in {s:?}"
-    );
-    match decode(s) {
-        Some(decoded) => assert_eq!(decoded, input, "{s:?} does not stand for its input"),
-        None => {
-            assert_eq!(s.len(), 33, "{s:?}");
-            assert!(s[1..].bytes().all(|b| b.is_ascii_hexdigit()), "{s:?}");
-            assert!(input.len() * 3 > MAX_KEY_LEN, "a short input was hashed");
-        }
-    }
-    key
-}
-
-fn is_hashed(key: &Key) -> bool {
-    key.as_str().starts_with('#')
 }
 
 /// `bytes` with every byte percent-encoded: what an attacker would send to collide with
@@ -160,37 +116,6 @@ fn huge_keys_are_hashed_and_distinct() {
 
 // ---------------------------------------------------------------------------------------
 // ClientIp: X-Forwarded-For and Forwarded
-
-const TRUSTED: &[&[&str]] = &[
-    &[],
-    &["10.0.0.0/8"],
-    &[
-        "10.0.0.0/8",
-        "192.168.0.0/16",
-        "127.0.0.1/32",
-        "::1/128",
-        "2001:db8::/32",
-    ],
-    &["0.0.0.0/0", "::/0"],
-    // Not truncated, and IPv4-mapped: what a careless config may say.
-    &["10.1.2.3/8", "::ffff:10.0.0.0/104"],
-    &["fe80::/10", "172.16.0.0/12"],
-];
-
-const POOL: &[&str] = &[
-    "10.0.0.1",
-    "::ffff:10.0.0.1",
-    "192.168.1.1",
-    "127.0.0.1",
-    "::1",
-    "2001:db8::1",
-    "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff",
-    "6.6.6.6",
-    "fe80::1",
-    "172.16.0.9",
-    "0.0.0.0",
-    "::",
-];
 
 fn addr() -> impl Strategy<Value = IpAddr> {
     prop_oneof![
@@ -296,69 +221,6 @@ fn line() -> impl Strategy<Value = Line> {
                 forwarded: spell(!mismatch),
             }
         })
-}
-
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
-}
-
-/// Every address written anywhere in `headers` (a superset of what the parsers read):
-/// tokens between `,` `;` `=` `"` and white space, as an address, a socket address or a
-/// bracketed IPv6 address.
-fn named(headers: &HeaderMap) -> Vec<IpAddr> {
-    let mut ips = Vec::new();
-    for value in headers.values() {
-        let text = String::from_utf8_lossy(value.as_bytes());
-        let tokens = text.split(|c: char| matches!(c, ',' | ';' | '=' | '"') || c.is_whitespace());
-        for token in tokens {
-            let ip = token
-                .parse::<IpAddr>()
-                .ok()
-                .or_else(|| token.parse::<SocketAddr>().ok().map(|a| a.ip()))
-                .or_else(|| {
-                    let inner = token.strip_prefix('[')?.strip_suffix(']')?;
-                    inner.parse::<Ipv6Addr>().ok().map(IpAddr::V6)
-                });
-            ips.extend(ip.map(canonical));
-        }
-    }
-    ips
-}
-
-fn peer_key(ip: IpAddr, prefix: u8) -> Key {
-    let mut req = Request::new(());
-    req.extensions_mut().insert(SocketAddr::new(ip, 1));
-    PeerIp::new().ipv6_prefix(prefix).extract(&req).unwrap()
-}
-
-/// An IPv4 address, an IPv6 address (prefix 128) or an IPv6 network of `prefix` bits.
-#[track_caller]
-fn check_ip_key(key: &Key, prefix: u8) {
-    let s = key.as_str();
-    let prefix = prefix.clamp(1, 128);
-    match s.split_once('/') {
-        Some((net, bits)) => {
-            let net: Ipv6Addr = net.parse().unwrap_or_else(|_| panic!("{s:?}"));
-            let bits: u8 = bits.parse().unwrap_or_else(|_| panic!("{s:?}"));
-            assert!(bits == prefix && bits < 128, "{s:?}");
-            assert_eq!(
-                u128::from(net) & (u128::MAX >> bits),
-                0,
-                "host bits in {s:?}"
-            );
-        }
-        None => match s.parse::<IpAddr>() {
-            Ok(IpAddr::V4(_)) => {}
-            Ok(IpAddr::V6(v6)) => {
-                assert_eq!(prefix, 128, "{s:?}");
-                assert!(v6.to_ipv4_mapped().is_none(), "mapped {s:?}");
-            }
-            Err(_) => panic!("not an IP key: {s:?}"),
-        },
-    }
 }
 
 fn header_name(forwarded: bool, upper: bool) -> HeaderName {
@@ -828,53 +690,16 @@ fn raw_path() -> impl Strategy<Value = String> {
     vec(segment, 0..8).prop_map(|segments| format!("/{}", segments.join("/")))
 }
 
-#[track_caller]
-fn check_normal(normal: &str) {
-    assert!(normal.starts_with('/'), "{normal:?}");
-    assert_eq!(
-        path::normalize(normal).as_deref(),
-        Ok(normal),
-        "not idempotent"
-    );
-    let segments: Vec<&str> = normal[1..].split('/').collect();
-    for (i, segment) in segments.iter().enumerate() {
-        assert!(
-            !segment.is_empty() || i + 1 == segments.len(),
-            "empty segment in {normal:?}"
-        );
-        assert!(
-            *segment != "." && *segment != "..",
-            "dot segment in {normal:?}"
-        );
-    }
-    for bad in ["//", "/./", "/../"] {
-        assert!(!normal.contains(bad), "{bad} in {normal:?}");
-    }
-    for (i, _) in normal.match_indices('%') {
-        let hex = &normal[i + 1..i + 3];
-        assert!(
-            hex.bytes()
-                .all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(&b)),
-            "{normal:?}"
-        );
-        let value = u8::from_str_radix(hex, 16).unwrap();
-        assert!(
-            !(value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~')),
-            "undecoded %{hex} in {normal:?}"
-        );
-    }
-}
-
 proptest! {
     #![proptest_config(config(2000))]
 
     #[test]
     fn path_normalisation_is_idempotent_and_clean(raw in raw_path(), prefix in raw_path()) {
         if let Ok(normal) = path::normalize(&raw) {
-            check_normal(&normal);
+            check_normal(&normal, path::normalize);
             prop_assert_eq!(path::normalize(&format!("/{raw}")), Ok(normal.clone()));
             if let Ok(prefix) = path::normalize_prefix(&prefix) {
-                check_normal(&prefix);
+                check_normal(&prefix, path::normalize);
                 if path::matches_prefix(&prefix, &normal) {
                     let rest = &normal[prefix.len()..];
                     prop_assert!(prefix == "/" || rest.is_empty() || rest.starts_with('/'));
@@ -886,7 +711,7 @@ proptest! {
     #[test]
     fn path_normaliser_never_panics(raw in ".{0,40}") {
         if let Ok(normal) = path::normalize(&raw) {
-            check_normal(&normal);
+            check_normal(&normal, path::normalize);
         }
     }
 }

@@ -12,39 +12,12 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use arbitrary::Arbitrary;
 use http::{HeaderMap, HeaderValue, Request};
 use ipnet::IpNet;
+#[path = "../../tests/oracles/mod.rs"]
+mod oracles;
+
 use libfuzzer_sys::fuzz_target;
-use tollgate::key::{ClientIp, ForwardedHeader, Key, KeyExtractor, PeerIp};
-
-const TRUSTED: &[&[&str]] = &[
-    &[],
-    &["10.0.0.0/8"],
-    &[
-        "10.0.0.0/8",
-        "192.168.0.0/16",
-        "127.0.0.1/32",
-        "::1/128",
-        "2001:db8::/32",
-    ],
-    &["0.0.0.0/0", "::/0"],
-    // Not truncated, and IPv4-mapped: what a careless config may say.
-    &["10.1.2.3/8", "::ffff:10.0.0.0/104"],
-    &["fe80::/10", "172.16.0.0/12"],
-];
-
-const POOL: &[&str] = &[
-    "10.0.0.1",
-    "::ffff:10.0.0.1",
-    "192.168.1.1",
-    "127.0.0.1",
-    "::1",
-    "2001:db8::1",
-    "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff",
-    "6.6.6.6",
-    "fe80::1",
-    "172.16.0.9",
-    "0.0.0.0",
-    "::",
-];
+use oracles::{POOL, TRUSTED, canonical, check_ip_key as check_key, named, peer_key};
+use tollgate::key::{ClientIp, ForwardedHeader, KeyExtractor};
 
 #[derive(Arbitrary, Debug, Clone, Copy)]
 enum Addr {
@@ -106,13 +79,6 @@ struct Input {
     injected: Vec<u8>,
 }
 
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
-}
-
 fn render(hop: &Hop, forwarded: bool, quoted: bool) -> String {
     let text = match *hop {
         Hop::Bare(a) => a.ip().to_string(),
@@ -131,57 +97,6 @@ fn render(hop: &Hop, forwarded: bool, quoted: bool) -> String {
         }
     } else {
         text
-    }
-}
-
-/// Every address written anywhere in `headers` (a superset of what the parsers read):
-/// tokens between `,` `;` `=` `"` and white space, as an address, a socket address or a
-/// bracketed IPv6 address.
-fn named(headers: &HeaderMap) -> Vec<IpAddr> {
-    let mut ips = Vec::new();
-    for value in headers.values() {
-        let text = String::from_utf8_lossy(value.as_bytes());
-        for token in text.split(|c: char| matches!(c, ',' | ';' | '=' | '"') || c.is_whitespace()) {
-            let ip = token
-                .parse::<IpAddr>()
-                .ok()
-                .or_else(|| token.parse::<SocketAddr>().ok().map(|a| a.ip()))
-                .or_else(|| {
-                    let inner = token.strip_prefix('[')?.strip_suffix(']')?;
-                    inner.parse::<Ipv6Addr>().ok().map(IpAddr::V6)
-                });
-            ips.extend(ip.map(canonical));
-        }
-    }
-    ips
-}
-
-fn peer_key(ip: IpAddr, prefix: u8) -> Key {
-    let mut req = Request::new(());
-    req.extensions_mut().insert(SocketAddr::new(ip, 1));
-    PeerIp::new().ipv6_prefix(prefix).extract(&req).unwrap()
-}
-
-fn check_key(key: &Key, prefix: u8) {
-    let s = key.as_str();
-    let prefix = prefix.clamp(1, 128);
-    match s.split_once('/') {
-        Some((net, bits)) => {
-            let net: Ipv6Addr = net.parse().unwrap_or_else(|_| panic!("{s:?}"));
-            let bits: u8 = bits.parse().unwrap_or_else(|_| panic!("{s:?}"));
-            assert_eq!(bits, prefix, "{s:?}");
-            assert!(bits < 128, "{s:?}");
-            let host_bits = u128::MAX >> bits;
-            assert_eq!(u128::from(net) & host_bits, 0, "host bits in {s:?}");
-        }
-        None => match s.parse::<IpAddr>() {
-            Ok(IpAddr::V4(_)) => {}
-            Ok(IpAddr::V6(v6)) => {
-                assert_eq!(prefix, 128, "{s:?}");
-                assert!(v6.to_ipv4_mapped().is_none(), "mapped {s:?}");
-            }
-            Err(_) => panic!("not an IP key: {s:?}"),
-        },
     }
 }
 

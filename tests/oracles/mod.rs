@@ -1,0 +1,211 @@
+//! The properties that the fuzz targets (`fuzz/`) and `tests/hostile.rs` check alike,
+//! written once: each file includes this one (`#[path]` from the fuzz crate).
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+use http::{HeaderMap, Request};
+use tollgate::key::{Key, KeyExtractor, MAX_KEY_LEN, PeerIp};
+
+/// Sets of trusted proxies, some written carelessly.
+pub const TRUSTED: &[&[&str]] = &[
+    &[],
+    &["10.0.0.0/8"],
+    &[
+        "10.0.0.0/8",
+        "192.168.0.0/16",
+        "127.0.0.1/32",
+        "::1/128",
+        "2001:db8::/32",
+    ],
+    &["0.0.0.0/0", "::/0"],
+    // Not truncated, and IPv4-mapped: what a careless config may say.
+    &["10.1.2.3/8", "::ffff:10.0.0.0/104"],
+    &["fe80::/10", "172.16.0.0/12"],
+];
+
+/// Addresses that matter: private, loopback, mapped, unspecified, documentation.
+pub const POOL: &[&str] = &[
+    "10.0.0.1",
+    "::ffff:10.0.0.1",
+    "192.168.1.1",
+    "127.0.0.1",
+    "::1",
+    "2001:db8::1",
+    "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff",
+    "6.6.6.6",
+    "fe80::1",
+    "172.16.0.9",
+    "0.0.0.0",
+    "::",
+];
+
+/// The bytes a key that was not hashed stands for (`~` is the empty key).
+pub fn decode(key: &str) -> Option<Vec<u8>> {
+    if key.starts_with('#') {
+        return None;
+    }
+    if key == "~" {
+        return Some(Vec::new());
+    }
+    let bytes = key.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
+            out.push(u8::from_str_radix(hex, 16).unwrap());
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Some(out)
+}
+
+/// `Key::new(input)`, checked: bounded, key-safe, deterministic, and readable keys decode
+/// back to their input (so two inputs never share a key unless both were hashed).
+#[track_caller]
+pub fn check_key(input: &[u8]) -> Key {
+    let key = Key::new(input);
+    let s = key.as_str();
+    assert!(!s.is_empty());
+    assert!(s.len() <= MAX_KEY_LEN, "{} bytes: {s:?}", s.len());
+    assert!(
+        s.bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}'),
+        "unsafe byte in {s:?}"
+    );
+    match decode(s) {
+        // Readable keys decode back to the input: that is what makes them injective.
+        Some(decoded) => assert_eq!(decoded, input, "{s:?}"),
+        None => {
+            assert_eq!(s.len(), 33, "{s:?}");
+            assert!(s[1..].bytes().all(|b| b.is_ascii_hexdigit()), "{s:?}");
+            // Hashed only when the readable form would be too long.
+            assert!(
+                input.len() * 3 > MAX_KEY_LEN,
+                "{} input bytes hashed",
+                input.len()
+            );
+        }
+    }
+    // Deterministic.
+    assert_eq!(Key::new(input), key);
+    key
+}
+
+/// Whether `key` is a hashed (long) key.
+pub fn is_hashed(key: &Key) -> bool {
+    key.as_str().starts_with('#')
+}
+
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Every address written anywhere in `headers` (a superset of what the parsers read):
+/// tokens between `,` `;` `=` `"` and white space, as an address, a socket address or a
+/// bracketed IPv6 address.
+pub fn named(headers: &HeaderMap) -> Vec<IpAddr> {
+    let mut ips = Vec::new();
+    for value in headers.values() {
+        let text = String::from_utf8_lossy(value.as_bytes());
+        for token in text.split(|c: char| matches!(c, ',' | ';' | '=' | '"') || c.is_whitespace()) {
+            let ip = token
+                .parse::<IpAddr>()
+                .ok()
+                .or_else(|| token.parse::<SocketAddr>().ok().map(|a| a.ip()))
+                .or_else(|| {
+                    let inner = token.strip_prefix('[')?.strip_suffix(']')?;
+                    inner.parse::<Ipv6Addr>().ok().map(IpAddr::V6)
+                });
+            ips.extend(ip.map(canonical));
+        }
+    }
+    ips
+}
+
+/// The key `PeerIp` gives a request from `ip`.
+pub fn peer_key(ip: IpAddr, prefix: u8) -> Key {
+    let mut req = Request::new(());
+    req.extensions_mut().insert(SocketAddr::new(ip, 1));
+    PeerIp::new().ipv6_prefix(prefix).extract(&req).unwrap()
+}
+
+/// An IPv4 address, an IPv6 address (prefix 128) or an IPv6 network of `prefix` bits.
+#[track_caller]
+pub fn check_ip_key(key: &Key, prefix: u8) {
+    let s = key.as_str();
+    let prefix = prefix.clamp(1, 128);
+    match s.split_once('/') {
+        Some((net, bits)) => {
+            let net: Ipv6Addr = net.parse().unwrap_or_else(|_| panic!("{s:?}"));
+            let bits: u8 = bits.parse().unwrap_or_else(|_| panic!("{s:?}"));
+            assert_eq!(bits, prefix, "{s:?}");
+            assert!(bits < 128, "{s:?}");
+            let host_bits = u128::MAX >> bits;
+            assert_eq!(u128::from(net) & host_bits, 0, "host bits in {s:?}");
+        }
+        None => match s.parse::<IpAddr>() {
+            Ok(IpAddr::V4(_)) => {}
+            Ok(IpAddr::V6(v6)) => {
+                assert_eq!(prefix, 128, "{s:?}");
+                assert!(v6.to_ipv4_mapped().is_none(), "mapped {s:?}");
+            }
+            Err(_) => panic!("not an IP key: {s:?}"),
+        },
+    }
+}
+
+/// A normalised gateway path: starts with `/`, a fixed point of `normalize`, no empty,
+/// `.` or `..` segment, escapes upper-case and never of a character it decodes.
+#[track_caller]
+pub fn check_normal<E: std::fmt::Debug + PartialEq>(
+    normal: &str,
+    normalize: impl Fn(&str) -> Result<String, E>,
+) {
+    assert!(normal.starts_with('/'), "{normal:?}");
+    assert_eq!(
+        normalize(normal).as_ref().map(String::as_str),
+        Ok(normal),
+        "not idempotent"
+    );
+    // No empty, `.` or `..` segment anywhere (the last one may be empty: a trailing `/`).
+    let segments: Vec<&str> = normal[1..].split('/').collect();
+    for (i, segment) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        assert!(!segment.is_empty() || last, "empty segment in {normal:?}");
+        assert!(
+            *segment != "." && *segment != "..",
+            "dot segment in {normal:?}"
+        );
+    }
+    for bad in ["//", "/./", "/../"] {
+        assert!(!normal.contains(bad), "{bad} in {normal:?}");
+    }
+    assert!(
+        !normal.ends_with("/.") && !normal.ends_with("/.."),
+        "{normal:?}"
+    );
+    // Escapes are upper-case and never of an unreserved character.
+    let bytes = normal.as_bytes();
+    for (i, _) in normal.match_indices('%') {
+        let hex = &bytes[i + 1..i + 3];
+        assert!(
+            hex.iter()
+                .all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(b))
+        );
+        let value = u8::from_str_radix(std::str::from_utf8(hex).unwrap(), 16).unwrap();
+        assert!(
+            !(value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~')),
+            "undecoded %{value:02X} in {normal:?}"
+        );
+        assert!(value != b'/' && value != b'\\');
+    }
+}
