@@ -1,12 +1,18 @@
--- Fixed window: hash {s = window start, c = count}. Windows are aligned to multiples of
--- W since the epoch. Mirrors src/algorithm/fixed_window.rs.
+-- Fixed window: a string "<window start>:<count>", read with one GET and written with
+-- one SET PX (a hash would take HMGET, HSET and PEXPIRE). Windows are aligned to
+-- multiples of W since the epoch. Mirrors src/algorithm/fixed_window.rs.
 -- Defined on first use, so a call pays only for the algorithms it runs.
 local function define_fixed_window()
   local fixed_window = {}
 
   function fixed_window.load(key, now, L, W, B)
-    local v = redis.call('HMGET', key, 's', 'c')
-    local s = { start = tonumber(v[1]) or 0, count = tonumber(v[2]) or 0 }
+    local s = { start = 0, count = 0 }
+    local v = redis.call('GET', key)
+    if v then
+      local sep = string.find(v, ':', 1, true)
+      s.start = tonumber(string.sub(v, 1, sep - 1))
+      s.count = tonumber(string.sub(v, sep + 1))
+    end
     local start = now - now % W
     if s.start ~= start then
       s.start = start
@@ -25,8 +31,7 @@ local function define_fixed_window()
 
   function fixed_window.commit(s, key, now, L, W, B, cost)
     s.count = s.count + cost
-    redis.call('HSET', key, 's', int(s.start), 'c', int(s.count))
-    expire(key, s.start + W - now)
+    set_expiring(key, int(s.start) .. ':' .. int(s.count), s.start + W - now)
   end
 
   function fixed_window.remaining(s, now, L, W, B)

@@ -24,3 +24,8 @@ local ttl_margin = 0
 local function expire(key, ttl)
   redis.call('PEXPIRE', key, int(ttl + ttl_margin))
 end
+
+-- Writes a string key and its TTL in one command (`ttl` is at least 1 ms).
+local function set_expiring(key, value, ttl)
+  redis.call('SET', key, value, 'PX', int(math.max(ttl, 1) + ttl_margin))
+end
