@@ -55,11 +55,8 @@ impl BlockCache {
     }
 
     /// The denial still standing for `key` at `now`, if any, for a request of `cost`.
-    pub(crate) fn get(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Option<Decision> {
-        let lookup = CacheKeyRef {
-            key,
-            limits: Self::fingerprint(limits),
-        };
+    pub(crate) fn get(&self, key: &Key, limits: u64, cost: u32, now: u64) -> Option<Decision> {
+        let lookup = CacheKeyRef { key, limits };
         let blocked = self.entries.get(&lookup)?;
         // A cheaper request may fit earlier than the one that was denied, a dearer one
         // later: only the same request has the same `retry_after`.

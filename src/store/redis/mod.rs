@@ -324,26 +324,29 @@ impl RedisStore {
             slot,
         }
     }
+}
 
-    /// Milliseconds on the store's local clock: for the block cache only.
-    fn local_now_ms(&self) -> u64 {
-        match &self.clock {
-            Some(clock) => clock.now_ms(),
-            None => SystemClock.now_ms(),
-        }
-    }
+/// Milliseconds on the store's local clock (the system's when none was set): for the
+/// block cache only; decisions use Redis `TIME` or the explicit clock.
+fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
+    clock.map_or_else(|| SystemClock.now_ms(), |c| c.now_ms())
 }
 
 impl Store for RedisStore {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         // A request that can never fit is not "blocked until" anything: Redis answers it.
         let fits_at_all = limits.iter().all(|l| cost <= l.capacity());
-        let block_cache = self.block_cache.clone().filter(|_| fits_at_all);
-        if let Some(cache) = &block_cache
-            && let Some(decision) = cache.get(key, limits, cost, self.local_now_ms())
-        {
-            return Check::ready(Ok(decision));
-        }
+        let block_cache = match &self.block_cache {
+            Some(cache) if fits_at_all => {
+                let fingerprint = BlockCache::fingerprint(limits);
+                let now = local_now_ms(self.clock.as_ref());
+                if let Some(decision) = cache.get(key, fingerprint, cost, now) {
+                    return Check::ready(Ok(decision));
+                }
+                Some((cache.clone(), key.clone(), fingerprint))
+            }
+            _ => None,
+        };
         let encoded = self.encode(key, limits, cost);
         // Queued for the batching task, or (no runtime to run it on) sent directly.
         let call = match &self.coalescer {
@@ -356,8 +359,6 @@ impl Store for RedisStore {
         };
         let connection = self.connection.clone();
         let clock = self.clock.clone();
-        let key = key.clone();
-        let fingerprint = BlockCache::fingerprint(limits);
         Check::pending(async move {
             let decision = match call {
                 Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
@@ -372,11 +373,11 @@ impl Store for RedisStore {
                     parse(&reply, &encoded.quotas)?
                 }
             };
-            if let Some(cache) = block_cache {
+            if let Some((cache, key, fingerprint)) = block_cache {
                 if decision.is_allowed() {
                     cache.forget(&key, fingerprint);
                 } else {
-                    let now = clock.map_or_else(|| SystemClock.now_ms(), |c| c.now_ms());
+                    let now = local_now_ms(clock.as_ref());
                     cache.insert(key, fingerprint, cost, now, &decision);
                 }
             }
