@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use support::RedisServer;
 use tollgate::{
-    Decision, Limit, MemoryStore, Store,
+    Algorithm, Decision, Limit, MemoryStore, Store,
     clock::{Clock, ManualClock},
     key::Key,
     store::RedisStore,
@@ -54,6 +54,18 @@ fn secs(s: u64) -> Duration {
 
 fn ms(ms: u64) -> Duration {
     Duration::from_millis(ms)
+}
+
+/// `limit` per `window` with each of the five algorithms.
+fn every_algorithm(limit: u32, window: Duration) -> [Limit; 5] {
+    [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ]
+    .map(|algorithm| Limit::new(algorithm, limit, window).unwrap())
 }
 
 async fn fixed_window_allows_twice_the_limit_across_a_boundary(h: Harness) {
@@ -122,13 +134,7 @@ async fn gcra_spaces_requests(h: Harness) {
 
 /// Every algorithm: denied now, still denied 1 ms before `retry_after`, allowed at it.
 async fn retry_after_is_exact(h: Harness) {
-    let limits = [
-        Limit::fixed_window(3, ms(700)).unwrap(),
-        Limit::sliding_window(3, ms(700)).unwrap(),
-        Limit::sliding_window_counter(3, ms(700)).unwrap(),
-        Limit::token_bucket(3, ms(700)).unwrap(),
-        Limit::gcra(3, ms(700)).unwrap(),
-    ];
+    let limits = every_algorithm(3, ms(700));
     for (i, limit) in limits.iter().enumerate() {
         let key = format!("retry-{i}");
         let limit = std::slice::from_ref(limit);
@@ -199,13 +205,7 @@ async fn keys_are_isolated(h: Harness) {
 }
 
 async fn a_clock_that_steps_back_never_panics(h: Harness) {
-    let limits = [
-        Limit::fixed_window(3, ms(700)).unwrap(),
-        Limit::sliding_window(3, ms(700)).unwrap(),
-        Limit::sliding_window_counter(3, ms(700)).unwrap(),
-        Limit::token_bucket(3, ms(700)).unwrap(),
-        Limit::gcra(3, ms(700)).unwrap(),
-    ];
+    let limits = every_algorithm(3, ms(700));
     for _ in 0..3 {
         h.check("a", &limits, 1).await;
         h.clock.set(h.clock.now_ms() - 5_000);
