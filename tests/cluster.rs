@@ -411,9 +411,14 @@ async fn moving_the_hot_slot_keeps_its_count() {
         fixed_window_count(&cluster.cli(to, &["GET", &name]).unwrap()),
         N
     );
-    // The store's slot map was stale after the move: the old owner redirected it.
+    // The old owner redirected the store at least once: ASK while the slot was migrating,
+    // MOVED once it was gone (whichever the store met first depends on when it refreshed
+    // its slot map, so either proves the redirection was followed).
     let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
-    assert!(errorstats.contains("errorstat_MOVED"), "{errorstats}");
+    assert!(
+        errorstats.contains("errorstat_MOVED") || errorstats.contains("errorstat_ASK"),
+        "{errorstats}"
+    );
     let several_samples = several.samples();
     let several = several.get();
     eprintln!(
