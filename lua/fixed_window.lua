@@ -29,9 +29,12 @@ local function define_fixed_window()
     return s.start + W - now
   end
 
-  function fixed_window.commit(s, key, now, L, W, B, cost)
+  function fixed_window.commit(s, now, L, W, B, cost)
     s.count = s.count + cost
-    set_expiring(key, int(s.start) .. ':' .. int(s.count), s.start + W - now)
+  end
+
+  function fixed_window.save(s, now, L, W, B)
+    set_expiring(s.key, int(s.start) .. ':' .. int(s.count), s.start + W - now)
   end
 
   function fixed_window.remaining(s, now, L, W, B)

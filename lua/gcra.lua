@@ -26,14 +26,17 @@ local function define_gcra()
     return ceil_div(ahead(s, now, L, W, B) + cost * W - B * W, L)
   end
 
-  function gcra.commit(s, key, now, L, W, B, cost)
+  function gcra.commit(s, now, L, W, B, cost)
     local a = ahead(s, now, L, W, B) + cost * W
     s.tat = now + math.floor(a / L)
     s.frac = a % L
-    redis.call('HSET', key, 't', int(s.tat), 'f', int(s.frac))
+  end
+
+  function gcra.save(s, now, L, W, B)
+    redis.call('HSET', s.key, 't', int(s.tat), 'f', int(s.frac))
     local expires = s.tat
     if s.frac > 0 then expires = expires + 1 end
-    expire(key, expires - now)
+    expire(s.key, expires - now)
   end
 
   function gcra.remaining(s, now, L, W, B)

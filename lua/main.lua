@@ -1,10 +1,16 @@
 -- KEYS: one key per limit of each request, in order.
 -- ARGV[1]: now in ms, or "" to read Redis TIME (one clock for every replica). With an
 --          explicit now, TTLs get 5 s of margin for the caller's clock to lag Redis's.
--- ARGV[2]: the number of requests N; then for each request: cost, number of limits M,
---          and for each limit: algorithm code, limit, window ms, capacity (burst).
+-- ARGV[2]: the number of limit groups G (each distinct list of limits in the call, sent
+--          once); then for each group: its number of limits M, and for each limit:
+--          algorithm code, limit, window ms, capacity (burst).
+-- Then the number of requests N, and for each request: cost, group (1-based).
 -- Returns, for each limit of each request in order: allowed (0/1), remaining,
 -- reset_after ms, retry_after ms. A request is allowed when all its limits are.
+--
+-- Requests are decided one after the other, exactly as N separate calls would decide
+-- them. A key that several requests touch is read once and written once, at the end:
+-- its state stays in `states` in between (`now` does not move within a call).
 local definitions = {
   define_fixed_window, define_sliding_window, define_sliding_window_counter,
   define_token_bucket, define_gcra,
@@ -28,25 +34,46 @@ else
   now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 end
 
+local a = 3
+local groups = {}
+for g = 1, tonumber(ARGV[2]) do
+  local group = {}
+  for i = 1, tonumber(ARGV[a]) do
+    group[i] = {
+      alg = algorithm(tonumber(ARGV[a + 1])),
+      L = tonumber(ARGV[a + 2]),
+      W = tonumber(ARGV[a + 3]),
+      B = tonumber(ARGV[a + 4]),
+    }
+    a = a + 4
+  end
+  a = a + 1
+  groups[g] = group
+end
+
+local states = {} -- key -> state, loaded on first use
+local changed = {} -- states committed to, in order: saved at the end
 local out = {}
 local n = 0
-local a = 3
 local k = 1
--- Per-limit scratch space, reused by every request of the batch.
-local algos, Ls, Ws, Bs, keys, states, fits, retries = {}, {}, {}, {}, {}, {}, {}, {}
-for _ = 1, tonumber(ARGV[2]) do
-  local cost = tonumber(ARGV[a])
-  local m = tonumber(ARGV[a + 1])
+-- Per-limit scratch space, reused by every request.
+local fits, retries = {}, {}
+for _ = 1, tonumber(ARGV[a]) do
+  local cost = tonumber(ARGV[a + 1])
+  local group = groups[tonumber(ARGV[a + 2])]
   a = a + 2
+  local m = #group
   local all_fit = true
   for i = 1, m do
-    local alg = algorithm(tonumber(ARGV[a]))
-    local L, W, B = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local key = KEYS[k]
-    a = a + 4
-    k = k + 1
-    local s = alg.load(key, now, L, W, B)
-    s.key = key
+    local limit = group[i]
+    local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
+    local key = KEYS[k + i - 1]
+    local s = states[key]
+    if s == nil then
+      s = alg.load(key, now, L, W, B)
+      s.key = key
+      states[key] = s
+    end
     local fit = cost <= B and alg.fits(s, now, L, W, B, cost)
     local retry = 0
     if not fit then
@@ -57,13 +84,18 @@ for _ = 1, tonumber(ARGV[2]) do
         retry = alg.wait(s, now, L, W, B, cost)
       end
     end
-    algos[i], Ls[i], Ws[i], Bs[i], keys[i], states[i], fits[i], retries[i] =
-      alg, L, W, B, key, s, fit, retry
+    fits[i], retries[i] = fit, retry
   end
   for i = 1, m do
-    local alg, s, L, W, B = algos[i], states[i], Ls[i], Ws[i], Bs[i]
+    local limit = group[i]
+    local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
+    local s = states[KEYS[k + i - 1]]
     if all_fit then
-      alg.commit(s, keys[i], now, L, W, B, cost)
+      alg.commit(s, now, L, W, B, cost)
+      if not s.changed then
+        s.changed = limit
+        changed[#changed + 1] = s
+      end
     end
     out[n + 1] = fits[i] and 1 or 0
     out[n + 2] = alg.remaining(s, now, L, W, B)
@@ -71,5 +103,11 @@ for _ = 1, tonumber(ARGV[2]) do
     out[n + 4] = retries[i]
     n = n + 4
   end
+  k = k + m
+end
+
+for _, s in ipairs(changed) do
+  local limit = s.changed
+  limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
 return out

@@ -29,24 +29,29 @@ local function define_sliding_window()
     return tonumber(entry[2])
   end
 
-  function sliding_window.commit(s, key, now, L, W, B, cost)
-    if cost > 0 then
-      local at = int(now)
-      local n = redis.call('ZCOUNT', key, at, at)
-      local args = {}
-      for i = 1, cost do
-        args[#args + 1] = at
-        args[#args + 1] = at .. ':' .. int(n + i)
-        if #args >= 2000 or i == cost then
-          redis.call('ZADD', key, unpack(args))
-          args = {}
-        end
+  -- The members go in at once (the set is the state); the TTL waits for save.
+  function sliding_window.commit(s, now, L, W, B, cost)
+    if cost == 0 then return end
+    local at = int(now)
+    -- Members already at this ms: counted once per call (now does not move in a call).
+    if s.at == nil then s.at = redis.call('ZCOUNT', s.key, at, at) end
+    local args = {}
+    for i = 1, cost do
+      args[#args + 1] = at
+      args[#args + 1] = at .. ':' .. int(s.at + i)
+      if #args >= 2000 or i == cost then
+        redis.call('ZADD', s.key, unpack(args))
+        args = {}
       end
-      s.count = s.count + cost
     end
+    s.at = s.at + cost
+    s.count = s.count + cost
+  end
+
+  function sliding_window.save(s, now, L, W, B)
     local last = newest(s.key)
     if last then
-      expire(key, last + W - now)
+      expire(s.key, last + W - now)
     end
   end
 

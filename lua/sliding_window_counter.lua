@@ -44,10 +44,13 @@ local function define_sliding_window_counter()
     return left + (W - room)
   end
 
-  function sliding_window_counter.commit(s, key, now, L, W, B, cost)
+  function sliding_window_counter.commit(s, now, L, W, B, cost)
     s.current = s.current + cost
-    redis.call('HSET', key, 's', int(s.start), 'c', int(s.current), 'p', int(s.previous))
-    expire(key, s.start + 2 * W - now)
+  end
+
+  function sliding_window_counter.save(s, now, L, W, B)
+    redis.call('HSET', s.key, 's', int(s.start), 'c', int(s.current), 'p', int(s.previous))
+    expire(s.key, s.start + 2 * W - now)
   end
 
   function sliding_window_counter.remaining(s, now, L, W, B)

@@ -36,10 +36,13 @@ local function define_token_bucket()
     return paused(s, now) + ceil_div(cost * W - s.tokens, L)
   end
 
-  function token_bucket.commit(s, key, now, L, W, B, cost)
+  function token_bucket.commit(s, now, L, W, B, cost)
     s.tokens = s.tokens - cost * W
-    redis.call('HSET', key, 't', int(s.tokens), 'l', int(s.last))
-    expire(key, s.last + ceil_div(B * W - s.tokens, L) - now)
+  end
+
+  function token_bucket.save(s, now, L, W, B)
+    redis.call('HSET', s.key, 't', int(s.tokens), 'l', int(s.last))
+    expire(s.key, s.last + ceil_div(B * W - s.tokens, L) - now)
   end
 
   function token_bucket.remaining(s, now, L, W, B)

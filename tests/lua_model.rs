@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use tollgate::{
     Algorithm, Decision, Limit, Store,
     algorithm::{self, State},
-    clock::ManualClock,
+    clock::{Clock, ManualClock},
     key::Key,
     store::RedisStore,
 };
@@ -149,6 +149,66 @@ proptest! {
                 prop_assert_eq!(got.retry_after(), want.retry_after());
                 for (g, w) in got.limits().iter().zip(want.limits()) {
                     prop_assert!(g.remaining <= w.remaining);
+                }
+            }
+            Ok(())
+        })?;
+    }
+
+    /// Requests that wait at the same moment share one script call (coalescing), which
+    /// reads each key once and writes it once: their decisions are exactly the model's for
+    /// the same requests one after another, also when they mix two lists of limits that
+    /// share a limit, and several keys.
+    #[test]
+    fn a_coalesced_batch_decides_like_one_request_after_another(
+        a in limits_strategy(),
+        b in limits_strategy(),
+        batches in prop::collection::vec(
+            (0u64..3_000, prop::collection::vec((0u32..6, 0usize..3, any::<bool>()), 1..40)),
+            1..6,
+        ),
+    ) {
+        // The second list shares the first's first limit.
+        let mut b = b;
+        if !b.contains(&a[0]) {
+            b[0] = a[0].clone();
+        }
+        let lists = [a, b];
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let server = SERVER.with(|s| s.url());
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let prefix = format!("batch{}", CASE.with(|c| { c.set(c.get() + 1); c.get() }));
+            let store = RedisStore::connect(&server)
+                .await
+                .unwrap()
+                .with_prefix(&prefix)
+                .unwrap()
+                .with_clock(clock.clone())
+                .with_block_cache(0);
+            let keys = [Key::new("a"), Key::new("b"), Key::new("c")];
+            // The model's state of each (key, limit).
+            let mut model: std::collections::HashMap<(usize, String), State> = Default::default();
+            for (wait, requests) in &batches {
+                clock.advance(Duration::from_millis(*wait));
+                let now = clock.now_ms();
+                // Submitted before any is awaited: the batching task takes them all at once.
+                let checks: Vec<_> = requests
+                    .iter()
+                    .map(|&(cost, key, second)| store.check(&keys[key], &lists[usize::from(second)], cost))
+                    .collect();
+                let got = futures_util::future::join_all(checks).await;
+                for (&(cost, key, second), got) in requests.iter().zip(got) {
+                    let limits = &lists[usize::from(second)];
+                    let ids: Vec<(usize, String)> = limits.iter().map(|l| (key, format!("{l:?}"))).collect();
+                    let mut states: Vec<State> = ids
+                        .iter()
+                        .zip(limits)
+                        .map(|(id, l)| model.remove(id).unwrap_or_else(|| State::new(l.algorithm())))
+                        .collect();
+                    let want = algorithm::check(&mut states, limits, now, cost);
+                    model.extend(ids.into_iter().zip(states));
+                    prop_assert_eq!(got.unwrap(), want, "{:?} at {}", (cost, key, second), now);
                 }
             }
             Ok(())

@@ -152,6 +152,53 @@ async fn a_batch_of_limits_with_every_algorithm_shares_one_call() {
     support::assert_every_key_expires(&server);
 }
 
+/// Decisions waiting at the same moment go to Redis as one script call, which reads a
+/// key that many of them share once and writes it once.
+#[tokio::test]
+async fn a_coalesced_batch_reads_and_writes_a_hot_key_once() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_block_cache(0);
+    let hot = Key::new("hot");
+    let limit = hourly(30);
+    store.check(&Key::new("warm-up"), &limit, 1).await.unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    // Submitted before any is awaited: the batching task takes all 100 at once.
+    let checks: Vec<_> = (0..100).map(|_| store.check(&hot, &limit, 1)).collect();
+    let decisions = futures_util::future::join_all(checks).await;
+    let allowed: Vec<bool> = decisions
+        .iter()
+        .map(|d| d.as_ref().unwrap().is_allowed())
+        .collect();
+    // In order: the first 30 fit, the rest do not.
+    assert_eq!(allowed, (0..100).map(|i| i < 30).collect::<Vec<_>>());
+    let remaining: Vec<u64> = decisions
+        .iter()
+        .map(|d| d.as_ref().unwrap().limits()[0].remaining)
+        .collect();
+    assert_eq!(
+        remaining[..31],
+        (0..31).map(|i| 29u64.saturating_sub(i)).collect::<Vec<_>>()[..]
+    );
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    let calls = |command: &str| {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse::<u32>().unwrap())
+    };
+    assert_eq!(
+        (calls("evalsha"), calls("get"), calls("set")),
+        (1, 1, 1),
+        "{stats}"
+    );
+    assert!(!store.check(&hot, &limit, 1).await.unwrap().is_allowed());
+    support::assert_every_key_expires(&server);
+}
+
 #[cfg(feature = "bb8")]
 #[tokio::test]
 async fn a_bb8_pool_works_too() {

@@ -7,7 +7,7 @@ use std::{
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use super::{Connection, Encoded, invocation, invoke, parse};
+use super::{Connection, Encoded, invoke, parse, script_call};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
 /// How the batching task behaves.
@@ -158,7 +158,7 @@ async fn send(
     _permit: Arc<OwnedSemaphorePermit>,
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-    let result = invoke(connection, invocation(now, &requests)).await;
+    let result = invoke(connection, script_call(now, &requests)).await;
     let mut offset = 0;
     for (request, reply) in batch {
         let decision = match &result {

@@ -10,8 +10,8 @@ mod batch;
 mod block_cache;
 
 use redis::{
-    RedisError, Script, ScriptInvocation,
-    aio::{ConnectionManager, ConnectionManagerConfig},
+    Cmd, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind,
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
 };
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
@@ -308,18 +308,17 @@ impl RedisStore {
         } else {
             0
         };
-        let mut args = SmallVec::new();
-        args.push(u64::from(cost));
-        args.push(limits.len() as u64);
+        let mut group = SmallVec::new();
         for limit in limits {
-            args.push(u64::from(limit.algorithm().code()));
-            args.push(u64::from(limit.limit()));
-            args.push(limit.window_ms());
-            args.push(u64::from(limit.capacity()));
+            group.push(u64::from(limit.algorithm().code()));
+            group.push(u64::from(limit.limit()));
+            group.push(limit.window_ms());
+            group.push(u64::from(limit.capacity()));
         }
         Encoded {
             keys,
-            args,
+            cost,
+            group,
             quotas: limits.iter().map(Limit::limit).collect(),
             slot,
         }
@@ -369,7 +368,7 @@ impl Store for RedisStore {
                 })?,
                 Call::Direct(encoded) => {
                     let now = clock.as_ref().map(|c| c.now_ms());
-                    let reply = invoke(connection, invocation(now, &[&encoded])).await?;
+                    let reply = invoke(connection, script_call(now, &[&encoded])).await?;
                     parse(&reply, &encoded.quotas)?
                 }
             };
@@ -396,30 +395,59 @@ enum Call {
 #[derive(Debug, Clone)]
 pub(crate) struct Encoded {
     keys: SmallVec<[String; 2]>,
-    /// cost, number of limits, then code, limit, window ms, capacity per limit.
-    args: SmallVec<[u64; 6]>,
+    cost: u32,
+    /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity each.
+    group: SmallVec<[u64; 4]>,
     quotas: SmallVec<[u32; 2]>,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
 }
 
-/// One script call deciding `requests` in order, at `now` (None: Redis `TIME`).
-pub(crate) fn invocation(now: Option<u64>, requests: &[&Encoded]) -> ScriptInvocation<'static> {
-    let mut invocation = SCRIPT.prepare_invoke();
-    match now {
-        Some(now) => invocation.arg(now),
-        None => invocation.arg(""),
-    };
-    invocation.arg(requests.len());
+/// The `EVALSHA` deciding `requests` in order, at `now` (None: Redis `TIME`).
+///
+/// Built straight into one [`Cmd`] buffer; each distinct list of limits is sent once
+/// and requests name theirs by index, so a batch of requests under the same limits costs
+/// two arguments per request besides its keys.
+pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
+    let mut groups: SmallVec<[&[u64]; 4]> = SmallVec::new();
+    let mut group_of: SmallVec<[usize; 32]> = SmallVec::with_capacity(requests.len());
+    for request in requests {
+        let index = match groups.iter().position(|&g| g == &request.group[..]) {
+            Some(index) => index,
+            None => {
+                groups.push(&request.group);
+                groups.len() - 1
+            }
+        };
+        group_of.push(index + 1);
+    }
+    let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
+    let group_args: usize = groups.iter().map(|g| 1 + g.len()).sum();
+    let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len();
+    let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
+    let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
+    cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
     for request in requests {
         for key in &request.keys {
-            invocation.key(key.as_str());
-        }
-        for arg in &request.args {
-            invocation.arg(*arg);
+            cmd.arg(key.as_str());
         }
     }
-    invocation
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+    cmd.arg(groups.len());
+    for group in &groups {
+        cmd.arg(group.len() / 4);
+        for &value in *group {
+            cmd.arg(value);
+        }
+    }
+    cmd.arg(requests.len());
+    for (request, group) in requests.iter().zip(group_of) {
+        cmd.arg(request.cost).arg(group);
+    }
+    cmd
 }
 
 /// The Redis Cluster hash slot of `key`: CRC16 of its hash tag, modulo 16384.
@@ -445,24 +473,34 @@ fn slot_of(_key: &str) -> u16 {
     0
 }
 
-pub(crate) async fn invoke(
-    connection: Connection,
-    invocation: ScriptInvocation<'static>,
-) -> Result<Vec<i64>, StoreError> {
+/// Sends a [`script_call`].
+pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>, StoreError> {
     match connection {
-        Connection::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
+        Connection::Manager(mut manager) => evalsha(&mut manager, &call).await,
         #[cfg(feature = "cluster")]
-        Connection::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
+        Connection::Cluster(mut cluster) => evalsha(&mut cluster, &call).await,
         #[cfg(feature = "bb8")]
         Connection::Pool(pool) => {
             let mut connection = pool.get().await.map_err(|e| match e {
                 bb8_redis::bb8::RunError::User(e) => store_error(e),
                 bb8_redis::bb8::RunError::TimedOut => StoreError::timeout(),
             })?;
-            invocation.invoke_async(&mut *connection).await
+            evalsha(&mut *connection, &call).await
         }
     }
     .map_err(store_error)
+}
+
+/// `EVALSHA`, and on `NOSCRIPT` (Redis restarted, failed over or flushed its scripts)
+/// `SCRIPT LOAD` and once more: the only retry, as NOSCRIPT means the script never ran.
+async fn evalsha<C: ConnectionLike>(connection: &mut C, call: &Cmd) -> RedisResult<Vec<i64>> {
+    match call.query_async(connection).await {
+        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            SCRIPT.load_async(connection).await?;
+            call.query_async(connection).await
+        }
+        result => result,
+    }
 }
 
 /// One request's share of the script's reply: four integers per limit.
