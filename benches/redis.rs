@@ -32,6 +32,7 @@ pub(crate) fn bench_all(c: &mut Criterion) {
     let trivial = Script::new("return redis.call('INCR', KEYS[1])");
     let limits = [Limit::fixed_window(u32::MAX, Duration::from_secs(60)).unwrap()];
     let key = Key::new("bench");
+    let distinct: Vec<Key> = (0..64).map(|i| Key::new(format!("client-{i}"))).collect();
 
     let mut group = c.benchmark_group("redis");
     for concurrency in [1usize, 64] {
@@ -52,6 +53,20 @@ pub(crate) fn bench_all(c: &mut Criterion) {
             |b| {
                 b.to_async(&runtime)
                     .iter(|| join_all((0..concurrency).map(|_| store.check(&key, &limits, 1))));
+            },
+        );
+        // One key per concurrent request, as with per-client limits: a batch then reads and
+        // writes every key (the hot key above is read and written once per batch).
+        group.bench_function(
+            BenchmarkId::new("store_check_fixed_window_distinct_keys", concurrency),
+            |b| {
+                b.to_async(&runtime).iter(|| {
+                    join_all(
+                        distinct[..concurrency]
+                            .iter()
+                            .map(|key| store.check(key, &limits, 1)),
+                    )
+                });
             },
         );
         // The same key, so the same single master: the cost of the cluster client.
