@@ -103,18 +103,10 @@ proptest! {
     #[test]
     fn lua_decides_like_the_model(limits in limits_strategy(), steps in steps_strategy()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let server = SERVER.with(|s| s.url());
         let expected = model_run(&limits, &steps);
         runtime.block_on(async {
             let clock = ManualClock::new(START);
-            let prefix = format!("case{}", CASE.with(|c| { c.set(c.get() + 1); c.get() }));
-            let store = RedisStore::connect(&server)
-                .await
-                .unwrap()
-                .with_prefix(&prefix)
-                .unwrap()
-                .with_clock(clock.clone())
-                .with_block_cache(0);
+            let store = case_store(&clock, false).await;
             let keys = [Key::new("a"), Key::new("b")];
             for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
                 clock.set(*now);
@@ -130,17 +122,10 @@ proptest! {
     #[test]
     fn the_block_cache_changes_no_decision(limits in limits_strategy(), steps in steps_strategy()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let server = SERVER.with(|s| s.url());
         let expected = model_run(&limits, &steps);
         runtime.block_on(async {
             let clock = ManualClock::new(START);
-            let prefix = format!("cached{}", CASE.with(|c| { c.set(c.get() + 1); c.get() }));
-            let store = RedisStore::connect(&server)
-                .await
-                .unwrap()
-                .with_prefix(&prefix)
-                .unwrap()
-                .with_clock(clock.clone());
+            let store = case_store(&clock, true).await;
             let keys = [Key::new("a"), Key::new("b")];
             for (&(_, cost, key), (now, _, want)) in steps.iter().zip(&expected) {
                 clock.set(*now);
@@ -175,17 +160,9 @@ proptest! {
         }
         let lists = [a, b];
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let server = SERVER.with(|s| s.url());
         runtime.block_on(async {
             let clock = ManualClock::new(START);
-            let prefix = format!("batch{}", CASE.with(|c| { c.set(c.get() + 1); c.get() }));
-            let store = RedisStore::connect(&server)
-                .await
-                .unwrap()
-                .with_prefix(&prefix)
-                .unwrap()
-                .with_clock(clock.clone())
-                .with_block_cache(0);
+            let store = case_store(&clock, false).await;
             let keys = [Key::new("a"), Key::new("b"), Key::new("c")];
             // The model's state of each (key, limit).
             let mut model: std::collections::HashMap<(usize, String), State> = Default::default();
@@ -247,6 +224,26 @@ proptest! {
                 prop_assert!(used <= bound, "{} used in [{}, {}] > {} for {:?}", used, t0, t1, bound, limit);
             }
         }
+    }
+}
+
+/// A store on the shared server with keys of its own (a fresh prefix), on `clock`.
+async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
+    let server = SERVER.with(|s| s.url());
+    let case = CASE.with(|c| {
+        c.set(c.get() + 1);
+        c.get()
+    });
+    let store = RedisStore::connect(&server)
+        .await
+        .unwrap()
+        .with_prefix(&format!("case{case}"))
+        .unwrap()
+        .with_clock(clock.clone());
+    if block_cache {
+        store
+    } else {
+        store.with_block_cache(0)
     }
 }
 
