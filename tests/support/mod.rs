@@ -154,6 +154,20 @@ impl RedisServer {
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// How many times `command` (lower case, e.g. `evalsha`) ran since the server started or
+    /// since `CONFIG RESETSTAT`, from `INFO commandstats`; 0 if it never ran.
+    pub fn calls(&self, command: &str) -> u64 {
+        let stats = self
+            .cli(&["INFO", "commandstats"])
+            .expect("INFO commandstats");
+        let prefix = format!("cmdstat_{command}:calls=");
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    }
+
     /// Kills the server with SIGKILL (no shutdown, no save).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
