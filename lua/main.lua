@@ -57,7 +57,7 @@ local out = {}
 local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
-local fits, retries = {}, {}
+local held, fits, retries = {}, {}, {}
 for _ = 1, tonumber(ARGV[a]) do
   local cost = tonumber(ARGV[a + 1])
   local group = groups[tonumber(ARGV[a + 2])]
@@ -84,12 +84,12 @@ for _ = 1, tonumber(ARGV[a]) do
         retry = alg.wait(s, now, L, W, B, cost)
       end
     end
-    fits[i], retries[i] = fit, retry
+    held[i], fits[i], retries[i] = s, fit, retry
   end
   for i = 1, m do
     local limit = group[i]
     local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
-    local s = states[KEYS[k + i - 1]]
+    local s = held[i]
     if all_fit then
       alg.commit(s, now, L, W, B, cost)
       if not s.changed then
