@@ -51,6 +51,11 @@ struct Inner {
 
 /// Hashed once per decision: the hash picks the shard (from bits that the table itself
 /// does not use) and finds the entry.
+///
+/// Entries are inline. Boxing them would cut memory from up to 187 to about 105 bytes per
+/// IPv4 key (a table is 44% to 87% full, and a box costs 8 bytes per slot, not 88), but
+/// adds a pointer read, a cache miss once there are many keys, to every decision: with
+/// 1M keys that measured 0.45x governor's decisions/s against 0.72x inline.
 type Shard = HashTable<Entry>;
 
 struct Entry {
@@ -173,6 +178,25 @@ impl Inner {
             }
         };
         let slots = &mut entry.slots;
+
+        // One limit, the common case: decide on its slot's state in place.
+        if let [limit] = limits {
+            let slot = match slots.iter().position(|s| s.limit == limit.fingerprint()) {
+                Some(index) => &mut slots[index],
+                None => {
+                    slots.push(Slot {
+                        limit: limit.fingerprint(),
+                        state: State::new(limit.algorithm()),
+                        expires_at: 0,
+                    });
+                    slots.last_mut().expect("just pushed")
+                }
+            };
+            let decision =
+                algorithm::check(std::slice::from_mut(&mut slot.state), limits, now, cost);
+            slot.expires_at = slot.state.expires_at(limit);
+            return decision;
+        }
 
         // Take each limit's state out of its slot, decide, and put them back.
         let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
