@@ -1,3 +1,4 @@
+use compact_str::CompactString;
 use http::Request;
 
 use super::{Key, KeyError, KeyExtractor};
@@ -9,6 +10,7 @@ pub struct GlobalKey;
 
 impl<B> KeyExtractor<B> for GlobalKey {
     fn extract(&self, _request: &Request<B>) -> Result<Key, KeyError> {
-        Ok(Key::new("global"))
+        // A static string: nothing to allocate or escape per request.
+        Ok(Key::from_safe(CompactString::const_new("global")))
     }
 }

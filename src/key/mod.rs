@@ -144,16 +144,23 @@ fn is_safe(byte: u8) -> bool {
         || matches!(byte, b'-' | b'.' | b'_' | b':' | b'/' | b'@' | b'+' | b'=')
 }
 
-/// Appends `bytes` to `out`, percent-encoding every byte that is not safe.
-fn escape_into(bytes: &[u8], out: &mut CompactString) {
-    for &byte in bytes {
-        if is_safe(byte) {
-            out.push(byte as char);
-        } else {
-            out.push('%');
-            out.push(HEX[usize::from(byte >> 4)] as char);
-            out.push(HEX[usize::from(byte & 0xf)] as char);
-        }
+/// Appends `bytes` to `out`, percent-encoding every byte that is not safe. Runs of safe
+/// bytes (usually the whole key) are copied at once.
+fn escape_into(mut bytes: &[u8], out: &mut CompactString) {
+    loop {
+        let run = bytes
+            .iter()
+            .position(|&b| !is_safe(b))
+            .unwrap_or(bytes.len());
+        let (safe, rest) = bytes.split_at(run);
+        out.push_str(std::str::from_utf8(safe).expect("safe bytes are ASCII"));
+        let Some((&byte, rest)) = rest.split_first() else {
+            return;
+        };
+        out.push('%');
+        out.push(HEX[usize::from(byte >> 4)] as char);
+        out.push(HEX[usize::from(byte & 0xf)] as char);
+        bytes = rest;
     }
 }
 
