@@ -17,7 +17,7 @@ use super::{Check, Store};
 use crate::{
     Decision, Limit,
     algorithm::{self, State},
-    clock::{Clock, SystemClock},
+    clock::{Clock, MonotonicClock},
     key::Key,
 };
 
@@ -87,9 +87,9 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store on the system clock, unbounded.
+    /// An empty store on a [`MonotonicClock`], unbounded.
     pub fn new() -> Self {
-        Self::build(Arc::new(SystemClock), None)
+        Self::build(Arc::new(MonotonicClock), None)
     }
 
     /// The same store reading time from `clock` (a [`ManualClock`](crate::clock::ManualClock)
@@ -108,6 +108,8 @@ impl MemoryStore {
     }
 
     fn build(clock: Arc<dyn Clock>, max_keys_per_shard: Option<usize>) -> Self {
+        // The first read of a `MonotonicClock` calibrates it: here, not in a request.
+        clock.now_ms();
         let shards = (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect();
         Self {
             inner: Arc::new(Inner {

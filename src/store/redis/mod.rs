@@ -23,7 +23,7 @@ use self::{
 use super::{Check, Store};
 use crate::{
     ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
-    clock::{Clock, SystemClock},
+    clock::{Clock, MonotonicClock},
     decision::LimitDecisions,
     key::Key,
 };
@@ -190,6 +190,9 @@ impl RedisStore {
     }
 
     fn new(connection: Connection) -> Self {
+        // The block cache's clock: its first read calibrates it, here rather than in a
+        // request.
+        MonotonicClock.now_ms();
         let coalescer = Coalescer::new(connection.clone(), None, CoalescerConfig::default());
         Self {
             connection,
@@ -325,10 +328,10 @@ impl RedisStore {
     }
 }
 
-/// Milliseconds on the store's local clock (the system's when none was set): for the
-/// block cache only; decisions use Redis `TIME` or the explicit clock.
+/// Milliseconds on the store's local clock (a [`MonotonicClock`] when none was set): for
+/// the block cache only; decisions use Redis `TIME` or the explicit clock.
 fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
-    clock.map_or_else(|| SystemClock.now_ms(), |c| c.now_ms())
+    clock.map_or_else(|| MonotonicClock.now_ms(), |c| c.now_ms())
 }
 
 impl Store for RedisStore {
