@@ -10,6 +10,7 @@
 #   CONNECTIONS=64 THREADS=1        wrk -c / -t
 #   MODES="plain memory redis ..."  which servers (plain is always measured: ratios need it);
 #                                   the default set, plus redis-nocache (block cache off)
+#                                   and memory-noheaders (no rate-limit fields)
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour)
 #   FEATURES=redis,bb8,cluster      crate features for the server (add metrics to measure
 #                                   the metrics facade without a recorder)
@@ -54,7 +55,7 @@ done
 for scenario in $SCENARIOS; do
   [[ $scenario == allow || $scenario == reject ]] || die "unknown scenario '$scenario'"
 done
-KNOWN_MODES=" plain memory redis redis-nocoalesce redis-nocache redis-pool redis-cluster governor handwritten "
+KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-pool redis-cluster governor handwritten "
 for mode in $MODES; do
   [[ $KNOWN_MODES == *" $mode "* ]] || die "unknown mode '$mode'; one of:$KNOWN_MODES"
 done

@@ -6,6 +6,7 @@
 use criterion::{criterion_group, criterion_main};
 
 mod algorithms;
+mod layer;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
@@ -17,9 +18,15 @@ mod support;
 criterion_group!(
     benches,
     algorithms::bench_all,
+    layer::bench_all,
     memory::bench_all,
     redis::bench_all
 );
 #[cfg(not(feature = "redis"))]
-criterion_group!(benches, algorithms::bench_all, memory::bench_all);
+criterion_group!(
+    benches,
+    algorithms::bench_all,
+    layer::bench_all,
+    memory::bench_all
+);
 criterion_main!(benches);

@@ -8,7 +8,8 @@
 //!
 //! Modes:
 //! - `plain`: axum only, the baseline;
-//! - `memory`: tollgate with its `MemoryStore`;
+//! - `memory`: tollgate with its `MemoryStore`; `memory-noheaders`: the same without
+//!   rate-limit fields on responses (`HeaderStyle::NONE`), to see what writing them costs;
 //! - `redis`: tollgate with `RedisStore::connect` (the defaults: `ConnectionManager`,
 //!   coalescing and block cache on); `redis-nocoalesce`: coalescing off;
 //!   `redis-nocache`: block cache off; `redis-pool`: over a bb8-redis pool of 16
@@ -47,7 +48,9 @@ use axum::{
     response::{IntoResponse, Response},
     routing::get,
 };
-use tollgate::{FailurePolicy, Limit, RateLimitLayer, key::GlobalKey, store::RedisStore};
+use tollgate::{
+    FailurePolicy, HeaderStyle, Limit, RateLimitLayer, key::GlobalKey, store::RedisStore,
+};
 use tower::util::MapResponseLayer;
 use tower_governor::{
     GovernorLayer, governor::GovernorConfigBuilder, key_extractor::GlobalKeyExtractor,
@@ -84,6 +87,7 @@ return {1, limit - count}
 enum Mode {
     Plain,
     Memory,
+    MemoryNoHeaders,
     Redis,
     RedisNoCoalesce,
     RedisNoCache,
@@ -94,9 +98,10 @@ enum Mode {
 }
 
 impl Mode {
-    const ALL: [(&'static str, Mode); 9] = [
+    const ALL: [(&'static str, Mode); 10] = [
         ("plain", Mode::Plain),
         ("memory", Mode::Memory),
+        ("memory-noheaders", Mode::MemoryNoHeaders),
         ("redis", Mode::Redis),
         ("redis-nocoalesce", Mode::RedisNoCoalesce),
         ("redis-nocache", Mode::RedisNoCache),
@@ -276,6 +281,7 @@ async fn app(args: &Args) -> Result<Router, Error> {
     Ok(match args.mode {
         Mode::Plain => router,
         Mode::Memory => router.layer(layer),
+        Mode::MemoryNoHeaders => router.layer(layer.headers(HeaderStyle::NONE)),
         Mode::Redis => router.layer(layer.store(RedisStore::connect(redis_url()?).await?)),
         Mode::RedisNoCoalesce => router.layer(
             layer.store(

@@ -1,0 +1,63 @@
+//! What the layer adds to one request, on the memory store: an inner service that answers
+//! at once, alone and behind `RateLimitLayer` (allowing, with and without rate-limit
+//! fields, and denying). The futures are ready at the first poll, so no runtime is timed.
+
+use std::{convert::Infallible, hint::black_box, time::Duration};
+
+use criterion::{BenchmarkId, Criterion};
+use futures_util::FutureExt;
+use http::{HeaderValue, Request, Response, header::CONTENT_TYPE};
+use tollgate::{HeaderStyle, Limit, RateLimitLayer, key::GlobalKey};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+/// What a hello-world handler answers: a body and a content type.
+async fn hello(_request: Request<()>) -> Result<Response<&'static str>, Infallible> {
+    let mut response = Response::new("Hello, World!");
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    Ok(response)
+}
+
+fn run<S>(service: &mut S) -> Response<&'static str>
+where
+    S: Service<Request<()>, Response = Response<&'static str>, Error = Infallible>,
+{
+    let ready = service
+        .ready()
+        .now_or_never()
+        .expect("ready")
+        .expect("infallible");
+    ready
+        .call(Request::new(()))
+        .now_or_never()
+        .expect("decided at the first poll")
+        .expect("infallible")
+}
+
+pub(crate) fn bench_all(c: &mut Criterion) {
+    let window = Duration::from_secs(1);
+    let allow = Limit::fixed_window(1_000_000_000, window).unwrap();
+    let deny = Limit::fixed_window(1, Duration::from_secs(3600)).unwrap();
+    let mut group = c.benchmark_group("layer");
+    group.bench_function(BenchmarkId::from_parameter("inner_alone"), |b| {
+        let mut service = service_fn(hello);
+        b.iter(|| black_box(run(&mut service)));
+    });
+    let cases = [
+        ("memory_allow", allow.clone(), HeaderStyle::default()),
+        ("memory_allow_no_fields", allow, HeaderStyle::NONE),
+        ("memory_deny", deny, HeaderStyle::default()),
+    ];
+    for (name, limit, style) in cases {
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            let mut service = RateLimitLayer::new(limit.clone())
+                .key(GlobalKey)
+                .headers(style)
+                .layer(service_fn(hello));
+            b.iter(|| black_box(run(&mut service)));
+        });
+    }
+    group.finish();
+}
