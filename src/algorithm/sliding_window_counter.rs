@@ -9,14 +9,15 @@ use crate::Limit;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlidingWindowCounter {
     start: u64,
-    current: u64,
-    previous: u64,
+    /// Counts never exceed the limit (a `u32`): kept as such, the state is 16 bytes.
+    current: u32,
+    previous: u32,
 }
 
 impl SlidingWindowCounter {
     fn estimate(&self, now: u64, window: u64) -> u64 {
         let elapsed = now - self.start;
-        self.previous * (window - elapsed) + self.current * window
+        u64::from(self.previous) * (window - elapsed) + u64::from(self.current) * window
     }
 }
 
@@ -44,24 +45,26 @@ impl Model for SlidingWindowCounter {
     fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
         let window = limit.window_ms();
         let limit = u64::from(limit.limit());
+        let (current, previous) = (u64::from(self.current), u64::from(self.previous));
         let left_in_window = window - (now - self.start);
         // Later in this window, as the previous window's weight shrinks?
-        if self.previous > 0 && self.current + cost <= limit {
-            let room = (limit - cost - self.current) * window / self.previous;
+        if previous > 0 && current + cost <= limit {
+            let room = (limit - cost - current) * window / previous;
             if room >= 1 {
                 return left_in_window - room;
             }
         }
         // In the next window, where this window's count becomes the weighted one.
-        if self.current == 0 {
+        if current == 0 {
             return left_in_window;
         }
-        let room = ((limit - cost) * window / self.current).min(window);
+        let room = ((limit - cost) * window / current).min(window);
         left_in_window + (window - room)
     }
 
     fn commit(&mut self, _now: u64, _limit: &Limit, cost: u64) {
-        self.current += cost;
+        // Committed only when `current + cost` fits the limit, a `u32`.
+        self.current += u32::try_from(cost).expect("a committed cost fits the limit");
     }
 
     fn remaining(&self, now: u64, limit: &Limit) -> u64 {
