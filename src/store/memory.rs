@@ -9,7 +9,7 @@ use std::{
     },
 };
 
-use hashbrown::{DefaultHashBuilder, HashTable};
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
@@ -49,14 +49,25 @@ struct Inner {
     sweep_cursor: AtomicUsize,
 }
 
-/// Hashed once per decision: the hash picks the shard (from bits that the table itself
-/// does not use) and finds the entry.
+/// One lock's worth of keys.
 ///
-/// Entries are inline, 64 bytes for a key with one limit: a table is 44% to 87% full, so
-/// 85 to 136 bytes per key. Boxing them (8 bytes per slot, the entry on the heap) would
+/// Entries are inline, 56 bytes for a key with one limit: a table is 44% to 87% full, so
+/// 75 to 120 bytes per key. Boxing them (8 bytes per slot, the entry on the heap) would
 /// add a pointer read, a cache miss once there are many keys, to every decision: with 1M
 /// keys that measured 0.45x governor's decisions/s against 0.72x inline.
-type Shard = HashTable<Entry>;
+#[derive(Default)]
+struct Shard {
+    /// Hashed once per decision: the hash picks the shard (from bits that the table
+    /// itself does not use) and finds the entry.
+    table: HashTable<Entry>,
+    /// The limits this shard's slots were made for, by fingerprint: a slot keeps only the
+    /// fingerprint, and the sweep asks its limit when the state expires (an expiry in
+    /// every slot would make entries 8 bytes larger).
+    limits: HashMap<u64, Limit>,
+}
+
+/// Beyond this many known limits, a sweep forgets the ones no slot uses any more.
+const KNOWN_LIMITS_KEPT: usize = 64;
 
 struct Entry {
     key: Key,
@@ -123,7 +134,6 @@ struct Slot {
     /// [`Limit::fingerprint`].
     limit: u64,
     state: State,
-    expires_at: u64,
 }
 
 impl fmt::Debug for MemoryStore {
@@ -165,7 +175,7 @@ impl MemoryStore {
     fn build(clock: Arc<dyn Clock>, max_keys_per_shard: Option<usize>) -> Self {
         // The first read of a `MonotonicClock` calibrates it: here, not in a request.
         clock.now_ms();
-        let shards = (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect();
+        let shards = (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect();
         Self {
             inner: Arc::new(Inner {
                 shards,
@@ -187,7 +197,7 @@ impl MemoryStore {
 
     /// How many keys hold state (expired state not yet swept included).
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).len()).sum()
+        self.inner.shards.iter().map(|s| lock(s).table.len()).sum()
     }
 
     /// Whether no key holds state.
@@ -199,7 +209,7 @@ impl MemoryStore {
     pub fn purge_expired(&self) {
         let now = self.inner.clock.now_ms();
         for shard in &self.inner.shards {
-            purge(&mut lock(shard), now);
+            lock(shard).purge(now);
         }
     }
 }
@@ -220,11 +230,15 @@ impl Inner {
         // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
         // top seven as the tag, so within a shard both stay well spread.
         let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
-        let entry = match shard.find_entry(hash, |e| e.key == *key) {
+        let Shard {
+            table,
+            limits: known,
+        } = &mut *shard;
+        let entry = match table.find_entry(hash, |e| e.key == *key) {
             Ok(occupied) => occupied.into_mut(),
             Err(absent) => {
                 let table = absent.into_table();
-                self.make_room(table, now);
+                self.make_room(table, known, now);
                 let entry = Entry {
                     key: key.clone(),
                     slots: Slots::new(),
@@ -241,18 +255,11 @@ impl Inner {
             let slot = match slots.iter().position(|s| s.limit == limit.fingerprint()) {
                 Some(index) => &mut slots[index],
                 None => {
-                    slots.push(Slot {
-                        limit: limit.fingerprint(),
-                        state: State::new(limit.algorithm()),
-                        expires_at: 0,
-                    });
+                    slots.push(Slot::new(limit, known));
                     slots.last_mut().expect("just pushed")
                 }
             };
-            let decision =
-                algorithm::check(std::slice::from_mut(&mut slot.state), limits, now, cost);
-            slot.expires_at = slot.state.expires_at(limit);
-            return decision;
+            return algorithm::check(std::slice::from_mut(&mut slot.state), limits, now, cost);
         }
 
         // Take each limit's state out of its slot, decide, and put them back.
@@ -261,11 +268,7 @@ impl Inner {
             let index = match slots.iter().position(|s| s.limit == limit.fingerprint()) {
                 Some(index) => index,
                 None => {
-                    slots.push(Slot {
-                        limit: limit.fingerprint(),
-                        state: State::new(limit.algorithm()),
-                        expires_at: 0,
-                    });
+                    slots.push(Slot::new(limit, known));
                     slots.len() - 1
                 }
             };
@@ -279,8 +282,7 @@ impl Inner {
             })
             .collect();
         let decision = algorithm::check(&mut states, limits, now, cost);
-        for ((&i, limit), state) in indexes.iter().zip(limits).zip(states) {
-            slots[i].expires_at = state.expires_at(limit);
+        for (&i, state) in indexes.iter().zip(states) {
             slots[i].state = state;
         }
         decision
@@ -296,38 +298,80 @@ impl Inner {
             self.next_sweep_ms
                 .store(now + SWEEP_INTERVAL_MS, Ordering::Relaxed);
         }
-        purge(&mut lock(&self.shards[cursor]), now);
+        lock(&self.shards[cursor]).purge(now);
     }
 
-    fn make_room(&self, shard: &mut Shard, now: u64) {
+    fn make_room(&self, table: &mut HashTable<Entry>, known: &mut Known, now: u64) {
         let Some(max) = self.max_keys_per_shard else {
             return;
         };
-        if shard.len() < max {
+        if table.len() < max {
             return;
         }
-        purge(shard, now);
-        if shard.len() < max {
+        purge(table, known, now);
+        if table.len() < max {
             return;
         }
-        let victim = shard
+        let victim = table
             .iter()
             .take(8)
-            .min_by_key(|e| e.slots.iter().map(|s| s.expires_at).max())
+            .min_by_key(|e| e.slots.iter().map(|s| s.expires_at(known)).max())
             .map(|e| e.key.clone());
         if let Some(victim) = victim
-            && let Ok(entry) = shard.find_entry(self.hash(&victim), |e| e.key == victim)
+            && let Ok(entry) = table.find_entry(self.hash(&victim), |e| e.key == victim)
         {
             entry.remove();
         }
     }
 }
 
-fn purge(shard: &mut Shard, now: u64) {
-    shard.retain(|entry| {
-        entry.slots.retain(|slot| slot.expires_at > now);
+/// A shard's limits by fingerprint.
+type Known = HashMap<u64, Limit>;
+
+impl Slot {
+    /// The state of a key not seen yet under `limit`, which `known` remembers.
+    fn new(limit: &Limit, known: &mut Known) -> Self {
+        known
+            .entry(limit.fingerprint())
+            .or_insert_with(|| limit.clone());
+        Self {
+            limit: limit.fingerprint(),
+            state: State::new(limit.algorithm()),
+        }
+    }
+
+    /// When the state decides like a missing key (0 when its limit is unknown, which
+    /// cannot happen: every slot is made through [`Slot::new`]).
+    fn expires_at(&self, known: &Known) -> u64 {
+        known
+            .get(&self.limit)
+            .map_or(0, |limit| self.state.expires_at(limit))
+    }
+}
+
+impl Shard {
+    fn purge(&mut self, now: u64) {
+        purge(&mut self.table, &mut self.limits, now);
+    }
+}
+
+/// Drops expired state, and keys left without any.
+fn purge(table: &mut HashTable<Entry>, known: &mut Known, now: u64) {
+    if known.len() <= KNOWN_LIMITS_KEPT {
+        table.retain(|entry| {
+            entry.slots.retain(|slot| slot.expires_at(known) > now);
+            !entry.slots.is_empty()
+        });
+        return;
+    }
+    // Many limits (made at run time, say): keep only those a slot still uses.
+    let mut used = hashbrown::HashSet::new();
+    table.retain(|entry| {
+        entry.slots.retain(|slot| slot.expires_at(known) > now);
+        used.extend(entry.slots.iter().map(|slot| slot.limit));
         !entry.slots.is_empty()
     });
+    known.retain(|fingerprint, _| used.contains(fingerprint));
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -368,6 +412,45 @@ mod tests {
             store.decide(&Key::from(i), &limit, 1);
         }
         assert!(store.len() <= 1_000 + SHARDS, "{}", store.len());
+    }
+
+    #[test]
+    fn an_entry_for_one_limit_stays_56_bytes() {
+        // What keeps a tracked key under 128 bytes at a table's emptiest (44% full):
+        // `benches/memory_per_key.rs` measures it.
+        assert_eq!(std::mem::size_of::<Entry>(), 56);
+    }
+
+    #[test]
+    fn sweeps_forget_limits_that_no_key_uses_any_more() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let known = |store: &MemoryStore| -> usize {
+            store
+                .inner
+                .shards
+                .iter()
+                .map(|s| lock(s).limits.len())
+                .sum()
+        };
+        // 200 limits made at run time for one key (so in one shard); then one that stays
+        // busy.
+        let tenant = Key::new("tenant");
+        for i in 1..=200 {
+            let limit = Limit::fixed_window(i, Duration::from_secs(1)).unwrap();
+            store.decide(&tenant, &[limit], 1);
+        }
+        assert_eq!(known(&store), 200);
+        clock.advance(Duration::from_secs(5));
+        let busy = [Limit::fixed_window(5, Duration::from_secs(60)).unwrap()];
+        store.decide(&Key::new("busy"), &busy, 1);
+        store.purge_expired();
+        assert_eq!(known(&store), 1);
+        assert_eq!(store.len(), 1);
+        assert_eq!(
+            store.decide(&Key::new("busy"), &busy, 1).limits()[0].remaining,
+            3
+        );
     }
 
     #[test]
