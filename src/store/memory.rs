@@ -9,6 +9,7 @@ use std::{
     },
 };
 
+use crossbeam_utils::CachePadded;
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
@@ -41,7 +42,9 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    shards: Box<[Mutex<Shard>]>,
+    /// Each on its own cache line: two threads locking neighbouring shards would
+    /// otherwise take the line from each other.
+    shards: Box<[CachePadded<Mutex<Shard>>]>,
     hasher: DefaultHashBuilder,
     clock: Arc<dyn Clock>,
     max_keys_per_shard: Option<usize>,
@@ -175,7 +178,9 @@ impl MemoryStore {
     fn build(clock: Arc<dyn Clock>, max_keys_per_shard: Option<usize>) -> Self {
         // The first read of a `MonotonicClock` calibrates it: here, not in a request.
         clock.now_ms();
-        let shards = (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect();
+        let shards = (0..SHARDS)
+            .map(|_| CachePadded::new(Mutex::new(Shard::default())))
+            .collect();
         Self {
             inner: Arc::new(Inner {
                 shards,
