@@ -2,7 +2,7 @@
 # Load benchmark: a hello-world axum server behind each rate limiter, measured with wrk,
 # side by side in one run (see BENCHMARKS.md for the method and the last results).
 #
-#   bench/load.sh                       # 3 rounds x 10 s per mode and scenario, ~11 min
+#   bench/load.sh                       # 3 rounds x 10 s per mode and scenario, ~13 min
 #   ROUNDS=1 DURATION=3 bench/load.sh   # a quick look
 #
 # Environment:
@@ -10,7 +10,6 @@
 #   CONNECTIONS=64 THREADS=1        wrk -c / -t
 #   MODES="plain memory redis ..."  which servers (plain is always measured: ratios need it);
 #                                   the default set, plus redis-nocache (block cache off)
-#                                   and memory-noheaders (no rate-limit fields)
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour)
 #   FEATURES=redis,bb8,cluster      crate features for the server (add metrics to measure
 #                                   the metrics facade without a recorder)
@@ -36,7 +35,7 @@ DURATION=${DURATION:-10}
 WARMUP=${WARMUP:-2}
 CONNECTIONS=${CONNECTIONS:-64}
 THREADS=${THREADS:-1}
-MODES=${MODES:-plain memory redis redis-nocoalesce redis-pool redis-cluster governor handwritten}
+MODES=${MODES:-plain memory memory-noheaders redis redis-nocoalesce redis-pool redis-cluster governor handwritten}
 SCENARIOS=${SCENARIOS:-allow reject}
 FEATURES=${FEATURES:-redis,bb8,cluster}
 OUT=${OUT:-bench/results.csv}
