@@ -1,6 +1,7 @@
 //! What the layer adds to one request, on the memory store: an inner service that answers
 //! at once, alone and behind `RateLimitLayer` (allowing, with and without rate-limit
-//! fields, and denying). The futures are ready at the first poll, so no runtime is timed.
+//! fields, and denying; with the `metrics` feature, also reporting to a Prometheus
+//! recorder). The futures are ready at the first poll, so no runtime is timed.
 
 use std::{convert::Infallible, hint::black_box, time::Duration};
 
@@ -59,5 +60,20 @@ pub(crate) fn bench_all(c: &mut Criterion) {
             b.iter(|| black_box(run(&mut service)));
         });
     }
+    // With the `metrics` feature, the same layer reporting to a Prometheus recorder.
+    #[cfg(feature = "metrics")]
+    group.bench_function(
+        BenchmarkId::from_parameter("memory_allow_prometheus"),
+        |b| {
+            let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+            let _current = metrics::set_default_local_recorder(&recorder);
+            let mut service = RateLimitLayer::new(
+                Limit::fixed_window(1_000_000_000, Duration::from_secs(1)).unwrap(),
+            )
+            .key(GlobalKey)
+            .layer(service_fn(hello));
+            b.iter(|| black_box(run(&mut service)));
+        },
+    );
     group.finish();
 }

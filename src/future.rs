@@ -19,7 +19,7 @@ use crate::{
     Decision, FailurePolicy, StoreError,
     breaker::Admission,
     key::Key,
-    metrics::{self, Outcome as Recorded, Timer},
+    metrics::{Outcome as Recorded, Timer},
     rejection::OnRejection,
     service::Shared,
     store::Check,
@@ -178,7 +178,7 @@ where
                         Ok(_) => Recorded::Denied,
                         Err(_) => Recorded::StoreError,
                     };
-                    metrics::decided(&shared.name, recorded, &timer);
+                    shared.metrics.decided(recorded, &timer);
                     let outcome = match result {
                         Ok(decision) => Outcome::Decided(decision),
                         Err(error) => on_store_error(shared, error, &key, cost, admission),

@@ -206,6 +206,7 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             timeout: self.settings.timeout,
             rejection: self.rejection.clone(),
             name: self.settings.name.clone(),
+            metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
             breaker: self.settings.breaker.clone(),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))

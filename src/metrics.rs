@@ -57,6 +57,14 @@ pub(crate) enum Outcome {
 
 impl Outcome {
     #[cfg(feature = "metrics")]
+    const ALL: [Self; 4] = [
+        Self::Allowed,
+        Self::Denied,
+        Self::StoreError,
+        Self::KeyMissing,
+    ];
+
+    #[cfg(feature = "metrics")]
     const fn as_str(self) -> &'static str {
         match self {
             Self::Allowed => "allowed",
@@ -68,11 +76,12 @@ impl Outcome {
 }
 
 /// Started when the store call starts; zero-sized without the feature, so the clock is
-/// read only when someone wants the latency.
+/// read only when someone wants the latency (and then the cheap one, see
+/// [`MonotonicClock`](crate::clock::MonotonicClock)).
 #[derive(Debug)]
 pub(crate) struct Timer {
     #[cfg(feature = "metrics")]
-    start: std::time::Instant,
+    start: quanta::Instant,
 }
 
 impl Timer {
@@ -80,28 +89,148 @@ impl Timer {
     pub(crate) fn start() -> Self {
         Self {
             #[cfg(feature = "metrics")]
-            start: std::time::Instant::now(),
+            start: quanta::Instant::now(),
         }
     }
 }
 
-/// Counts one request with `outcome` for the layer `route`.
-#[inline]
-pub(crate) fn request(route: &Arc<str>, outcome: Outcome) {
+/// One layer's metrics. With the feature on, its handles are registered once per recorder
+/// rather than per request (which hashes the name and labels into the recorder's registry
+/// every time), and registered again when the current recorder is another one: a layer
+/// built before the recorder was installed, or used under a local recorder, reports all
+/// the same.
+pub(crate) struct LayerMetrics {
     #[cfg(feature = "metrics")]
-    ::metrics::counter!(REQUESTS_TOTAL, "route" => route.clone(), "outcome" => outcome.as_str())
-        .increment(1);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (route, outcome);
+    route: Arc<str>,
+    #[cfg(feature = "metrics")]
+    handles: arc_swap::ArcSwapOption<Handles>,
 }
 
-/// Counts a request the store answered (or failed to) and records how long it took.
-#[inline]
-pub(crate) fn decided(route: &Arc<str>, outcome: Outcome, timer: &Timer) {
+#[cfg(feature = "metrics")]
+struct Handles {
+    /// The address of the recorder they were registered with.
+    recorder: usize,
+    /// By [`Outcome`], in its order.
+    requests: [::metrics::Counter; 4],
+    latency: ::metrics::Histogram,
+}
+
+#[cfg(feature = "metrics")]
+impl Handles {
+    fn register(recorder: &dyn ::metrics::Recorder, address: usize, route: &Arc<str>) -> Self {
+        let metadata =
+            ::metrics::Metadata::new(module_path!(), ::metrics::Level::INFO, Some(module_path!()));
+        let counter = |outcome: Outcome| {
+            let labels = [
+                ::metrics::Label::new("route", route.to_string()),
+                ::metrics::Label::new("outcome", outcome.as_str()),
+            ];
+            let key = ::metrics::Key::from_parts(REQUESTS_TOTAL, labels.to_vec());
+            recorder.register_counter(&key, &metadata)
+        };
+        let latency = ::metrics::Key::from_parts(
+            DECISION_SECONDS,
+            vec![::metrics::Label::new("route", route.to_string())],
+        );
+        Self {
+            recorder: address,
+            requests: Outcome::ALL.map(counter),
+            latency: recorder.register_histogram(&latency, &metadata),
+        }
+    }
+}
+
+impl LayerMetrics {
+    pub(crate) fn new(route: &Arc<str>) -> Self {
+        #[cfg(not(feature = "metrics"))]
+        let _ = route;
+        Self {
+            #[cfg(feature = "metrics")]
+            route: route.clone(),
+            #[cfg(feature = "metrics")]
+            handles: arc_swap::ArcSwapOption::empty(),
+        }
+    }
+
+    /// Runs `f` with the handles of the current recorder.
     #[cfg(feature = "metrics")]
-    ::metrics::histogram!(DECISION_SECONDS, "route" => route.clone())
-        .record(timer.start.elapsed().as_secs_f64());
-    #[cfg(not(feature = "metrics"))]
-    let _ = timer;
-    request(route, outcome);
+    fn with_handles(&self, f: impl FnOnce(&Handles)) {
+        ::metrics::with_recorder(|recorder| {
+            let address = std::ptr::from_ref(recorder).cast::<()>() as usize;
+            let cached = self.handles.load();
+            match cached.as_deref() {
+                Some(handles) if handles.recorder == address => f(handles),
+                _ => {
+                    let handles = Arc::new(Handles::register(recorder, address, &self.route));
+                    f(&handles);
+                    self.handles.store(Some(handles));
+                }
+            }
+        });
+    }
+
+    /// Counts one request with `outcome`.
+    #[inline]
+    pub(crate) fn request(&self, outcome: Outcome) {
+        #[cfg(feature = "metrics")]
+        self.with_handles(|handles| handles.requests[outcome as usize].increment(1));
+        #[cfg(not(feature = "metrics"))]
+        let _ = outcome;
+    }
+
+    /// Counts a request the store answered (or failed to) and records how long it took.
+    #[inline]
+    pub(crate) fn decided(&self, outcome: Outcome, timer: &Timer) {
+        #[cfg(feature = "metrics")]
+        self.with_handles(|handles| {
+            handles.latency.record(timer.start.elapsed().as_secs_f64());
+            handles.requests[outcome as usize].increment(1);
+        });
+        #[cfg(not(feature = "metrics"))]
+        let _ = (outcome, timer);
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
+
+    use super::*;
+
+    /// The value of `name` on the line whose labels include `labels`, in `recorder`'s page.
+    fn value(recorder: &PrometheusRecorder, name: &str, labels: &str) -> Option<f64> {
+        let page = recorder.handle().render();
+        page.lines()
+            .find(|line| line.starts_with(&format!("{name}{{")) && line.contains(labels))
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+    }
+
+    #[test]
+    fn each_recorder_gets_the_requests_made_while_it_is_current() {
+        let metrics = LayerMetrics::new(&Arc::from("r"));
+        // No recorder yet: nothing to see, nothing breaks.
+        metrics.request(Outcome::Allowed);
+
+        let first = PrometheusBuilder::new().build_recorder();
+        let second = PrometheusBuilder::new().build_recorder();
+        let allowed = r#"route="r",outcome="allowed""#;
+        ::metrics::with_local_recorder(&first, || {
+            metrics.request(Outcome::Allowed);
+            metrics.request(Outcome::Allowed);
+            metrics.decided(Outcome::Denied, &Timer::start());
+        });
+        ::metrics::with_local_recorder(&second, || metrics.request(Outcome::Allowed));
+        ::metrics::with_local_recorder(&first, || metrics.request(Outcome::Allowed));
+
+        assert_eq!(value(&first, REQUESTS_TOTAL, allowed), Some(3.0));
+        assert_eq!(
+            value(&first, REQUESTS_TOTAL, r#"outcome="denied""#),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&first, "tollgate_decision_seconds_count", r#"route="r""#),
+            Some(1.0)
+        );
+        assert_eq!(value(&second, REQUESTS_TOTAL, allowed), Some(1.0));
+    }
 }

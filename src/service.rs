@@ -34,6 +34,7 @@ pub(crate) struct Shared<R> {
     pub(crate) breaker: Option<Arc<Breaker>>,
     /// The layer's name: the `route` label of its metrics.
     pub(crate) name: Arc<str>,
+    pub(crate) metrics: metrics::LayerMetrics,
 }
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -117,7 +118,7 @@ where
         let key = match self.key.extract(&request) {
             Ok(key) => key,
             Err(error) => {
-                metrics::request(&shared.name, metrics::Outcome::KeyMissing);
+                shared.metrics.request(metrics::Outcome::KeyMissing);
                 return match shared.on_missing_key {
                     MissingKey::Allow => ResponseFuture::unlimited(self.inner.call(request)),
                     MissingKey::Reject => {
