@@ -108,7 +108,9 @@ pub(crate) struct LayerMetrics {
 
 #[cfg(feature = "metrics")]
 struct Handles {
-    /// The address of the recorder they were registered with.
+    /// The address of the recorder they were registered with. (A recorder dropped and
+    /// another made at the same address would pass for the first: only local recorders,
+    /// in tests, come and go like that.)
     recorder: usize,
     /// By [`Outcome`], in its order.
     requests: [::metrics::Counter; 4],
@@ -121,11 +123,11 @@ impl Handles {
         let metadata =
             ::metrics::Metadata::new(module_path!(), ::metrics::Level::INFO, Some(module_path!()));
         let counter = |outcome: Outcome| {
-            let labels = [
+            let labels = vec![
                 ::metrics::Label::new("route", route.to_string()),
                 ::metrics::Label::new("outcome", outcome.as_str()),
             ];
-            let key = ::metrics::Key::from_parts(REQUESTS_TOTAL, labels.to_vec());
+            let key = ::metrics::Key::from_parts(REQUESTS_TOTAL, labels);
             recorder.register_counter(&key, &metadata)
         };
         let latency = ::metrics::Key::from_parts(

@@ -360,23 +360,20 @@ impl Shard {
     }
 }
 
-/// Drops expired state, and keys left without any.
+/// Drops expired state, and keys left without any; past [`KNOWN_LIMITS_KEPT`] known limits
+/// (limits made at run time, say), also the limits no slot uses any more.
 fn purge(table: &mut HashTable<Entry>, known: &mut Known, now: u64) {
-    if known.len() <= KNOWN_LIMITS_KEPT {
-        table.retain(|entry| {
-            entry.slots.retain(|slot| slot.expires_at(known) > now);
-            !entry.slots.is_empty()
-        });
-        return;
-    }
-    // Many limits (made at run time, say): keep only those a slot still uses.
-    let mut used = hashbrown::HashSet::new();
     table.retain(|entry| {
         entry.slots.retain(|slot| slot.expires_at(known) > now);
-        used.extend(entry.slots.iter().map(|slot| slot.limit));
         !entry.slots.is_empty()
     });
-    known.retain(|fingerprint, _| used.contains(fingerprint));
+    if known.len() > KNOWN_LIMITS_KEPT {
+        let used: hashbrown::HashSet<u64> = table
+            .iter()
+            .flat_map(|entry| entry.slots.iter().map(|slot| slot.limit))
+            .collect();
+        known.retain(|fingerprint, _| used.contains(fingerprint));
+    }
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
