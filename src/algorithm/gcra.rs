@@ -19,18 +19,18 @@ impl Gcra {
         u64::from(limit.burst()) * limit.window_ms()
     }
 
-    /// How far the TAT is ahead of now, scaled by `limit`, at most the tolerance.
+    /// How far the TAT is ahead of now, scaled by `limit`, at most the tolerance. (Beyond
+    /// it only after the clock stepped back, which the saturating product covers without
+    /// a division: this runs several times per decision.)
     fn ahead(&self, now: u64, limit: &Limit) -> u64 {
         if self.tat < now {
             return 0;
         }
-        let tolerance = Self::tolerance(limit);
         let ahead_ms = self.tat - now;
-        // Only a clock that stepped back gets here; clamp before multiplying.
-        if ahead_ms > div_ceil(tolerance, u64::from(limit.limit())) {
-            return tolerance;
-        }
-        (ahead_ms * u64::from(limit.limit()) + self.frac).min(tolerance)
+        ahead_ms
+            .saturating_mul(u64::from(limit.limit()))
+            .saturating_add(self.frac)
+            .min(Self::tolerance(limit))
     }
 }
 
