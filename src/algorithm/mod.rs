@@ -115,17 +115,46 @@ impl State {
     /// The time (ms) from which this state decides exactly like a missing key, so that a
     /// store may forget it: the TTL the Redis script sets.
     pub fn expires_at(&self, limit: &Limit) -> u64 {
-        dispatch!(self, s => s.expires_at(limit))
+        Model::expires_at(self, limit)
+    }
+}
+
+/// [`Model`] by a `match` on the variant rather than through a trait object, so that each
+/// algorithm's arithmetic can be inlined into [`check`].
+impl Model for State {
+    #[inline]
+    fn normalize(&mut self, now: u64, limit: &Limit) {
+        dispatch!(self, s => s.normalize(now, limit));
     }
 
-    fn model(&mut self) -> &mut dyn Model {
-        match self {
-            Self::FixedWindow(s) => s,
-            Self::SlidingWindow(s) => &mut **s,
-            Self::SlidingWindowCounter(s) => s,
-            Self::TokenBucket(s) => s,
-            Self::Gcra(s) => s,
-        }
+    #[inline]
+    fn fits(&self, now: u64, limit: &Limit, cost: u64) -> bool {
+        dispatch!(self, s => s.fits(now, limit, cost))
+    }
+
+    #[inline]
+    fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
+        dispatch!(self, s => s.wait(now, limit, cost))
+    }
+
+    #[inline]
+    fn commit(&mut self, now: u64, limit: &Limit, cost: u64) {
+        dispatch!(self, s => s.commit(now, limit, cost));
+    }
+
+    #[inline]
+    fn remaining(&self, now: u64, limit: &Limit) -> u64 {
+        dispatch!(self, s => s.remaining(now, limit))
+    }
+
+    #[inline]
+    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
+        dispatch!(self, s => s.reset_after(now, limit))
+    }
+
+    #[inline]
+    fn expires_at(&self, limit: &Limit) -> u64 {
+        dispatch!(self, s => s.expires_at(limit))
     }
 }
 
@@ -146,16 +175,15 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
             limit.algorithm(),
             "state of another algorithm"
         );
-        let model = state.model();
-        model.normalize(now, limit);
-        let fits = cost <= u64::from(limit.capacity()) && model.fits(now, limit, cost);
+        state.normalize(now, limit);
+        let fits = cost <= u64::from(limit.capacity()) && state.fits(now, limit, cost);
         let retry_after_ms = if fits {
             0
         } else if cost > u64::from(limit.capacity()) {
             // Never fits: report one window, the longest any limit asks anyone to wait.
             limit.window_ms()
         } else {
-            model.wait(now, limit, cost)
+            state.wait(now, limit, cost)
         };
         decisions.push(LimitDecision {
             allowed: fits,
@@ -167,12 +195,11 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
     }
     let all_fit = decisions.iter().all(|d| d.allowed);
     for ((state, limit), decision) in states.iter_mut().zip(limits).zip(&mut decisions) {
-        let model = state.model();
         if all_fit {
-            model.commit(now, limit, cost);
+            state.commit(now, limit, cost);
         }
-        decision.remaining = model.remaining(now, limit);
-        decision.reset_after_ms = model.reset_after(now, limit);
+        decision.remaining = state.remaining(now, limit);
+        decision.reset_after_ms = state.reset_after(now, limit);
     }
     Decision::from_limits(decisions)
 }
