@@ -47,13 +47,30 @@ impl Clock for SystemClock {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MonotonicClock;
 
+/// Where every [`MonotonicClock`] counts from.
+struct Start {
+    wall_ms: u64,
+    /// A clock of our own: `quanta::Instant::now` would look for a test override in
+    /// thread-local storage on every read.
+    counter: quanta::Clock,
+    raw: u64,
+}
+
+static START: LazyLock<Start> = LazyLock::new(|| {
+    let counter = quanta::Clock::new();
+    Start {
+        wall_ms: SystemClock.now_ms(),
+        raw: counter.raw(),
+        counter,
+    }
+});
+
 impl Clock for MonotonicClock {
     #[inline]
     fn now_ms(&self) -> u64 {
-        static START: LazyLock<(u64, quanta::Instant)> =
-            LazyLock::new(|| (SystemClock.now_ms(), quanta::Instant::now()));
-        let (wall_ms, start) = *START;
-        wall_ms + quanta::Instant::now().duration_since(start).as_millis() as u64
+        let start = &*START;
+        let elapsed_ns = start.counter.delta_as_nanos(start.raw, start.counter.raw());
+        start.wall_ms + elapsed_ns / 1_000_000
     }
 }
 
