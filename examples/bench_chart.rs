@@ -56,7 +56,7 @@ struct Row {
     rounds: usize,
 }
 
-const SCENARIOS: [&str; 2] = ["allow", "reject"];
+const SCENARIOS: [&str; 3] = ["allow", "reject", "clients"];
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
@@ -331,7 +331,7 @@ fn targets(rows: &[Row]) -> String {
         ratio("reject", "redis"),
         &|v| v >= 0.90,
     );
-    for scenario in SCENARIOS {
+    for scenario in ["allow", "reject"] {
         for mode in ["memory", "redis"] {
             check(
                 &format!("p99 {mode} ({scenario}): <= 1.5x plain's p99"),
@@ -343,14 +343,11 @@ fn targets(rows: &[Row]) -> String {
     out
 }
 
-const ALLOW_COLOR: RGBColor = RGBColor(54, 110, 180);
-const REJECT_COLOR: RGBColor = RGBColor(230, 126, 34);
-
 fn color(scenario: &str) -> RGBColor {
-    if scenario == "allow" {
-        ALLOW_COLOR
-    } else {
-        REJECT_COLOR
+    match scenario {
+        "allow" => RGBColor(54, 110, 180),
+        "reject" => RGBColor(230, 126, 34),
+        _ => RGBColor(76, 154, 90),
     }
 }
 
@@ -433,8 +430,8 @@ fn chart(rows: &[Row], path: &str) -> Result<()> {
 
 /// x units per mode in a panel, and a bar's width and margin in them.
 const SLOT: u32 = 20;
-const BAR_WIDTH: u32 = 8;
-const BAR_GAP: u32 = 2;
+const BAR_WIDTH: u32 = 6;
+const BAR_GAP: u32 = 1;
 
 fn draw_panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,

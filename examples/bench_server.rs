@@ -22,7 +22,9 @@
 //!
 //! Scenarios: `allow` (a limit so high that nothing is rejected) and `reject` (1 request
 //! per hour on one key shared by every request, so everything after the first is
-//! rejected: the one-key flood). Every limiter is a fixed window on one global key.
+//! rejected: the one-key flood), both on one global key; and `clients`, the `allow` limit
+//! per client, keyed by the `x-client` header (which `bench/clients.lua` makes wrk send,
+//! one of 10 000 values per request). Every limiter is a fixed window.
 //!
 //! Prints `listening on 127.0.0.1:<port>` once it serves (Redis connected, scripts
 //! loaded). On SIGTERM or Ctrl-C it stops and prints `statuses: 200=<n> 429=<n>
@@ -49,12 +51,12 @@ use axum::{
     routing::get,
 };
 use tollgate::{
-    FailurePolicy, HeaderStyle, Limit, RateLimitLayer, key::GlobalKey, store::RedisStore,
+    FailurePolicy, HeaderStyle, Limit, RateLimitLayer,
+    key::{GlobalKey, Key, KeyError, KeyExtractor},
+    store::RedisStore,
 };
 use tower::util::MapResponseLayer;
-use tower_governor::{
-    GovernorLayer, governor::GovernorConfigBuilder, key_extractor::GlobalKeyExtractor,
-};
+use tower_governor::{GovernorError, GovernorLayer, governor::GovernorConfigBuilder};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -123,21 +125,31 @@ impl Mode {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Allow,
+    Reject,
+    Clients,
+}
+
+/// The header that names the client in the `clients` scenario.
+const CLIENT_HEADER: &str = "x-client";
+
 #[derive(Debug)]
 struct Args {
     mode: Mode,
-    reject: bool,
+    scenario: Scenario,
     redis: Option<String>,
     cluster: Vec<String>,
     port: u16,
 }
 
-const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject] \
+const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients] \
                      [--redis <url>] [--cluster <url,url,..>] [--port <port>]";
 
 fn parse_args() -> Result<Args, Error> {
     let mut mode = None;
-    let mut reject = false;
+    let mut scenario = Scenario::Allow;
     let mut redis = None;
     let mut cluster = Vec::new();
     let mut port = 0;
@@ -150,9 +162,10 @@ fn parse_args() -> Result<Args, Error> {
         match flag.as_str() {
             "--mode" => mode = Some(Mode::parse(&value()?)?),
             "--scenario" => {
-                reject = match value()?.as_str() {
-                    "allow" => false,
-                    "reject" => true,
+                scenario = match value()?.as_str() {
+                    "allow" => Scenario::Allow,
+                    "reject" => Scenario::Reject,
+                    "clients" => Scenario::Clients,
                     other => return Err(format!("unknown scenario {other:?}\n{USAGE}").into()),
                 }
             }
@@ -172,7 +185,7 @@ fn parse_args() -> Result<Args, Error> {
     let mode = mode.ok_or_else(|| format!("--mode is required\n{USAGE}"))?;
     Ok(Args {
         mode,
-        reject,
+        scenario,
         redis,
         cluster,
         port,
@@ -263,7 +276,9 @@ async fn hello() -> &'static str {
 
 async fn app(args: &Args) -> Result<Router, Error> {
     let router = Router::new().route("/", get(hello));
-    let (limit, window) = if args.reject {
+    let reject = args.scenario == Scenario::Reject;
+    let per_client = args.scenario == Scenario::Clients;
+    let (limit, window) = if reject {
         (REJECT_LIMIT, REJECT_WINDOW)
     } else {
         (ALLOW_LIMIT, ALLOW_WINDOW)
@@ -271,7 +286,7 @@ async fn app(args: &Args) -> Result<Router, Error> {
     // A store failure is answered 503, so that it shows in the status counts instead of
     // passing as an allowed request.
     let layer = RateLimitLayer::new(Limit::fixed_window(limit, window)?)
-        .key(GlobalKey)
+        .key(BenchKey { per_client })
         .on_store_error(FailurePolicy::Deny);
     let redis_url = || {
         args.redis
@@ -309,14 +324,14 @@ async fn app(args: &Args) -> Result<Router, Error> {
         }
         Mode::Governor => {
             let mut config = GovernorConfigBuilder::default();
-            if args.reject {
+            if reject {
                 config.period(REJECT_WINDOW).burst_size(REJECT_LIMIT);
             } else {
                 // One cell per nanosecond: never empty.
                 config.per_nanosecond(1).burst_size(ALLOW_LIMIT);
             }
             let config = config
-                .key_extractor(GlobalKeyExtractor)
+                .key_extractor(BenchKey { per_client })
                 .finish()
                 .ok_or("invalid governor quota")?;
             router.layer(GovernorLayer::new(config))
@@ -327,11 +342,12 @@ async fn app(args: &Args) -> Result<Router, Error> {
             FIXED_WINDOW.load_async(&mut connection).await?;
             let state = Handwritten {
                 connection,
-                key: if args.reject {
+                key: if reject {
                     "bench:handwritten:reject"
                 } else {
                     "bench:handwritten:allow"
                 },
+                per_client,
                 limit: u64::from(limit),
                 window_ms: u64::try_from(window.as_millis())?,
             };
@@ -340,10 +356,47 @@ async fn app(args: &Args) -> Result<Router, Error> {
     })
 }
 
+/// The `x-client` header, when it is valid text.
+fn client<B>(request: &http::Request<B>) -> Option<&str> {
+    request.headers().get(CLIENT_HEADER)?.to_str().ok()
+}
+
+/// Every limiter's key: one global key, or the `x-client` header.
+#[derive(Debug, Clone, Copy)]
+struct BenchKey {
+    per_client: bool,
+}
+
+impl<B> KeyExtractor<B> for BenchKey {
+    fn extract(&self, request: &http::Request<B>) -> Result<Key, KeyError> {
+        if !self.per_client {
+            return GlobalKey.extract(request);
+        }
+        client(request)
+            .map(Key::new)
+            .ok_or_else(|| KeyError::new("no x-client header"))
+    }
+}
+
+impl tower_governor::key_extractor::KeyExtractor for BenchKey {
+    type Key = String;
+
+    fn extract<T>(&self, request: &http::Request<T>) -> Result<String, GovernorError> {
+        if !self.per_client {
+            return Ok(String::new());
+        }
+        client(request)
+            .map(str::to_owned)
+            .ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
 #[derive(Clone)]
 struct Handwritten {
     connection: redis::aio::MultiplexedConnection,
     key: &'static str,
+    /// Append the `x-client` header to `key`.
+    per_client: bool,
     limit: u64,
     window_ms: u64,
 }
@@ -351,8 +404,13 @@ struct Handwritten {
 /// The reference middleware: one script call per request.
 async fn handwritten(State(state): State<Handwritten>, request: Request, next: Next) -> Response {
     let mut connection = state.connection;
+    let key = match (state.per_client, client(&request)) {
+        (true, Some(client)) => format!("{}:{client}", state.key),
+        (true, None) => return StatusCode::BAD_REQUEST.into_response(),
+        (false, _) => state.key.to_owned(),
+    };
     let decided: redis::RedisResult<(i64, i64)> = FIXED_WINDOW
-        .key(state.key)
+        .key(key)
         .arg(state.limit)
         .arg(state.window_ms)
         .invoke_async(&mut connection)
