@@ -56,7 +56,10 @@ use tollgate::{
     store::RedisStore,
 };
 use tower::util::MapResponseLayer;
-use tower_governor::{GovernorError, GovernorLayer, governor::GovernorConfigBuilder};
+use tower_governor::{
+    GovernorError, GovernorLayer, governor::GovernorConfigBuilder,
+    key_extractor::GlobalKeyExtractor,
+};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -330,11 +333,17 @@ async fn app(args: &Args) -> Result<Router, Error> {
                 // One cell per nanosecond: never empty.
                 config.per_nanosecond(1).burst_size(ALLOW_LIMIT);
             }
-            let config = config
-                .key_extractor(BenchKey { per_client })
-                .finish()
-                .ok_or("invalid governor quota")?;
-            router.layer(GovernorLayer::new(config))
+            let invalid = "invalid governor quota";
+            if per_client {
+                let config = config.key_extractor(ClientHeader).finish().ok_or(invalid)?;
+                router.layer(GovernorLayer::new(config))
+            } else {
+                let config = config
+                    .key_extractor(GlobalKeyExtractor)
+                    .finish()
+                    .ok_or(invalid)?;
+                router.layer(GovernorLayer::new(config))
+            }
         }
         Mode::Handwritten => {
             let client = redis::Client::open(redis_url()?)?;
@@ -378,13 +387,14 @@ impl<B> KeyExtractor<B> for BenchKey {
     }
 }
 
-impl tower_governor::key_extractor::KeyExtractor for BenchKey {
+/// governor's key in the `clients` scenario (the others use its `GlobalKeyExtractor`).
+#[derive(Debug, Clone, Copy)]
+struct ClientHeader;
+
+impl tower_governor::key_extractor::KeyExtractor for ClientHeader {
     type Key = String;
 
     fn extract<T>(&self, request: &http::Request<T>) -> Result<String, GovernorError> {
-        if !self.per_client {
-            return Ok(String::new());
-        }
         client(request)
             .map(str::to_owned)
             .ok_or(GovernorError::UnableToExtractKey)
