@@ -193,20 +193,18 @@ fn summarise(runs: &[Run]) -> Vec<Row> {
                 continue;
             }
             let valid: Vec<&Run> = all.iter().copied().filter(|r| r.valid).collect();
-            let ratios: Vec<f64> = valid
-                .iter()
-                .filter_map(|r| {
-                    let base = plain.get(&(r.round, scenario))?;
-                    (base.rps > 0.0).then(|| r.rps / base.rps)
-                })
-                .collect();
-            let p99_ratios: Vec<f64> = valid
-                .iter()
-                .filter_map(|r| {
-                    let base = plain.get(&(r.round, scenario))?;
-                    (base.p99_us > 0.0).then(|| r.p99_us / base.p99_us)
-                })
-                .collect();
+            // Each run's `f` over plain's from the same round and scenario.
+            let relative = |f: fn(&Run) -> f64| -> Vec<f64> {
+                valid
+                    .iter()
+                    .filter_map(|r| {
+                        let base = f(plain.get(&(r.round, scenario))?);
+                        (base > 0.0).then(|| f(r) / base)
+                    })
+                    .collect()
+            };
+            let ratios = relative(|r| r.rps);
+            let p99_ratios = relative(|r| r.p99_us);
             let stat = |f: fn(&Run) -> f64| median(valid.iter().map(|r| f(r)).collect());
             rows.push(Row {
                 scenario: scenario.to_owned(),
