@@ -66,7 +66,7 @@ struct Shard {
     /// The limits this shard's slots were made for, by fingerprint: a slot keeps only the
     /// fingerprint, and the sweep asks its limit when the state expires (an expiry in
     /// every slot would make entries 8 bytes larger).
-    limits: HashMap<u64, Limit>,
+    known: Known,
 }
 
 /// Beyond this many known limits, a sweep forgets the ones no slot uses any more.
@@ -235,10 +235,7 @@ impl Inner {
         // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
         // top seven as the tag, so within a shard both stay well spread.
         let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
-        let Shard {
-            table,
-            limits: known,
-        } = &mut *shard;
+        let Shard { table, known } = &mut *shard;
         let entry = match table.find_entry(hash, |e| e.key == *key) {
             Ok(occupied) => occupied.into_mut(),
             Err(absent) => {
@@ -356,7 +353,7 @@ impl Slot {
 
 impl Shard {
     fn purge(&mut self, now: u64) {
-        purge(&mut self.table, &mut self.limits, now);
+        purge(&mut self.table, &mut self.known, now);
     }
 }
 
@@ -428,12 +425,7 @@ mod tests {
         let clock = ManualClock::new(0);
         let store = MemoryStore::new().with_clock(clock.clone());
         let known = |store: &MemoryStore| -> usize {
-            store
-                .inner
-                .shards
-                .iter()
-                .map(|s| lock(s).limits.len())
-                .sum()
+            store.inner.shards.iter().map(|s| lock(s).known.len()).sum()
         };
         // 200 limits made at run time for one key (so in one shard); then one that stays
         // busy.
