@@ -23,6 +23,14 @@ async fn allowed(store: &dyn Store, key: &str, limits: &[Limit], n: u32) -> u32 
     allowed
 }
 
+/// A store without the block cache, so that every decision reaches Redis.
+async fn uncached(server: &RedisServer) -> RedisStore {
+    RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_block_cache(0)
+}
+
 #[tokio::test]
 async fn redis_time_is_the_default_clock() {
     let server = RedisServer::start();
@@ -41,11 +49,7 @@ async fn redis_time_is_the_default_clock() {
 #[tokio::test]
 async fn script_flush_between_requests_keeps_decisions_correct() {
     let server = RedisServer::start();
-    // Without the block cache, so that every decision reaches Redis.
-    let store = RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_block_cache(0);
+    let store = uncached(&server).await;
     server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let limits = hourly(5);
     let mut allowed_total = 0;
@@ -127,10 +131,7 @@ async fn hostile_identities_stay_bounded_and_apart() {
 #[tokio::test]
 async fn a_batch_of_limits_with_every_algorithm_shares_one_call() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_block_cache(0);
+    let store = uncached(&server).await;
     let limits = [
         Limit::fixed_window(3, Duration::from_secs(3600)).unwrap(),
         Limit::sliding_window(3, Duration::from_secs(3600)).unwrap(),
@@ -152,10 +153,7 @@ async fn a_batch_of_limits_with_every_algorithm_shares_one_call() {
 #[tokio::test]
 async fn a_coalesced_batch_reads_and_writes_a_hot_key_once() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_block_cache(0);
+    let store = uncached(&server).await;
     let hot = Key::new("hot");
     let limit = hourly(30);
     store.check(&Key::new("warm-up"), &limit, 1).await.unwrap();
