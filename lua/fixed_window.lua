@@ -6,17 +6,13 @@ local function define_fixed_window()
   local fixed_window = {}
 
   function fixed_window.load(key, now, L, W, B)
-    local s = { start = 0, count = 0 }
+    local s = { start = now - now % W, count = 0, key = key, changed = false }
     local v = redis.call('GET', key)
     if v then
-      local sep = string.find(v, ':', 1, true)
-      s.start = tonumber(string.sub(v, 1, sep - 1))
-      s.count = tonumber(string.sub(v, sep + 1))
-    end
-    local start = now - now % W
-    if s.start ~= start then
-      s.start = start
-      s.count = 0
+      local start, count = string.match(v, '^(%d+):(%d+)$')
+      if start + 0 == s.start then
+        s.count = count + 0
+      end
     end
     return s
   end
@@ -34,7 +30,7 @@ local function define_fixed_window()
   end
 
   function fixed_window.save(s, now, L, W, B)
-    set_expiring(s.key, int(s.start) .. ':' .. int(s.count), s.start + W - now)
+    set_expiring(s.key, string.format('%d:%d', s.start, s.count), s.start + W - now)
   end
 
   function fixed_window.remaining(s, now, L, W, B)

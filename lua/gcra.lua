@@ -15,7 +15,7 @@ local function define_gcra()
 
   function gcra.load(key, now, L, W, B)
     local v = redis.call('HMGET', key, 't', 'f')
-    return { tat = tonumber(v[1]) or 0, frac = tonumber(v[2]) or 0 }
+    return { tat = tonumber(v[1]) or 0, frac = tonumber(v[2]) or 0, key = key, changed = false }
   end
 
   function gcra.fits(s, now, L, W, B, cost)
@@ -33,7 +33,7 @@ local function define_gcra()
   end
 
   function gcra.save(s, now, L, W, B)
-    redis.call('HSET', s.key, 't', int(s.tat), 'f', int(s.frac))
+    redis.call('HSET', s.key, 't', s.tat, 'f', s.frac)
     local expires = s.tat
     if s.frac > 0 then expires = expires + 1 end
     expire(s.key, expires - now)

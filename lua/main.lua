@@ -11,6 +11,9 @@
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
 -- its state stays in `states` in between (`now` does not move within a call).
+--
+-- Each algorithm's load(key, now, L, W, B) returns its state as a table that also holds
+-- `key` and `changed` (false; set here to the limit that saves it once it commits).
 local definitions = {
   define_fixed_window, define_sliding_window, define_sliding_window_counter,
   define_token_bucket, define_gcra,
@@ -27,23 +30,23 @@ end
 
 local now
 if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
+  now = ARGV[1] + 0
   ttl_margin = 5000
 else
   local time = redis.call('TIME')
-  now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  now = time[1] * 1000 + math.floor(time[2] / 1000)
 end
 
 local a = 3
 local groups = {}
-for g = 1, tonumber(ARGV[2]) do
+for g = 1, ARGV[2] + 0 do
   local group = {}
-  for i = 1, tonumber(ARGV[a]) do
+  for i = 1, ARGV[a] + 0 do
     group[i] = {
-      alg = algorithm(tonumber(ARGV[a + 1])),
-      L = tonumber(ARGV[a + 2]),
-      W = tonumber(ARGV[a + 3]),
-      B = tonumber(ARGV[a + 4]),
+      alg = algorithm(ARGV[a + 1] + 0),
+      L = ARGV[a + 2] + 0,
+      W = ARGV[a + 3] + 0,
+      B = ARGV[a + 4] + 0,
     }
     a = a + 4
   end
@@ -58,9 +61,9 @@ local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = {}, {}, {}
-for _ = 1, tonumber(ARGV[a]) do
-  local cost = tonumber(ARGV[a + 1])
-  local group = groups[tonumber(ARGV[a + 2])]
+for _ = 1, ARGV[a] + 0 do
+  local cost = ARGV[a + 1] + 0
+  local group = groups[ARGV[a + 2] + 0]
   a = a + 2
   local m = #group
   local all_fit = true
@@ -71,7 +74,6 @@ for _ = 1, tonumber(ARGV[a]) do
     local s = states[key]
     if s == nil then
       s = alg.load(key, now, L, W, B)
-      s.key = key
       states[key] = s
     end
     local fit = cost <= B and alg.fits(s, now, L, W, B, cost)

@@ -3,8 +3,15 @@
 --
 -- All numbers are integers below 2^53 (Limit's validation keeps them there), so Lua's
 -- doubles compute them exactly and the results equal the Rust reference model's.
+--
+-- Speed: every call runs this whole file, and on a small VM a Lua C call costs about
+-- 0.1 us, a redis.call 0.3-1 us. So numbers go to redis.call as Lua numbers (Redis prints
+-- them itself, exactly below 2^53: "%.17g", or an integer printer since 7.2), never
+-- through string.format; ARGV strings become numbers by arithmetic (`s + 0`, done in the
+-- VM, about twice as fast as tonumber); and a state table is built with all its fields.
 
--- An integer as a decimal string (tostring would switch to exponent notation).
+-- An integer as a decimal string, for values built in Lua (tostring would switch to
+-- exponent notation).
 local function int(x)
   return string.format('%d', x)
 end
@@ -22,10 +29,10 @@ local ttl_margin = 0
 
 -- Sets the TTL of a key the script just wrote: every written key gets one.
 local function expire(key, ttl)
-  redis.call('PEXPIRE', key, int(ttl + ttl_margin))
+  redis.call('PEXPIRE', key, ttl + ttl_margin)
 end
 
 -- Writes a string key and its TTL in one command (`ttl` is at least 1 ms).
 local function set_expiring(key, value, ttl)
-  redis.call('SET', key, value, 'PX', int(math.max(ttl, 1) + ttl_margin))
+  redis.call('SET', key, value, 'PX', math.max(ttl, 1) + ttl_margin)
 end

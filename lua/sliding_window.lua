@@ -8,8 +8,8 @@ local function define_sliding_window()
 
   function sliding_window.load(key, now, L, W, B)
     -- An entry at t counts while now - t < W.
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now - W))
-    return { count = redis.call('ZCARD', key) }
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - W)
+    return { count = redis.call('ZCARD', key), key = key, changed = false }
   end
 
   function sliding_window.fits(s, now, L, W, B, cost)

@@ -11,6 +11,8 @@ local function define_sliding_window_counter()
       start = tonumber(v[1]) or 0,
       current = tonumber(v[2]) or 0,
       previous = tonumber(v[3]) or 0,
+      key = key,
+      changed = false,
     }
     local start = now - now % W
     if s.start ~= start then
@@ -49,7 +51,7 @@ local function define_sliding_window_counter()
   end
 
   function sliding_window_counter.save(s, now, L, W, B)
-    redis.call('HSET', s.key, 's', int(s.start), 'c', int(s.current), 'p', int(s.previous))
+    redis.call('HSET', s.key, 's', s.start, 'c', s.current, 'p', s.previous)
     expire(s.key, s.start + 2 * W - now)
   end
 

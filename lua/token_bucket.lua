@@ -8,7 +8,7 @@ local function define_token_bucket()
   function token_bucket.load(key, now, L, W, B)
     local v = redis.call('HMGET', key, 't', 'l')
     local capacity = B * W
-    local s = { tokens = tonumber(v[1]), last = tonumber(v[2]) or now }
+    local s = { tokens = tonumber(v[1]), last = tonumber(v[2]) or now, key = key, changed = false }
     if s.tokens == nil then
       s.tokens = capacity
       s.last = now
@@ -41,7 +41,7 @@ local function define_token_bucket()
   end
 
   function token_bucket.save(s, now, L, W, B)
-    redis.call('HSET', s.key, 't', int(s.tokens), 'l', int(s.last))
+    redis.call('HSET', s.key, 't', s.tokens, 'l', s.last)
     expire(s.key, s.last + ceil_div(B * W - s.tokens, L) - now)
   end
 

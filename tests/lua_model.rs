@@ -227,6 +227,62 @@ proptest! {
     }
 }
 
+/// At the largest sizes a limit may have (capacity x window just under 2^50), the script
+/// still decides like the model and stores every number as plain decimal digits: state
+/// that went through "%.14g" (Lua's tostring) would come back rounded.
+#[test]
+fn the_largest_limits_keep_exact_integer_state() {
+    let window = tollgate::MAX_WINDOW;
+    let w = window.as_millis() as u64;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
+        let limits = [Limit::new(algorithm, 30_000, window).unwrap()];
+        assert!(
+            u128::from(limits[0].capacity()) * u128::from(w) > 1 << 49,
+            "{limits:?}"
+        );
+        let steps: Vec<(Wait, u32, usize)> = [(0, 1), (1, 7), (w / 3, 29_000), (w / 2, 3), (w, 1)]
+            .into_iter()
+            .map(|(ms, cost)| (Wait::Ms(ms), cost, 0))
+            .collect();
+        let expected = model_run(&limits, &steps);
+        let prefix = runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            for (&(_, cost, _), (now, _, want)) in steps.iter().zip(&expected) {
+                clock.set(*now);
+                let got = store.check(&Key::new("a"), &limits, cost).await.unwrap();
+                assert_eq!(&got, want, "at {now} with {limits:?}");
+            }
+            store.redis_key(&Key::new("a"), &limits[0])
+        });
+        let stored = SERVER.with(|server| {
+            let cli = |args: &[&str]| server.cli(args).unwrap();
+            match cli(&["TYPE", &prefix]).trim() {
+                "string" => cli(&["GET", &prefix]),
+                "hash" => cli(&["HVALS", &prefix]),
+                "zset" => cli(&["ZRANGE", &prefix, "0", "-1", "WITHSCORES"]),
+                other => panic!("{prefix} is a {other}"),
+            }
+        });
+        assert!(
+            stored
+                .chars()
+                .all(|c| c.is_ascii_digit() || c == ':' || c.is_ascii_whitespace()),
+            "{algorithm:?} stored {stored:?}"
+        );
+    }
+}
+
 /// A store on the shared server with keys of its own (a fresh prefix), on `clock`.
 async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     let server = SERVER.with(|s| s.url());

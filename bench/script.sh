@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Script cost: the time Redis spends inside one EVALSHA of tollgate's script, per batch
+# shape, from INFO commandstats (usec_per_call). That leaves out the network, the client
+# and the other processes on the machine, so it is much steadier than req/s, and it is
+# the CPU that every replica sharing one Redis pays for.
+#
+#   bench/script.sh              # this checkout's lua/
+#   bench/script.sh REV          # REV's lua/ and this checkout's, interleaved, side by side
+#
+# Environment: REQUESTS=60000 per measurement, REPEAT=3 measurements per shape (the table
+# shows the median), CLIENTS=16 (redis-benchmark -c).
+#
+# Shapes (every limit 1e9 per second, so nothing is rejected; the script reads Redis TIME;
+# the sliding window log keeps the last second's requests, some 10^4 members):
+#   <alg>x1        one request against one limit, for each algorithm
+#   fw x13 one key  13 requests on one key in one call (a coalesced global key)
+#   fw x13 keys     13 requests on 13 keys in one call (coalesced per-client keys)
+#   incr (ref)      the hand-written INCR + PEXPIRE script of bench_server, for scale
+# It starts its own redis-server on a free port (never 6379) and stops it on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+REQUESTS=${REQUESTS:-60000}
+REPEAT=${REPEAT:-3}
+CLIENTS=${CLIENTS:-16}
+REV=${1:-}
+
+die() {
+  echo "script.sh: $*" >&2
+  exit 1
+}
+for tool in redis-server redis-cli redis-benchmark; do
+  command -v "$tool" >/dev/null || die "$tool not found (Debian: apt-get install redis-server redis-tools)"
+done
+
+# The script exactly as the crate joins it: the include_str! order of src/store/redis.
+FILES=$(grep -o 'lua/[a-z_]*\.lua' src/store/redis/mod.rs)
+[[ -n $FILES ]] || die "no lua/ files named in src/store/redis/mod.rs"
+source_at() { # source_at [REV]: the joined script of REV, or of the checkout
+  local file
+  for file in $FILES; do
+    if [[ -n ${1:-} ]]; then git show "$1:$file"; else cat "$file"; fi
+  done
+}
+
+WORK=$(mktemp -d)
+PORT=
+cleanup() {
+  [[ -n $PORT ]] && redis-cli -p "$PORT" SHUTDOWN NOSAVE >/dev/null 2>&1 || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+for _ in $(seq 100); do
+  candidate=$((15000 + RANDOM % 7000))
+  (: </dev/tcp/127.0.0.1/"$candidate") 2>/dev/null && continue
+  PORT=$candidate
+  break
+done
+[[ -n $PORT ]] || die "found no free port"
+redis-server --port "$PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
+  --logfile "$WORK/log" --daemonize yes
+for _ in $(seq 100); do
+  [[ $(redis-cli -p "$PORT" PING 2>/dev/null) == PONG ]] && break
+  sleep 0.05
+done
+cli() { redis-cli -p "$PORT" "$@"; }
+
+declare -A SHA
+SHA[now]=$(cli SCRIPT LOAD "$(source_at)")
+LABELS=(now)
+if [[ -n $REV ]]; then
+  git rev-parse --verify --quiet "$REV^{commit}" >/dev/null || die "unknown revision $REV"
+  SHA[$REV]=$(cli SCRIPT LOAD "$(source_at "$REV")")
+  LABELS=("$REV" now)
+fi
+INCR=$(cli SCRIPT LOAD "local c = redis.call('INCR', KEYS[1])
+if c == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if c > tonumber(ARGV[1]) then return {0, redis.call('PTTL', KEYS[1])} end
+return {1, tonumber(ARGV[1]) - c}")
+
+# usec inside Redis per call of `EVALSHA args...`, the median of REPEAT measurements.
+measure() {
+  local i
+  for i in $(seq "$REPEAT"); do
+    cli CONFIG RESETSTAT >/dev/null
+    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "$REQUESTS" -q EVALSHA "$@" >/dev/null 2>&1
+    cli INFO commandstats | sed -n 's/.*cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p'
+  done | sort -n | sed -n "$(((REPEAT + 1) / 2))p"
+}
+
+# one_limit ALG: ARGV for one group of one limit of algorithm code ALG, 1e9 per second.
+one_limit() { echo "1 1 $1 1000000000 1000 1000000000"; }
+requests() { # requests N: N requests of cost 1 in group 1
+  local i
+  echo -n "$1"
+  for i in $(seq "$1"); do echo -n " 1 1"; done
+}
+same_key=$(for _ in $(seq 13); do echo -n " bench:{hot}:fw"; done)
+distinct_keys=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw"; done)
+
+printf '%-16s' "shape"
+for label in "${LABELS[@]}"; do printf '%14s' "$label"; done
+[[ -n $REV ]] && printf '%10s' "now/$REV"
+printf '   (us inside Redis per call)\n'
+row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
+  local name=$1 label value first=
+  shift
+  printf '%-16s' "$name"
+  for label in "${LABELS[@]}"; do
+    value=$(measure "${SHA[$label]}" "$@")
+    printf '%14s' "$value"
+    [[ -z $first ]] && first=$value
+  done
+  [[ -n $REV ]] && awk -v a="$value" -v b="$first" 'BEGIN { printf "%10.2f", a / b }'
+  echo
+}
+for alg in 1:fw 2:sw 3:swc 4:tb 5:gcra; do
+  code=${alg%%:*} name=${alg#*:}
+  # shellcheck disable=SC2046 # word splitting is the point: these are EVALSHA's arguments
+  row "${name}x1" 1 "bench:{one}:$name" "" $(one_limit "$code") $(requests 1)
+done
+# shellcheck disable=SC2046,SC2086
+row "fw x13 one key" 13 $same_key "" $(one_limit 1) $(requests 13)
+# shellcheck disable=SC2046,SC2086
+row "fw x13 keys" 13 $distinct_keys "" $(one_limit 1) $(requests 13)
+value=$(measure "$INCR" 1 bench:{ref}:incr 1000000000 1000)
+printf '%-16s%14s   (the hand-written INCR script: one request)\n' "incr (ref)" "$value"
