@@ -56,11 +56,11 @@ end
 
 local states = {} -- key -> state, loaded on first use
 local changed = {} -- states committed to, in order: saved at the end
-local out = {}
+local out = { 0, 0, 0, 0 } -- sized for one request with one limit: no regrowth
 local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
-local held, fits, retries = {}, {}, {}
+local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
 for _ = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
   local group = groups[ARGV[a + 2] + 0]
@@ -108,8 +108,10 @@ for _ = 1, ARGV[a] + 0 do
   k = k + m
 end
 
-for _, s in ipairs(changed) do
+for i = 1, #changed do
+  local s = changed[i]
   local limit = s.changed
   limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
+if n == 0 then return {} end -- no requests: nothing of the presized table
 return out
