@@ -100,7 +100,7 @@ distinct_keys=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw"; done)
 
 printf '%-16s' "shape"
 for label in "${LABELS[@]}"; do printf '%14s' "$label"; done
-[[ -n $REV ]] && printf '%10s' "now/$REV"
+[[ -n $REV ]] && printf '%16s' "now / $REV"
 printf '   (us inside Redis per call)\n'
 row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
   local name=$1 label value first=
@@ -111,13 +111,13 @@ row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
     printf '%14s' "$value"
     [[ -z $first ]] && first=$value
   done
-  [[ -n $REV ]] && awk -v a="$value" -v b="$first" 'BEGIN { printf "%10.2f", a / b }'
+  [[ -n $REV ]] && awk -v a="$value" -v b="$first" 'BEGIN { printf "%16.2f", a / b }'
   echo
 }
 for alg in 1:fw 2:sw 3:swc 4:tb 5:gcra; do
   code=${alg%%:*} name=${alg#*:}
   # shellcheck disable=SC2046 # word splitting is the point: these are EVALSHA's arguments
-  row "${name}x1" 1 "bench:{one}:$name" "" $(one_limit "$code") $(requests 1)
+  row "$name x1" 1 "bench:{one}:$name" "" $(one_limit "$code") $(requests 1)
 done
 # shellcheck disable=SC2046,SC2086
 row "fw x13 one key" 13 $same_key "" $(one_limit 1) $(requests 13)

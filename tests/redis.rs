@@ -46,6 +46,39 @@ async fn redis_time_is_the_default_clock() {
     support::assert_every_key_expires(&server);
 }
 
+/// The write that opens a fixed window sets the key's TTL to the window's end; later
+/// writes keep it (SET KEEPTTL), so however often the key is written, it expires when its
+/// window ends, by Redis's clock.
+#[tokio::test]
+async fn a_fixed_window_key_expires_when_its_window_ends() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let window_ms: i64 = 3_600_000;
+    let limits = [Limit::fixed_window(100, Duration::from_millis(window_ms as u64)).unwrap()];
+    let key = store.redis_key(&Key::new("k"), &limits[0]);
+    let redis_now_ms = || {
+        let time = server.cli(&["TIME"]).unwrap();
+        let mut parts = time.lines().map(|p| p.trim().parse::<i64>().unwrap());
+        parts.next().unwrap() * 1000 + parts.next().unwrap() / 1000
+    };
+    // Never straddle a window's end: the five writes take far less than 2 s.
+    if window_ms - redis_now_ms() % window_ms < 2_000 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    for written in 1..=5 {
+        assert_eq!(allowed(&store, "k", &limits, 1).await, 1);
+        let now = redis_now_ms();
+        let ttl: i64 = server.cli(&["PTTL", &key]).unwrap().trim().parse().unwrap();
+        // What is left of the window, up to the milliseconds between the two reads.
+        let to_window_end = window_ms - now % window_ms;
+        assert!(
+            (ttl - to_window_end).abs() <= 1_000,
+            "write {written}: PTTL {ttl}, the window ends in {to_window_end} ms"
+        );
+    }
+    support::assert_every_key_expires(&server);
+}
+
 #[tokio::test]
 async fn script_flush_between_requests_keeps_decisions_correct() {
     let server = RedisServer::start();
