@@ -33,6 +33,9 @@ for tool in redis-server redis-cli redis-benchmark; do
   command -v "$tool" >/dev/null || die "$tool not found (Debian: apt-get install redis-server redis-tools)"
 done
 
+[[ -z $REV ]] || git rev-parse --verify --quiet "$REV^{commit}" >/dev/null ||
+  die "unknown revision $REV"
+
 # The script exactly as the crate joins it: the include_str! order of src/store/redis.
 FILES=$(grep -o 'lua/[a-z_]*\.lua' src/store/redis/mod.rs)
 [[ -n $FILES ]] || die "no lua/ files named in src/store/redis/mod.rs"
@@ -69,7 +72,6 @@ declare -A SHA
 SHA[now]=$(cli SCRIPT LOAD "$(source_at)")
 LABELS=(now)
 if [[ -n $REV ]]; then
-  git rev-parse --verify --quiet "$REV^{commit}" >/dev/null || die "unknown revision $REV"
   SHA[$REV]=$(cli SCRIPT LOAD "$(source_at "$REV")")
   LABELS=("$REV" now)
 fi
