@@ -40,6 +40,7 @@ where
 pub(crate) fn bench_all(c: &mut Criterion) {
     let window = Duration::from_secs(1);
     let allow = Limit::fixed_window(1_000_000_000, window).unwrap();
+    let allow_limit = allow.clone();
     let deny = Limit::fixed_window(1, Duration::from_secs(3600)).unwrap();
     let mut group = c.benchmark_group("layer");
     group.bench_function(BenchmarkId::from_parameter("inner_alone"), |b| {
@@ -58,6 +59,38 @@ pub(crate) fn bench_all(c: &mut Criterion) {
                 .headers(style)
                 .layer(service_fn(hello));
             b.iter(|| black_box(run(&mut service)));
+        });
+    }
+    // The same inside axum: a Router whose route the layer wraps, as `Router::layer` does
+    // in an application (the inner service is then axum's boxed route, cloned by the layer
+    // for each request).
+    let axum_cases = [
+        ("axum_alone", None),
+        (
+            "axum_memory_allow",
+            Some(RateLimitLayer::new(allow_limit.clone()).key(GlobalKey)),
+        ),
+    ];
+    for (name, layer) in axum_cases {
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            let router =
+                axum::Router::new().route("/", axum::routing::get(|| async { "Hello, World!" }));
+            let router = match layer.clone() {
+                Some(layer) => router.layer(layer),
+                None => router,
+            };
+            // What `axum::serve` does once: turn the handlers into routes (else axum
+            // would build them, with the layer, on every call).
+            let mut router = router.with_state(());
+            b.iter(|| {
+                let request = Request::get("/").body(axum::body::Body::empty()).unwrap();
+                let response = router
+                    .call(request)
+                    .now_or_never()
+                    .expect("decided at the first poll")
+                    .expect("infallible");
+                black_box(response)
+            });
         });
     }
     // With the `metrics` feature, the same layer reporting to a Prometheus recorder.

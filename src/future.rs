@@ -63,11 +63,25 @@ pin_project! {
 pub(crate) struct Pending<S, ReqB> {
     pub(crate) service: S,
     pub(crate) request: Request<ReqB>,
+    pub(crate) asked: Asked,
+}
+
+/// How the store was asked about a request: what [`settle`] needs besides its answer.
+pub(crate) struct Asked {
     pub(crate) key: Key,
     pub(crate) cost: u32,
     pub(crate) timer: Timer,
     /// How the circuit breaker let this request through.
     pub(crate) admission: Admission,
+}
+
+/// What to do with a request once the store has answered.
+pub(crate) enum Next<ResB> {
+    /// Answer at once, without the inner service.
+    Answer(Response<ResB>),
+    /// Call the inner service, then write this decision's fields on its response (none
+    /// when failing open).
+    Call(Option<Decision>),
 }
 
 impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
@@ -99,6 +113,18 @@ where
         }
     }
 
+    /// The inner service's future, whose response gets `decision`'s fields.
+    pub(crate) fn calling(
+        future: S::Future,
+        decision: Option<Decision>,
+        shared: Arc<Shared<R>>,
+    ) -> Self {
+        Self {
+            state: State::Calling { future, decision },
+            shared: Some(shared),
+        }
+    }
+
     pub(crate) fn ready(response: S::Response) -> Self {
         Self {
             state: State::Ready {
@@ -116,15 +142,6 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
-}
-
-/// The result of waiting for the store.
-enum Outcome {
-    Decided(Decision),
-    /// Pass the request on without limiting (fail open).
-    Unlimited,
-    /// Answer with the rejection's store-failure response.
-    Failed(StoreError),
 }
 
 impl<S, ReqB, R, ResB> Future for ResponseFuture<S, ReqB, R>
@@ -161,52 +178,13 @@ where
                     let Pending {
                         mut service,
                         request,
-                        key,
-                        cost,
-                        timer,
-                        admission,
+                        asked,
                     } = pending.take().expect("polled after completion");
-                    if let Some(breaker) = &shared.breaker {
-                        match &result {
-                            Ok(_) => breaker.succeeded(),
-                            Err(_) if admission != Admission::Skip => breaker.failed(admission),
-                            Err(_) => {}
-                        }
-                    }
-                    let recorded = match &result {
-                        Ok(decision) if decision.is_allowed() => Recorded::Allowed,
-                        Ok(_) => Recorded::Denied,
-                        Err(_) => Recorded::StoreError,
-                    };
-                    shared.metrics.decided(recorded, &timer);
-                    let outcome = match result {
-                        Ok(decision) => Outcome::Decided(decision),
-                        Err(error) => on_store_error(shared, error, &key, cost, admission),
-                    };
-                    match outcome {
-                        Outcome::Decided(decision) if !decision.is_allowed() => {
-                            let mut response = shared.rejection.rate_limited(&request, &decision);
-                            shared.headers.write(response.headers_mut(), &decision);
-                            return Poll::Ready(Ok(response));
-                        }
-                        Outcome::Failed(error) => {
-                            return Poll::Ready(Ok(shared
-                                .rejection
-                                .store_failed(&request, &error)));
-                        }
-                        Outcome::Decided(decision) => {
+                    match settle(shared, result, &request, &asked) {
+                        Next::Answer(response) => return Poll::Ready(Ok(response)),
+                        Next::Call(decision) => {
                             let future = service.call(request);
-                            this.state.set(State::Calling {
-                                future,
-                                decision: Some(decision),
-                            });
-                        }
-                        Outcome::Unlimited => {
-                            let future = service.call(request);
-                            this.state.set(State::Calling {
-                                future,
-                                decision: None,
-                            });
+                            this.state.set(State::Calling { future, decision });
                         }
                     }
                 }
@@ -226,24 +204,71 @@ where
     }
 }
 
+/// Acts on the store's answer about `request`: feeds the circuit breaker and the metrics,
+/// applies the failure policy to an error, and says whether to answer at once (a denial,
+/// a store failure) or to call the inner service.
+pub(crate) fn settle<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    result: Result<Decision, StoreError>,
+    request: &Request<ReqB>,
+    asked: &Asked,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    if let Some(breaker) = &shared.breaker {
+        match &result {
+            Ok(_) => breaker.succeeded(),
+            Err(_) if asked.admission != Admission::Skip => breaker.failed(asked.admission),
+            Err(_) => {}
+        }
+    }
+    let recorded = match &result {
+        Ok(decision) if decision.is_allowed() => Recorded::Allowed,
+        Ok(_) => Recorded::Denied,
+        Err(_) => Recorded::StoreError,
+    };
+    shared.metrics.decided(recorded, &asked.timer);
+    let decision = match result {
+        Ok(decision) => decision,
+        Err(error) => match on_store_error(shared, error, asked) {
+            Ok(Some(decision)) => decision,
+            Ok(None) => return Next::Call(None),
+            Err(error) => return Next::Answer(shared.rejection.store_failed(request, &error)),
+        },
+    };
+    if decision.is_allowed() {
+        return Next::Call(Some(decision));
+    }
+    let mut response = shared.rejection.rate_limited(request, &decision);
+    shared.headers.write(response.headers_mut(), &decision);
+    Next::Answer(response)
+}
+
+/// The failure policy's answer to a store error: a decision (the local fallback store's),
+/// none (fail open), or the error to answer with (fail closed).
 fn on_store_error<R>(
     shared: &Shared<R>,
     error: StoreError,
-    key: &Key,
-    cost: u32,
-    admission: Admission,
-) -> Outcome {
+    asked: &Asked,
+) -> Result<Option<Decision>, StoreError> {
+    let Asked {
+        key,
+        cost,
+        admission,
+        ..
+    } = asked;
     let policy = shared.on_store_error.as_str();
     let layer = &*shared.name;
-    if admission == Admission::Skip {
+    if *admission == Admission::Skip {
         // The failures that opened the circuit were logged already.
         tracing::debug!(%error, %key, policy, layer, "rate limit store skipped");
     } else {
         tracing::warn!(%error, %key, policy, layer, "rate limit store failed");
     }
     match &shared.on_store_error {
-        FailurePolicy::Allow => Outcome::Unlimited,
-        FailurePolicy::Deny => Outcome::Failed(error),
-        FailurePolicy::Local(store) => Outcome::Decided(store.decide(key, &shared.limits, cost)),
+        FailurePolicy::Allow => Ok(None),
+        FailurePolicy::Deny => Err(error),
+        FailurePolicy::Local(store) => Ok(Some(store.decide(key, &shared.limits, *cost))),
     }
 }

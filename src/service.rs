@@ -13,8 +13,8 @@ use tower_service::Service;
 use crate::{
     FailurePolicy, Limit, MissingKey, RequestCost, StoreError, StoreErrorKind,
     breaker::{Admission, Breaker},
-    future::Pending,
     future::ResponseFuture,
+    future::{Asked, Next, Pending, settle},
     headers::HeaderWriter,
     key::KeyExtractor,
     metrics,
@@ -143,16 +143,35 @@ where
         } else {
             shared.store.check(&key, &shared.limits, cost)
         };
+        let asked = Asked {
+            key,
+            cost,
+            timer,
+            admission,
+        };
+        let check = match check.into_ready() {
+            // Decided already (the memory store, a block-cache hit, an open circuit): the
+            // service that was polled ready takes the request now, so neither it nor the
+            // request has to wait in the future.
+            Ok(result) => {
+                return match settle(shared, result, &request, &asked) {
+                    Next::Answer(response) => ResponseFuture::ready(response),
+                    Next::Call(decision) => ResponseFuture::calling(
+                        self.inner.call(request),
+                        decision,
+                        self.shared.clone(),
+                    ),
+                };
+            }
+            Err(check) => check,
+        };
         // The clone goes on serving; the service that was polled ready handles this call.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let pending = Pending {
             service: inner,
             request,
-            key,
-            cost,
-            timer,
-            admission,
+            asked,
         };
         ResponseFuture::checking(check, pending, self.shared.clone())
     }

@@ -39,6 +39,14 @@ impl Check {
     pub fn is_ready(&self) -> bool {
         matches!(self.0, State::Ready(_))
     }
+
+    /// The decision if it is already there, else the check itself.
+    pub(crate) fn into_ready(self) -> Result<Result<Decision, StoreError>, Self> {
+        match self.0 {
+            State::Ready(Some(result)) => Ok(result),
+            state => Err(Self(state)),
+        }
+    }
 }
 
 impl Future for Check {
