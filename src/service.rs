@@ -13,8 +13,7 @@ use tower_service::Service;
 use crate::{
     FailurePolicy, Limit, MissingKey, RequestCost, StoreError, StoreErrorKind,
     breaker::{Admission, Breaker},
-    future::ResponseFuture,
-    future::{Asked, Next, Pending, settle},
+    future::{Asked, Next, Pending, ResponseFuture, settle},
     headers::HeaderWriter,
     key::KeyExtractor,
     metrics,
