@@ -6,6 +6,7 @@
 
 mod check;
 mod memory;
+mod prefix;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
@@ -13,6 +14,7 @@ use std::{fmt, sync::Arc};
 
 pub use check::Check;
 pub use memory::MemoryStore;
+pub use prefix::validate_prefix;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 

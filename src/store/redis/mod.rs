@@ -211,16 +211,7 @@ impl RedisStore {
     /// When `prefix` is longer than 64 bytes or has characters other than ASCII letters,
     /// digits and `-_.:/` (braces would change the hash tag).
     pub fn with_prefix(mut self, prefix: &str) -> Result<Self, ConfigError> {
-        let valid = prefix.len() <= 64
-            && prefix.bytes().all(|b| {
-                b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'/')
-            });
-        if !valid {
-            return Err(ConfigError::new(
-                "prefix",
-                format!("must be at most 64 of A-Z a-z 0-9 - _ . : / (got {prefix:?})"),
-            ));
-        }
+        super::validate_prefix(prefix)?;
         self.prefix = prefix.into();
         Ok(self)
     }
