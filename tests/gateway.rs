@@ -24,6 +24,9 @@ mod path;
 #[path = "../examples/gateway/proxy.rs"]
 mod proxy;
 #[allow(dead_code)]
+#[path = "../examples/gateway/serve.rs"]
+mod serve;
+#[allow(dead_code)]
 #[path = "../examples/gateway/server.rs"]
 mod server;
 #[cfg(feature = "redis")]
@@ -40,7 +43,7 @@ use axum::{
     body::{Body, Bytes},
     extract::{Request, State},
     http::{HeaderMap, Method, StatusCode, Uri},
-    response::Response,
+    response::{IntoResponse, Response},
 };
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
@@ -123,7 +126,14 @@ impl Drop for Upstream {
 
 async fn record(State(seen): State<Arc<Mutex<Vec<Seen>>>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
+    // Only whole requests are recorded: a body cut off on the way is not a request.
+    let Ok(body) = body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+    else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
     let status = parts
         .headers
         .get("x-want-status")
@@ -256,8 +266,8 @@ async fn proxies_method_path_query_headers_and_body_intact() {
     assert_eq!(seen.headers["x-custom"], "hello, world");
     assert_eq!(seen.headers["content-type"], "application/octet-stream");
     assert_eq!(seen.headers["content-length"], "102400");
-    // The client's list, then the peer the gateway saw.
-    assert_eq!(seen.headers["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    // The peer the gateway saw: a client that is not a trusted proxy cannot add to it.
+    assert_eq!(seen.headers["x-forwarded-for"], "127.0.0.1");
     // Host is end-to-end: the upstream sees the name the client used.
     assert_eq!(seen.headers["host"], gw.addr().to_string());
     // Hop-by-hop headers, and the ones Connection names, stay on their hop.
@@ -753,6 +763,50 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
             "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"".into(),
             &["store.nodes", "at least one node"],
         ),
+        // The prefix rule is the library's (`RedisStore::with_prefix`), checked at load.
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"a+b\"".into(),
+            &["store.prefix", "\"a+b\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"{tg}\"".into(),
+            &["store.prefix", "\"{tg}\""],
+        ),
+        (
+            format!(
+                "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"{}\"",
+                "p".repeat(65)
+            ),
+            &["store.prefix", "at most 64"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nheader_timeout = \"1s\"".into(),
+            &["unknown field", "header_timeout"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nheader_read_timeout = \"0s\"".into(),
+            &["server.header_read_timeout", "\"0s\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nupstream_timeout = \"soon\"".into(),
+            &["server.upstream_timeout", "\"soon\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nshutdown_timeout = \"25h\"".into(),
+            &["server.shutdown_timeout", "\"25h\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nmax_body_bytes = 0".into(),
+            &["server.max_body_bytes", "got 0"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nmax_connections = 0".into(),
+            &["server.max_connections", "got 0"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[server]\nmax_connections = 1000001".into(),
+            &["server.max_connections", "got 1000001"],
+        ),
         (
             "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-cluster\"\nnodes = []".into(),
             &["store.nodes", "at least one node"],
@@ -867,6 +921,275 @@ async fn shutdown_lets_requests_in_flight_finish() {
         .unwrap()
         .unwrap();
     task.abort();
+}
+
+// ---------------------------------------------------------------------------------------
+// Hardening: clients and upstreams that misbehave cannot hold the gateway.
+//
+// Each test sets a short `[server]` limit and asserts only that the gateway acts before the
+// harness's 20 s `TIMEOUT`: a slow machine makes them slower, never wrong.
+
+/// An upstream that accepts connections and never answers; `accepted` reports each one.
+struct HungUpstream {
+    addr: SocketAddr,
+    accepted: mpsc::UnboundedReceiver<()>,
+    task: JoinHandle<()>,
+}
+
+impl HungUpstream {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, accepted) = mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+                let _ = tx.send(());
+            }
+        });
+        Self {
+            addr,
+            accepted,
+            task,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for HungUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A client that sends a request line, then one header byte every 50 ms, is disconnected
+/// after `header_read_timeout`; so is one that connects and sends nothing.
+#[tokio::test]
+async fn a_client_trickling_its_headers_is_disconnected() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let server = "[server]\nheader_read_timeout = \"300ms\"\n";
+    let gw = gateway(server, &route("/", None, None)).await;
+
+    let stream = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+    let (mut read, mut write) = stream.into_split();
+    write
+        .write_all(b"GET / HTTP/1.1\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let trickle = async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if write.write_all(b"a").await.is_err() {
+                return;
+            }
+        }
+    };
+    let closed = async move {
+        let mut buf = Vec::new();
+        let _ = read.read_to_end(&mut buf).await;
+    };
+    let disconnected = tokio::time::timeout(TIMEOUT, async {
+        tokio::select! {
+            () = closed => {}
+            () = trickle => {}
+        }
+    })
+    .await;
+    assert!(
+        disconnected.is_ok(),
+        "a trickling client kept its connection"
+    );
+
+    let mut silent = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(TIMEOUT, silent.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "a silent client kept its connection");
+
+    // Clients that send their request in time are served as before.
+    assert_eq!(statuses(&client(), &gw, &["/"]).await, [200]);
+    gw.stop().await.unwrap();
+}
+
+/// An upstream that never answers costs a client `upstream_timeout`, then 504.
+#[tokio::test]
+async fn a_hung_upstream_is_504_after_upstream_timeout() {
+    let mut upstream = HungUpstream::start().await;
+    let server = "[server]\nupstream_timeout = \"300ms\"\n";
+    let gw = gateway(server, &route("/", Some(&upstream.url()), None)).await;
+    let client = client();
+    for _ in 0..2 {
+        let reply = get(&client, &url(&gw, "/slow")).await;
+        assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(reply.text(), "gateway timeout\n");
+    }
+    // The upstream did get the requests: the 504s are its silence, not a failed connect.
+    assert!(upstream.accepted.try_recv().is_ok());
+    gw.stop().await.unwrap();
+}
+
+/// A body larger than `max_body_bytes` is answered 413, announced or streamed, and the
+/// upstream never receives it whole; a body of exactly the limit passes.
+#[tokio::test]
+async fn a_body_over_max_body_bytes_is_413() {
+    let upstream = Upstream::start().await;
+    let server = "[server]\nmax_body_bytes = 1000\n";
+    let gw = gateway(server, &route("/", Some(&upstream.url()), None)).await;
+    let client = client();
+
+    let post = |body: Body| http::Request::post(url(&gw, "/upload")).body(body).unwrap();
+    let reply = send(&client, post(Body::from(vec![b'x'; 1000]))).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.text(), "upstream saw 1000 bytes");
+
+    // Announced by Content-Length: refused before the upstream is asked.
+    let reply = send(&client, post(Body::from(vec![b'x'; 1001]))).await;
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+
+    // Streamed without a length: refused when it passes the limit.
+    let chunks =
+        [vec![b'x'; 600], vec![b'x'; 600]].map(|chunk| Ok::<_, std::io::Error>(Bytes::from(chunk)));
+    let streamed = Body::from_stream(futures_util::stream::iter(chunks));
+    let reply = send(&client, post(streamed)).await;
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+
+    let sizes: Vec<usize> = upstream.seen().iter().map(|s| s.body.len()).collect();
+    assert_eq!(sizes, [1000]);
+    gw.stop().await.unwrap();
+}
+
+/// With `max_connections = 2` and two connections held open, a third client is not
+/// served until one of them closes.
+#[tokio::test]
+async fn connections_beyond_max_connections_wait() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let server = "[server]\nmax_connections = 2\nheader_read_timeout = \"1h\"\n";
+    let gw = gateway(server, &route("/", None, None)).await;
+
+    // Two keep-alive connections, each served once (so certainly accepted), then idle.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut stream = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: gw\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"\r\n\r\nok") {
+            let mut buf = [0; 1024];
+            let n = tokio::time::timeout(TIMEOUT, stream.read(&mut buf))
+                .await
+                .expect("no answer in time")
+                .unwrap();
+            assert!(n > 0, "closed: {:?}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&buf[..n]);
+        }
+        held.push(stream);
+    }
+
+    let client = client();
+    let third_url = url(&gw, "/third");
+    let mut third = tokio::spawn(async move { get(&client, &third_url).await.status });
+    // Not served while both are held (however long we would wait: half a second shows it).
+    let early = tokio::time::timeout(Duration::from_millis(500), &mut third).await;
+    assert!(early.is_err(), "a third connection was served: {early:?}");
+
+    drop(held.pop());
+    let status = tokio::time::timeout(TIMEOUT, third)
+        .await
+        .expect("the third client was not served after a connection closed")
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    gw.stop().await.unwrap();
+}
+
+/// A request whose upstream never answers does not hold shutdown beyond
+/// `shutdown_timeout`: its connection is closed.
+#[tokio::test]
+async fn shutdown_finishes_within_shutdown_timeout_with_a_hung_request() {
+    let mut upstream = HungUpstream::start().await;
+    let server = "[server]\nshutdown_timeout = \"300ms\"\nupstream_timeout = \"1h\"\n";
+    let gw = gateway(server, &route("/", Some(&upstream.url()), None)).await;
+    let client = client();
+    let request_url = url(&gw, "/hang");
+    let in_flight = tokio::spawn(async move {
+        client
+            .request(http::Request::get(request_url).body(Body::empty()).unwrap())
+            .await
+            .map(|response| response.status())
+    });
+    tokio::time::timeout(TIMEOUT, upstream.accepted.recv())
+        .await
+        .expect("the request never reached the upstream")
+        .unwrap();
+
+    tokio::time::timeout(TIMEOUT, gw.stop())
+        .await
+        .expect("shutdown waited for the hung request")
+        .unwrap();
+    // The hung request's connection was closed: its client sees an error, not a hang.
+    let outcome = tokio::time::timeout(TIMEOUT, in_flight)
+        .await
+        .expect("the hung request's connection stayed open")
+        .unwrap();
+    assert!(outcome.is_err(), "{outcome:?}");
+}
+
+/// `Forwarded`, `X-Real-IP` and `X-Forwarded-For` written by a client reach the upstream
+/// only through a trusted proxy; `X-Real-IP` is always the address the `ip` key counts.
+#[tokio::test]
+async fn forged_forwarding_headers_never_reach_the_upstream() {
+    let upstream = Upstream::start().await;
+    let routes = route("/", Some(&upstream.url()), None);
+    let client = client();
+    let forged = |gw: &Running| {
+        http::Request::get(url(gw, "/who"))
+            .header("forwarded", "for=6.6.6.6;proto=https")
+            .header("forwarded", "for=\"[2001:db8::6]\"")
+            .header("x-real-ip", "6.6.6.6")
+            .header("x-forwarded-for", "6.6.6.6, 203.0.113.9")
+            .body(Body::empty())
+            .unwrap()
+    };
+
+    // From a peer that is not a trusted proxy: the peer alone.
+    let gw = gateway(MEMORY, &routes).await;
+    assert_eq!(send(&client, forged(&gw)).await.status, StatusCode::OK);
+    let seen = upstream.seen().pop().unwrap().headers;
+    let all = |name: &str| -> Vec<&str> {
+        seen.get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect()
+    };
+    assert_eq!(all("x-real-ip"), ["127.0.0.1"]);
+    assert_eq!(all("forwarded"), ["for=127.0.0.1"]);
+    assert_eq!(all("x-forwarded-for"), ["127.0.0.1"]);
+    gw.stop().await.unwrap();
+
+    // From a trusted proxy: its lists with the peer appended; X-Real-IP is the client the
+    // walk from the right finds in X-Forwarded-For, as for the `ip` key.
+    let gw = gateway("trusted_proxies = [\"127.0.0.1\"]\n", &routes).await;
+    assert_eq!(send(&client, forged(&gw)).await.status, StatusCode::OK);
+    let seen = upstream.seen().pop().unwrap().headers;
+    let all = |name: &str| -> Vec<&str> {
+        seen.get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect()
+    };
+    assert_eq!(all("x-real-ip"), ["203.0.113.9"]);
+    assert_eq!(
+        all("forwarded"),
+        ["for=6.6.6.6;proto=https, for=\"[2001:db8::6]\", for=127.0.0.1"]
+    );
+    assert_eq!(all("x-forwarded-for"), ["6.6.6.6, 203.0.113.9, 127.0.0.1"]);
+    gw.stop().await.unwrap();
 }
 
 // ---------------------------------------------------------------------------------------

@@ -64,9 +64,46 @@ pub(crate) struct Config {
     /// Where `/metrics` is served, if anywhere.
     pub(crate) admin_listen: Option<SocketAddr>,
     pub(crate) trusted_proxies: Vec<IpNet>,
+    pub(crate) server: ServerConfig,
     pub(crate) store: StoreConfig,
     pub(crate) routes: Vec<Route>,
 }
+
+/// How much one client or upstream may hold of the gateway: `[server]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ServerConfig {
+    /// How long a client may take to send a request's headers, and how long an idle
+    /// keep-alive connection stays open.
+    pub(crate) header_read_timeout: Duration,
+    /// How long an upstream may take to send its response head (then 504).
+    pub(crate) upstream_timeout: Duration,
+    /// The largest request body forwarded (then 413).
+    pub(crate) max_body_bytes: usize,
+    /// How many client connections are served at once; more wait to be accepted.
+    pub(crate) max_connections: usize,
+    /// How long a graceful shutdown waits for requests in flight before closing them.
+    pub(crate) shutdown_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            upstream_timeout: Duration::from_secs(30),
+            max_body_bytes: 10 * 1024 * 1024,
+            max_connections: 512,
+            shutdown_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// The longest timeout `[server]` accepts: longer is a mistake, and timers cannot add
+/// unbounded durations to the current instant.
+const MAX_SERVER_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The most connections `max_connections` allows (each one is a file descriptor, two
+/// while it is proxied).
+const MAX_CONNECTIONS: u64 = 1_000_000;
 
 #[derive(Debug, Clone)]
 pub(crate) struct StoreConfig {
@@ -145,9 +182,21 @@ struct RawConfig {
     #[serde(default)]
     trusted_proxies: Vec<String>,
     #[serde(default)]
+    server: RawServer,
+    #[serde(default)]
     store: RawStore,
     #[serde(default)]
     routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    header_read_timeout: Option<String>,
+    upstream_timeout: Option<String>,
+    max_body_bytes: Option<u64>,
+    max_connections: Option<u64>,
+    shutdown_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -225,6 +274,7 @@ impl RawConfig {
             .enumerate()
             .map(|(i, cidr)| parse_cidr(&format!("trusted_proxies[{i}]"), cidr))
             .collect::<Result<_, _>>()?;
+        let server = self.server.validate()?;
         let store = self.store.validate()?;
         let mut routes: Vec<Route> = Vec::with_capacity(self.routes.len());
         for (index, raw) in self.routes.into_iter().enumerate() {
@@ -241,10 +291,80 @@ impl RawConfig {
             listen,
             admin_listen,
             trusted_proxies,
+            server,
             store,
             routes,
         })
     }
+}
+
+impl RawServer {
+    fn validate(self) -> Result<ServerConfig, ConfigError> {
+        let defaults = ServerConfig::default();
+        let timeout = |field: &str, value: Option<String>, default: Duration| match value {
+            None => Ok(default),
+            Some(value) => parse_timeout(&format!("server.{field}"), &value),
+        };
+        let count = |field: &str, value: Option<u64>, default: usize, max: u64| match value {
+            None => Ok(default),
+            Some(n) if (1..=max).contains(&n) => usize::try_from(n).map_err(|_| {
+                ConfigError::new(
+                    format!("server.{field}"),
+                    format!("is too large for this machine (got {n})"),
+                )
+            }),
+            Some(n) => Err(ConfigError::new(
+                format!("server.{field}"),
+                format!("must be 1 to {max} (got {n})"),
+            )),
+        };
+        Ok(ServerConfig {
+            header_read_timeout: timeout(
+                "header_read_timeout",
+                self.header_read_timeout,
+                defaults.header_read_timeout,
+            )?,
+            upstream_timeout: timeout(
+                "upstream_timeout",
+                self.upstream_timeout,
+                defaults.upstream_timeout,
+            )?,
+            max_body_bytes: count(
+                "max_body_bytes",
+                self.max_body_bytes,
+                defaults.max_body_bytes,
+                u64::MAX,
+            )?,
+            max_connections: count(
+                "max_connections",
+                self.max_connections,
+                defaults.max_connections,
+                MAX_CONNECTIONS,
+            )?,
+            shutdown_timeout: timeout(
+                "shutdown_timeout",
+                self.shutdown_timeout,
+                defaults.shutdown_timeout,
+            )?,
+        })
+    }
+}
+
+/// A `[server]` timeout: a humantime duration from 1 ms to [`MAX_SERVER_TIMEOUT`].
+fn parse_timeout(field: &str, value: &str) -> Result<Duration, ConfigError> {
+    let duration = humantime::parse_duration(value).map_err(|e| {
+        ConfigError::new(
+            field,
+            format!("{value:?} is not a duration such as \"500ms\", \"10s\" or \"1m\" ({e})"),
+        )
+    })?;
+    if duration < Duration::from_millis(1) || duration > MAX_SERVER_TIMEOUT {
+        return Err(ConfigError::new(
+            field,
+            format!("must be from 1ms to 24h (got {value:?})"),
+        ));
+    }
+    Ok(duration)
 }
 
 impl RawStore {
@@ -299,20 +419,11 @@ impl RawStore {
             }
         };
         let prefix = self.prefix.unwrap_or_else(|| "tollgate".to_owned());
-        let prefix_ok = !prefix.is_empty()
-            && prefix.len() <= 64
-            && prefix
-                .bytes()
-                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
-        if !prefix_ok {
-            return Err(ConfigError::new(
-                "store.prefix",
-                format!(
-                    "must be 1 to 64 printable ASCII characters without spaces or braces \
-                     (got {prefix:?})"
-                ),
-            ));
-        }
+        // The rule `RedisStore::with_prefix` applies, checked here so that a bad prefix
+        // fails at load and not after connecting; the memory store has no prefix, but a
+        // typo shows before it is needed.
+        tollgate::store::validate_prefix(&prefix)
+            .map_err(|e| ConfigError::new("store.prefix", e.to_string()))?;
         let timeout = match self.timeout_ms {
             None => tollgate::DEFAULT_TIMEOUT,
             Some(0) => {
@@ -502,6 +613,32 @@ mod tests {
     use super::*;
 
     #[test]
+    fn server_fields_are_read() {
+        let config = Config::parse(
+            r#"
+            listen = "127.0.0.1:0"
+            [server]
+            header_read_timeout = "2s"
+            upstream_timeout = "1m"
+            max_body_bytes = 4096
+            max_connections = 100
+            shutdown_timeout = "500ms"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.server,
+            ServerConfig {
+                header_read_timeout: Duration::from_secs(2),
+                upstream_timeout: Duration::from_secs(60),
+                max_body_bytes: 4096,
+                max_connections: 100,
+                shutdown_timeout: Duration::from_millis(500),
+            }
+        );
+    }
+
+    #[test]
     fn demo_is_valid() {
         let config = Config::demo();
         assert_eq!(config.listen, "127.0.0.1:8080".parse().unwrap());
@@ -536,6 +673,9 @@ mod tests {
         assert_eq!(config.store.timeout, tollgate::DEFAULT_TIMEOUT);
         assert_eq!(config.store.on_error, OnError::Allow);
         assert_eq!(config.store.prefix, "tollgate");
+        assert_eq!(config.server, ServerConfig::default());
+        assert_eq!(config.server.header_read_timeout, Duration::from_secs(10));
+        assert_eq!(config.server.max_connections, 512);
         let route = &config.routes[0];
         assert_eq!(route.path, "/api");
         let upstream = route.upstream.as_ref().unwrap();

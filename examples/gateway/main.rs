@@ -8,13 +8,15 @@
 //! ```
 //!
 //! Modules: `config` (the TOML contract and its validation), `path` (path normalisation
-//! and prefix matching), `proxy` (forwarding with hyper-util), `server` (routes, layers,
-//! serving, graceful shutdown). `tests/gateway.rs` includes the same modules to start
+//! and prefix matching), `proxy` (forwarding with hyper-util), `serve` (connections:
+//! header-read timeout, connection cap, bounded shutdown), `server` (routes, layers,
+//! starting and stopping). `tests/gateway.rs` includes the same modules to start
 //! gateways in-process. The reference is `docs/gateway.md`.
 
 mod config;
 mod path;
 mod proxy;
+mod serve;
 mod server;
 
 use std::{path::PathBuf, process::ExitCode};

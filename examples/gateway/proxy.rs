@@ -1,6 +1,10 @@
 //! Forwarding a request to an upstream with hyper-util's client, bodies streamed both ways.
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
+    time::Duration,
+};
 
 use axum::{
     body::Body,
@@ -11,10 +15,13 @@ use axum::{
         uri::Scheme,
     },
 };
+use http_body_util::LengthLimitError;
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
+use ipnet::IpNet;
+use tollgate::key::ClientIp;
 
 use crate::config::Upstream;
 
@@ -24,7 +31,7 @@ pub(crate) type HttpClient = Client<HttpConnector, Body>;
 /// How long connecting to an upstream may take before the request gets 502.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Counts requests that got 502 because the upstream failed, per route.
+/// Counts requests that got 502 or 504 because the upstream failed or timed out, per route.
 pub(crate) const UPSTREAM_ERRORS_TOTAL: &str = "tollgate_gateway_upstream_errors_total";
 
 pub(crate) fn client() -> HttpClient {
@@ -34,25 +41,40 @@ pub(crate) fn client() -> HttpClient {
     Client::builder(TokioExecutor::new()).build(connector)
 }
 
+/// What every route's proxy shares: the client, whom to believe, how long to wait.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    pub(crate) client: HttpClient,
+    /// `trusted_proxies`: whose forwarding headers are passed on.
+    pub(crate) trusted_proxies: Vec<IpNet>,
+    /// How long the upstream may take to send its response head.
+    pub(crate) upstream_timeout: Duration,
+}
+
 /// Forwards requests of one route to its upstream.
 #[derive(Clone, Debug)]
 pub(crate) struct Proxy {
-    client: HttpClient,
+    settings: Arc<Settings>,
+    /// The `ip` key's extractor: the client address `X-Real-IP` gets.
+    client_ip: Arc<ClientIp>,
     upstream: Arc<Upstream>,
     route: Arc<str>,
 }
 
 impl Proxy {
-    pub(crate) fn new(client: HttpClient, upstream: Upstream, route: &str) -> Self {
+    pub(crate) fn new(settings: Arc<Settings>, upstream: Upstream, route: &str) -> Self {
+        let client_ip = ClientIp::new(settings.trusted_proxies.iter().copied());
         Self {
-            client,
+            client_ip: Arc::new(client_ip),
+            settings,
             upstream: Arc::new(upstream),
             route: route.into(),
         }
     }
 
     /// Forwards `request` (its path already normalised) and returns the upstream's answer,
-    /// or 502 when there is none. Never fails.
+    /// 502 when there is none, 504 when its head takes longer than `upstream_timeout`,
+    /// 413 when the request body turns out larger than `max_body_bytes`. Never fails.
     pub(crate) async fn forward(&self, request: Request<Body>) -> Response<Body> {
         let (mut parts, body) = request.into_parts();
         let peer = parts
@@ -70,30 +92,74 @@ impl Proxy {
         // The client speaks HTTP/1.1 to upstreams whatever the downstream version was.
         parts.version = Version::HTTP_11;
         remove_hop_by_hop(&mut parts.headers);
-        if let Some(peer) = peer {
-            append_forwarded_for(&mut parts.headers, peer);
+        match peer {
+            Some(peer) => self.set_forwarding_headers(&mut parts.headers, peer.ip()),
+            None => remove_forwarding_headers(&mut parts.headers),
         }
         // `Host` passes through unchanged (it is end-to-end); the client sets it from the
         // upstream URI only when the request had none.
         let request = Request::from_parts(parts, body);
-        match self.client.request(request).await {
-            Ok(response) => {
+        let timeout = self.settings.upstream_timeout;
+        let error = match tokio::time::timeout(timeout, self.settings.client.request(request)).await
+        {
+            Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 remove_hop_by_hop(&mut parts.headers);
-                Response::from_parts(parts, Body::new(body))
+                return Response::from_parts(parts, Body::new(body));
             }
-            Err(error) => {
+            Ok(Err(error)) => error,
+            Err(_elapsed) => {
+                // Dropping the request future closes its upstream connection.
                 tracing::warn!(
                     route = %self.route,
                     upstream = %self.upstream.authority,
-                    error = %ErrorChain(&error),
-                    "upstream request failed"
+                    ?timeout,
+                    "upstream sent no response head within server.upstream_timeout"
                 );
-                metrics::counter!(UPSTREAM_ERRORS_TOTAL, "route" => self.route.clone())
-                    .increment(1);
-                status(StatusCode::BAD_GATEWAY, "bad gateway\n")
+                self.count_upstream_error();
+                return status(StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
             }
+        };
+        if is_body_too_large(&error) {
+            // Not the upstream's fault: the client's body passed `max_body_bytes` while it
+            // was streamed (a body announced too large never gets here).
+            tracing::debug!(route = %self.route, "request body over server.max_body_bytes");
+            return status(StatusCode::PAYLOAD_TOO_LARGE, "payload too large\n");
         }
+        tracing::warn!(
+            route = %self.route,
+            upstream = %self.upstream.authority,
+            error = %ErrorChain(&error),
+            "upstream request failed"
+        );
+        self.count_upstream_error();
+        status(StatusCode::BAD_GATEWAY, "bad gateway\n")
+    }
+
+    fn count_upstream_error(&self) {
+        metrics::counter!(UPSTREAM_ERRORS_TOTAL, "route" => self.route.clone()).increment(1);
+    }
+
+    /// Sets the headers that tell the upstream where the request came from, with
+    /// `trusted_proxies` semantics: a client's own `X-Forwarded-For` and `Forwarded` are
+    /// passed on only when its TCP peer is a trusted proxy (and then the peer is appended),
+    /// otherwise they are replaced by the peer; `X-Real-IP` is always replaced by the
+    /// client address the gateway's `ip` key counts. So an upstream that trusts the gateway
+    /// never reads an address a client chose.
+    fn set_forwarding_headers(&self, headers: &mut HeaderMap, peer: IpAddr) {
+        let peer = peer.to_canonical();
+        let client = self.client_ip.client_ip(peer, headers);
+        let from_trusted_proxy = self
+            .settings
+            .trusted_proxies
+            .iter()
+            .any(|net| net.contains(&peer));
+        if !from_trusted_proxy {
+            remove_forwarding_headers(headers);
+        }
+        append_to_list(headers, X_FORWARDED_FOR, &peer.to_string());
+        append_to_list(headers, FORWARDED, &forwarded_for(peer));
+        headers.insert(X_REAL_IP, ip_value(client));
     }
 
     fn upstream_uri(&self, uri: &Uri) -> Result<Uri, http::Error> {
@@ -153,12 +219,23 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Appends the TCP peer to `X-Forwarded-For`, joining repeated headers into one list, as
-/// every proxy does: upstreams read it from the right (see `tollgate::key::ClientIp`).
-fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    let peer = peer.ip().to_canonical().to_string();
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const FORWARDED: HeaderName = header::FORWARDED;
+const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// Drops every header through which a client could claim another address.
+fn remove_forwarding_headers(headers: &mut HeaderMap) {
+    headers.remove(X_FORWARDED_FOR);
+    headers.remove(FORWARDED);
+    headers.remove(X_REAL_IP);
+}
+
+/// Appends `item` to the comma-separated list in `name`, joining repeated headers into one
+/// list, as every proxy does: upstreams read it from the right (see
+/// `tollgate::key::ClientIp`).
+fn append_to_list(headers: &mut HeaderMap, name: HeaderName, item: &str) {
     let mut list = headers
-        .get_all("x-forwarded-for")
+        .get_all(&name)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .map(str::trim)
@@ -168,20 +245,39 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     if !list.is_empty() {
         list.push_str(", ");
     }
-    list.push_str(&peer);
-    match HeaderValue::try_from(list) {
-        Ok(value) => {
-            headers.insert("x-forwarded-for", value);
-        }
-        Err(_) => {
-            // Unreachable in practice (the parts were header values already); fall back to
-            // the peer alone rather than forwarding a list we could not extend.
-            headers.insert(
-                "x-forwarded-for",
-                HeaderValue::try_from(peer).unwrap_or(HeaderValue::from_static("unknown")),
-            );
-        }
+    list.push_str(item);
+    // The parts were header values already and `item` is an address: always valid; fall
+    // back to the item alone rather than forward a list that could not be extended.
+    let value = HeaderValue::try_from(list)
+        .or_else(|_| HeaderValue::try_from(item))
+        .unwrap_or(HeaderValue::from_static("unknown"));
+    headers.insert(name, value);
+}
+
+/// One RFC 7239 `Forwarded` element for `ip`: `for=192.0.2.7`, `for="[2001:db8::1]"`.
+fn forwarded_for(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => format!("for={v4}"),
+        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
     }
+}
+
+fn ip_value(ip: IpAddr) -> HeaderValue {
+    // An address prints as digits, hex letters, `.` and `:`: always a valid value.
+    HeaderValue::try_from(ip.to_string()).unwrap_or(HeaderValue::from_static("unknown"))
+}
+
+/// Whether the request failed because its body passed `server.max_body_bytes`
+/// (tower-http's `RequestBodyLimitLayer` makes the body fail with `LengthLimitError`).
+fn is_body_too_large(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(error) = source {
+        if error.is::<LengthLimitError>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 /// Displays an error with its sources: hyper-util's errors say little at the top level.
@@ -221,10 +317,9 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_for_is_appended() {
-        let peer: SocketAddr = "192.0.2.7:5000".parse().unwrap();
+    fn items_are_appended_to_one_list() {
         let mut headers = HeaderMap::new();
-        append_forwarded_for(&mut headers, peer);
+        append_to_list(&mut headers, X_FORWARDED_FOR, "192.0.2.7");
         assert_eq!(headers["x-forwarded-for"], "192.0.2.7");
         let mut headers = HeaderMap::new();
         headers.append(
@@ -232,14 +327,20 @@ mod tests {
             HeaderValue::from_static("1.1.1.1, 2.2.2.2"),
         );
         headers.append("x-forwarded-for", HeaderValue::from_static("3.3.3.3"));
-        append_forwarded_for(&mut headers, peer);
+        append_to_list(&mut headers, X_FORWARDED_FOR, "192.0.2.7");
         assert_eq!(
             headers["x-forwarded-for"],
             "1.1.1.1, 2.2.2.2, 3.3.3.3, 192.0.2.7"
         );
-        let mapped: SocketAddr = "[::ffff:192.0.2.8]:1".parse().unwrap();
-        let mut headers = HeaderMap::new();
-        append_forwarded_for(&mut headers, mapped);
-        assert_eq!(headers["x-forwarded-for"], "192.0.2.8");
+        assert_eq!(headers.get_all("x-forwarded-for").iter().count(), 1);
+    }
+
+    #[test]
+    fn forwarded_elements_quote_ipv6() {
+        assert_eq!(forwarded_for("192.0.2.7".parse().unwrap()), "for=192.0.2.7");
+        assert_eq!(
+            forwarded_for("2001:db8::1".parse().unwrap()),
+            "for=\"[2001:db8::1]\""
+        );
     }
 }

@@ -23,11 +23,13 @@ use tollgate::{
     key::{ClientIp, GlobalKey, HeaderKey},
 };
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
+use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
     config::{Backend, Config, KeySpec, OnError, Route, RouteLimit, StoreConfig},
     path,
-    proxy::{self, HttpClient, Proxy},
+    proxy::{self, Proxy},
+    serve::{ConnectionLimits, serve},
 };
 
 /// Startup errors (a store that cannot be reached, an address in use, ...).
@@ -66,7 +68,7 @@ pub(crate) struct Running {
     addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<io::Result<()>>>,
+    tasks: Vec<JoinHandle<()>>,
 }
 
 impl Running {
@@ -80,27 +82,24 @@ impl Running {
         self.admin_addr
     }
 
-    /// Stops accepting connections, lets the requests in flight finish, and returns when
-    /// every connection is closed.
+    /// Stops accepting connections, lets the requests in flight finish for up to
+    /// `server.shutdown_timeout`, closes the connections still open after that, and
+    /// returns when every connection is closed.
     pub(crate) async fn stop(self) -> io::Result<()> {
         self.shutdown.send_replace(true);
         for task in self.tasks {
-            joined(task.await)?;
+            task.await.map_err(io::Error::other)?;
         }
         Ok(())
     }
 
     /// Serves until `signal` resolves, then stops gracefully (see [`stop`](Self::stop)).
-    /// axum's server never ends on its own: it retries failed accepts.
+    /// The server never ends on its own: it retries failed accepts.
     pub(crate) async fn run_until(self, signal: impl Future<Output = ()>) -> io::Result<()> {
         signal.await;
         tracing::info!("shutting down: waiting for the requests in flight");
         self.stop().await
     }
-}
-
-fn joined(result: Result<io::Result<()>, tokio::task::JoinError>) -> io::Result<()> {
-    result.map_err(io::Error::other)?
 }
 
 /// Connects the store, builds every route, binds the listeners and starts serving.
@@ -112,12 +111,16 @@ pub(crate) async fn start(config: Config) -> Result<Running, Error> {
         OnError::Deny => FailurePolicy::Deny,
         OnError::Local => FailurePolicy::local(),
     };
-    let client = proxy::client();
+    let proxy = Arc::new(proxy::Settings {
+        client: proxy::client(),
+        trusted_proxies: config.trusted_proxies.clone(),
+        upstream_timeout: config.server.upstream_timeout,
+    });
     let mut routes: Vec<(String, RouteService)> = config
         .routes
         .iter()
         .map(|route| {
-            let service = route_service(route, &config, &store, &policy, &client);
+            let service = route_service(route, &config, &store, &policy, &proxy);
             (route.path.clone(), service)
         })
         .collect();
@@ -141,23 +144,33 @@ pub(crate) async fn start(config: Config) -> Result<Running, Error> {
     let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
 
     let (shutdown, signal) = watch::channel(false);
-    let app = Router::new().fallback(dispatch).with_state(gateway);
-    let mut tasks = vec![tokio::spawn(
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(stopped(signal.clone()))
-        .into_future(),
-    )];
+    let limits = ConnectionLimits {
+        header_read_timeout: config.server.header_read_timeout,
+        max_connections: config.server.max_connections,
+        shutdown_timeout: config.server.shutdown_timeout,
+    };
+    // The body limit comes first: a body announced too large is refused before a route
+    // or a limit is looked at; one that grows too large while streamed fails the proxy's
+    // upstream request, which answers 413 too.
+    let app = Router::new()
+        .fallback(dispatch)
+        .with_state(gateway)
+        .layer(RequestBodyLimitLayer::new(config.server.max_body_bytes));
+    let mut tasks = vec![tokio::spawn(serve(
+        listener,
+        app,
+        limits,
+        stopped(signal.clone()),
+    ))];
     if let (Some(listener), Some(handle)) = (admin, prometheus) {
         let admin_app =
             Router::new().route("/metrics", get(move || async move { handle.render() }));
-        tasks.push(tokio::spawn(
-            axum::serve(listener, admin_app)
-                .with_graceful_shutdown(stopped(signal))
-                .into_future(),
-        ));
+        tasks.push(tokio::spawn(serve(
+            listener,
+            admin_app,
+            limits,
+            stopped(signal),
+        )));
     }
     tracing::info!(%addr, ?admin_addr, routes = config.routes.len(), "gateway started");
     Ok(Running {
@@ -215,11 +228,11 @@ fn route_service(
     config: &Config,
     store: &Arc<dyn Store>,
     policy: &FailurePolicy,
-    client: &HttpClient,
+    proxy: &Arc<proxy::Settings>,
 ) -> RouteService {
     let mut service: RouteService = match &route.upstream {
         Some(upstream) => {
-            let proxy = Proxy::new(client.clone(), upstream.clone(), &route.path);
+            let proxy = Proxy::new(proxy.clone(), upstream.clone(), &route.path);
             BoxCloneSyncService::new(service_fn(move |request: Request| {
                 let proxy = proxy.clone();
                 async move { Ok(proxy.forward(request).await) }

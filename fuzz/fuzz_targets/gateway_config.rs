@@ -4,7 +4,8 @@
 //! not only the TOML parser is exercised.
 //!
 //! Never panics; what it accepts holds what the rest of the gateway relies on: normalised,
-//! distinct route paths, a printable store prefix, limits in range.
+//! distinct route paths, a store prefix `RedisStore::with_prefix` accepts, limits and
+//! `[server]` bounds in range.
 #![no_main]
 
 #[allow(dead_code)]
@@ -47,7 +48,17 @@ const REDIS_URLS: &[&str] = &[
     "redis://",
     "http://h",
 ];
-const PREFIXES: &[&str] = &["tollgate", "tg", "a:b", "{tg}", "a b", "x\u{e9}", ""];
+const PREFIXES: &[&str] = &[
+    "tollgate",
+    "tg",
+    "a:b",
+    "a/b.c_d-e",
+    "{tg}",
+    "a b",
+    "a+b",
+    "x\u{e9}",
+    "",
+];
 const ON_ERROR: &[&str] = &["allow", "deny", "local", "fail"];
 const PATHS: &[&str] = &[
     "/",
@@ -102,9 +113,21 @@ const WINDOWS: &[&str] = &[
     "18446744073709551615s",
 ];
 const NAMES: &[&str] = &["api.v1", "total", "r0-l0", "bad name", ""];
+const TIMEOUTS: &[&str] = &[
+    "10s",
+    "300ms",
+    "1h",
+    "24h",
+    "1ms",
+    "0s",
+    "500us",
+    "25h",
+    "soon",
+    "18446744073709551615s",
+];
 const ALL: &[&[&str]] = &[
     LISTEN, CIDRS, BACKENDS, REDIS_URLS, PREFIXES, ON_ERROR, PATHS, UPSTREAMS, KEYS, ALGORITHMS,
-    WINDOWS, NAMES,
+    WINDOWS, NAMES, TIMEOUTS,
 ];
 const INTS: &[i64] = &[
     1,
@@ -182,6 +205,15 @@ impl Int {
 }
 
 #[derive(Arbitrary, Debug)]
+struct Server {
+    header_read_timeout: Option<Str>,
+    upstream_timeout: Option<Str>,
+    max_body_bytes: Option<Int>,
+    max_connections: Option<Int>,
+    shutdown_timeout: Option<Str>,
+}
+
+#[derive(Arbitrary, Debug)]
 struct Store {
     backend: Option<Str>,
     url: Option<Str>,
@@ -213,6 +245,7 @@ struct Doc {
     listen: Option<Str>,
     admin_listen: Option<Str>,
     trusted_proxies: Option<Vec<Str>>,
+    server: Option<Server>,
     store: Option<Store>,
     routes: Vec<Route>,
     /// A field the gateway does not know.
@@ -246,6 +279,36 @@ fn render(doc: &Doc) -> Option<String> {
         "trusted_proxies",
         doc.trusted_proxies.as_deref().map(|l| strings(l, CIDRS)),
     );
+    if let Some(server) = &doc.server {
+        let mut t = Table::new();
+        let timeout = |s: &Option<Str>| s.as_ref().map(|s| s.value(TIMEOUTS));
+        put(
+            &mut t,
+            "header_read_timeout",
+            timeout(&server.header_read_timeout),
+        );
+        put(
+            &mut t,
+            "upstream_timeout",
+            timeout(&server.upstream_timeout),
+        );
+        put(
+            &mut t,
+            "max_body_bytes",
+            server.max_body_bytes.as_ref().map(Int::value),
+        );
+        put(
+            &mut t,
+            "max_connections",
+            server.max_connections.as_ref().map(Int::value),
+        );
+        put(
+            &mut t,
+            "shutdown_timeout",
+            timeout(&server.shutdown_timeout),
+        );
+        top.insert("server".to_owned(), Value::Table(t));
+    }
     if let Some(store) = &doc.store {
         let mut t = Table::new();
         put(
@@ -335,15 +398,38 @@ fn check(text: &str) {
     if let Some(admin) = config.admin_listen {
         assert!(admin != config.listen || admin.port() == 0);
     }
+    // The library's rule, which `RedisStore::with_prefix` applies after connecting.
     let prefix = &config.store.prefix;
-    assert!(!prefix.is_empty() && prefix.len() <= 64, "{prefix:?}");
+    assert!(
+        tollgate::store::validate_prefix(prefix).is_ok(),
+        "{prefix:?}"
+    );
+    assert!(prefix.len() <= 64, "{prefix:?}");
     assert!(
         prefix
             .bytes()
-            .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}'),
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b)),
         "{prefix:?}"
     );
     assert!(!config.store.timeout.is_zero());
+    let server = &config.server;
+    for timeout in [
+        server.header_read_timeout,
+        server.upstream_timeout,
+        server.shutdown_timeout,
+    ] {
+        // Timers add these to the current instant: bounded, never zero.
+        assert!(
+            timeout >= std::time::Duration::from_millis(1),
+            "{timeout:?}"
+        );
+        assert!(
+            timeout <= std::time::Duration::from_secs(86_400),
+            "{timeout:?}"
+        );
+    }
+    assert!(server.max_body_bytes >= 1);
+    assert!((1..=1_000_000).contains(&server.max_connections));
     for (i, route) in config.routes.iter().enumerate() {
         assert_eq!(
             path::normalize_prefix(&route.path).as_deref(),

@@ -1,0 +1,122 @@
+//! Serving one listener with hyper's HTTP/1 server, with the connection limits
+//! `axum::serve` cannot set: a header-read timeout (it needs hyper's timer), a cap on open
+//! connections and a bound on graceful shutdown.
+//!
+//! Without them a client that trickles its headers a byte a second, or opens connections
+//! and never speaks, holds a file descriptor for as long as it likes.
+
+use std::{future::Future, io, sync::Arc, time::Duration};
+
+use axum::{
+    Router,
+    extract::{ConnectInfo, Request},
+};
+use hyper::{body::Incoming, server::conn::http1};
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    server::graceful::GracefulShutdown,
+    service::TowerToHyperService,
+};
+use tokio::{net::TcpListener, sync::Semaphore, task::JoinSet};
+use tower::ServiceExt;
+
+/// What one listener allows its clients (`[server]` in the config).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnectionLimits {
+    /// Time for a request's headers to arrive, counted from the first byte the server
+    /// waits for; also how long an idle keep-alive connection stays open.
+    pub(crate) header_read_timeout: Duration,
+    /// Connections served at once; the next ones wait in the listen backlog.
+    pub(crate) max_connections: usize,
+    /// How long shutdown waits for requests in flight before closing their connections.
+    pub(crate) shutdown_timeout: Duration,
+}
+
+/// How long to pause after an accept error that is not one connection's fault (out of
+/// file descriptors): retrying at once would spin.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
+/// Serves `app` on `listener` until `stop` resolves, then stops accepting, lets the
+/// requests in flight finish for up to `shutdown_timeout`, and closes what is left.
+/// Handlers see the peer as `ConnectInfo<SocketAddr>`, as with axum's
+/// `into_make_service_with_connect_info`.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    stop: impl Future<Output = ()>,
+) {
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let graceful = GracefulShutdown::new();
+    let mut connections = JoinSet::new();
+    tokio::pin!(stop);
+    loop {
+        // A connection is accepted only with a permit, so at most `max_connections` are
+        // open; the next clients wait in the kernel's listen backlog.
+        let permit = tokio::select! {
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_closed) => break, // never closed; stop serving if it were
+            },
+            () = &mut stop => break,
+        };
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) if is_connection_error(&error) => continue,
+            Err(error) => {
+                tracing::error!(%error, "accept failed; pausing");
+                tokio::select! {
+                    () = tokio::time::sleep(ACCEPT_ERROR_PAUSE) => continue,
+                    () = &mut stop => break,
+                }
+            }
+        };
+        // Forget the connections that have ended.
+        while connections.try_join_next().is_some() {}
+        // Answers are small and latency matters more than packet count.
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let service = tower::service_fn(move |mut request: Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            app.clone().oneshot(request)
+        });
+        let connection = graceful
+            .watch(http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service)));
+        connections.spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%peer, %error, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(limits.shutdown_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            open = connections.len(),
+            timeout = ?limits.shutdown_timeout,
+            "requests still in flight after server.shutdown_timeout: closing their connections"
+        );
+    }
+    // Aborts whatever is still open and waits until it is gone.
+    connections.shutdown().await;
+}
+
+/// Errors of one connection that failed while being accepted: accept the next one.
+fn is_connection_error(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}
