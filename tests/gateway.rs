@@ -656,6 +656,27 @@ fn the_example_config_file_is_valid() {
     assert!(config.admin_listen.is_some());
 }
 
+/// The config shapes shown in README.md and docs/gateway.md are valid configs, with the
+/// documented defaults.
+#[test]
+fn the_documented_config_shapes_are_valid() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for doc in ["README.md", "docs/gateway.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        let shape = text
+            .split("```toml\n")
+            .skip(1)
+            .filter_map(|block| block.split_once("```").map(|(toml, _)| toml))
+            .find(|toml| toml.starts_with("listen = "))
+            .unwrap_or_else(|| panic!("no config shape in {doc}"));
+        let config = Config::parse(shape).unwrap_or_else(|e| panic!("{doc}: {e}\n{shape}"));
+        assert_eq!(config.server, config::ServerConfig::default(), "{doc}");
+        assert_eq!(config.store.prefix, "tollgate");
+        assert_eq!(config.store.timeout, tollgate::DEFAULT_TIMEOUT);
+        assert_eq!(config.routes.len(), 1);
+    }
+}
+
 #[test]
 fn invalid_configs_are_rejected_naming_the_field_and_value() {
     let ok_route = "[[routes]]\npath = \"/\"\n";
@@ -1049,6 +1070,7 @@ async fn a_body_over_max_body_bytes_is_413() {
     // Announced by Content-Length: refused before the upstream is asked.
     let reply = send(&client, post(Body::from(vec![b'x'; 1001]))).await;
     assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(reply.text(), "length limit exceeded");
 
     // Streamed without a length: refused when it passes the limit.
     let chunks =
@@ -1056,6 +1078,7 @@ async fn a_body_over_max_body_bytes_is_413() {
     let streamed = Body::from_stream(futures_util::stream::iter(chunks));
     let reply = send(&client, post(streamed)).await;
     assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(reply.text(), "length limit exceeded");
 
     let sizes: Vec<usize> = upstream.seen().iter().map(|s| s.body.len()).collect();
     assert_eq!(sizes, [1000]);

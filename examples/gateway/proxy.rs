@@ -124,7 +124,7 @@ impl Proxy {
             // Not the upstream's fault: the client's body passed `max_body_bytes` while it
             // was streamed (a body announced too large never gets here).
             tracing::debug!(route = %self.route, "request body over server.max_body_bytes");
-            return status(StatusCode::PAYLOAD_TOO_LARGE, "payload too large\n");
+            return status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
         }
         tracing::warn!(
             route = %self.route,

@@ -42,7 +42,15 @@ mod tests {
         for ok in ["", "tollgate", "my-app_v2.prod:eu/1", &"p".repeat(64)] {
             assert!(validate_prefix(ok).is_ok(), "{ok:?}");
         }
-        for bad in ["{tg}", "a}", "a b", "a+b", "x\u{e9}", "a\n", &"p".repeat(65)] {
+        for bad in [
+            "{tg}",
+            "a}",
+            "a b",
+            "a+b",
+            "x\u{e9}",
+            "a\n",
+            &"p".repeat(65),
+        ] {
             let error = validate_prefix(bad).unwrap_err();
             assert_eq!(error.field(), "prefix");
             assert!(error.to_string().contains(&format!("{bad:?}")), "{error}");
