@@ -1050,7 +1050,10 @@ async fn a_hung_upstream_is_504_after_upstream_timeout() {
     }
     // The upstream did get the requests: the 504s are its silence, not a failed connect.
     let accepted = tokio::time::timeout(TIMEOUT, upstream.accepted.recv()).await;
-    assert!(matches!(accepted, Ok(Some(()))), "the upstream saw no connection");
+    assert!(
+        matches!(accepted, Ok(Some(()))),
+        "the upstream saw no connection"
+    );
     gw.stop().await.unwrap();
 }
 

@@ -5,7 +5,12 @@
 //! Without them a client that trickles its headers a byte a second, or opens connections
 //! and never speaks, holds a file descriptor for as long as it likes.
 
-use std::{future::Future, io, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    io,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use axum::{
     Router,
@@ -36,6 +41,9 @@ pub(crate) struct ConnectionLimits {
 /// file descriptors): retrying at once would spin.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
+/// At most one warning per interval that every connection is taken.
+const FULL_WARNING_INTERVAL: Duration = Duration::from_secs(60);
+
 /// Serves `app` on `listener` until `stop` resolves, then stops accepting, lets the
 /// requests in flight finish for up to `shutdown_timeout`, and closes what is left.
 /// Handlers see the peer as `ConnectInfo<SocketAddr>`, as with axum's
@@ -52,16 +60,29 @@ pub(crate) async fn serve(
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let graceful = GracefulShutdown::new();
     let mut connections = JoinSet::new();
+    let mut last_full_warning: Option<Instant> = None;
     tokio::pin!(stop);
     loop {
         // A connection is accepted only with a permit, so at most `max_connections` are
         // open; the next clients wait in the kernel's listen backlog.
-        let permit = tokio::select! {
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_closed) => break, // never closed; stop serving if it were
-            },
-            () = &mut stop => break,
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                if last_full_warning.is_none_or(|at| at.elapsed() >= FULL_WARNING_INTERVAL) {
+                    last_full_warning = Some(Instant::now());
+                    tracing::warn!(
+                        max_connections = limits.max_connections,
+                        "server.max_connections are open: new clients wait until one closes"
+                    );
+                }
+                tokio::select! {
+                    permit = permits.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        Err(_closed) => break, // never closed; stop serving if it were
+                    },
+                    () = &mut stop => break,
+                }
+            }
         };
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
