@@ -122,6 +122,7 @@ pub(crate) async fn serve(
         .await
         .is_err()
     {
+        while connections.try_join_next().is_some() {}
         tracing::warn!(
             open = connections.len(),
             timeout = ?limits.shutdown_timeout,
