@@ -1168,7 +1168,7 @@ async fn shutdown_finishes_within_shutdown_timeout_with_a_hung_request() {
 }
 
 /// `Forwarded`, `X-Real-IP` and `X-Forwarded-For` written by a client reach the upstream
-/// only through a trusted proxy; `X-Real-IP` is always the address the `ip` key counts.
+/// only through a trusted proxy; `X-Real-IP` is always the address the `ip` key is computed from.
 #[tokio::test]
 async fn forged_forwarding_headers_never_reach_the_upstream() {
     let upstream = Upstream::start().await;

@@ -144,7 +144,7 @@ impl Proxy {
     /// `trusted_proxies` semantics: a client's own `X-Forwarded-For` and `Forwarded` are
     /// passed on only when its TCP peer is a trusted proxy (and then the peer is appended),
     /// otherwise they are replaced by the peer; `X-Real-IP` is always replaced by the
-    /// client address the gateway's `ip` key counts. So an upstream that trusts the gateway
+    /// client address the gateway's `ip` key is computed from. So an upstream that trusts the gateway
     /// never reads an address a client chose.
     fn set_forwarding_headers(&self, headers: &mut HeaderMap, peer: IpAddr) {
         let peer = peer.to_canonical();
