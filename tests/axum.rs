@@ -400,7 +400,8 @@ async fn stacked_layers_keep_retry_after_no_earlier_than_any_t() {
 
 /// The first response of a 3-per-hour layer that writes these fields.
 async fn first_response(ietf: bool, legacy: bool) -> Response<Body> {
-    let app = routes().layer(global(3).headers(HeaderStyle { ietf, legacy }));
+    let app =
+        routes().layer(global(3).headers(HeaderStyle::NONE.with_ietf(ietf).with_legacy(legacy)));
     send(&app, get("/")).await
 }
 
