@@ -5,6 +5,7 @@
 //!   of a service shares one budget.
 
 mod check;
+mod guarded;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
@@ -12,6 +13,7 @@ pub(crate) mod redis;
 use std::{fmt, sync::Arc};
 
 pub use check::Check;
+pub(crate) use guarded::Guarded;
 pub use memory::MemoryStore;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
