@@ -16,7 +16,6 @@ use crate::{
     key::KeyExtractor,
     metrics,
     rejection::OnRejection,
-    store::Store,
 };
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -113,9 +112,9 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
-        let check = shared.store.check(&key, &shared.limits, cost);
+        let check = shared.store.check_now(&key, &shared.limits, cost);
         let asked = Asked { key, cost, timer };
-        let check = match check.into_ready() {
+        let check = match check {
             // Decided already (the memory store, a block-cache hit, an open circuit): the
             // service that was polled ready takes the request now, so neither it nor the
             // request has to wait in the future.

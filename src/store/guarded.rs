@@ -38,30 +38,47 @@ impl Guarded {
     }
 }
 
-impl Store for Guarded {
+impl Guarded {
+    /// The decision if it was made at once, else the check to wait for: what
+    /// [`check`](Store::check) returns, without wrapping a ready answer into a [`Check`]
+    /// only for the caller to unwrap it again.
     #[inline]
-    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+    pub(crate) fn check_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+    ) -> Result<Result<Decision, StoreError>, Check> {
         let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
         if admission == Admission::Skip {
-            return Check::ready(Err(StoreError::circuit_open()));
+            return Ok(Err(StoreError::circuit_open()));
         }
         let check = match self.store.check(key, limits, cost).into_ready() {
             Ok(result) => {
                 if let Some(breaker) = &self.breaker {
                     breaker.record(admission, result.is_ok());
                 }
-                return Check::ready(result);
+                return Ok(result);
             }
             Err(check) => check,
         };
         if self.timeout.is_none() && self.breaker.is_none() {
-            return check;
+            return Err(check);
         }
         let feedback = self
             .breaker
             .as_ref()
             .map(|breaker| Feedback::new(breaker.clone(), admission));
-        Check::pending(guard(check, self.timeout, feedback))
+        Err(Check::pending(guard(check, self.timeout, feedback)))
+    }
+}
+
+impl Store for Guarded {
+    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        match self.check_now(key, limits, cost) {
+            Ok(result) => Check::ready(result),
+            Err(check) => check,
+        }
     }
 }
 
