@@ -1052,7 +1052,11 @@ mod redis {
         let reply = get(&client, &url(&allow, "/")).await;
         assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
         // Passed by the policy, not decided by Redis.
-        assert!(!reply.headers.contains_key("ratelimit"), "{:?}", reply.headers);
+        assert!(
+            !reply.headers.contains_key("ratelimit"),
+            "{:?}",
+            reply.headers
+        );
     }
 
     /// The circuit opens while Redis stalls; the client of the probe after the cooldown

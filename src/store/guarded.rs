@@ -62,14 +62,21 @@ impl Guarded {
             }
             Err(check) => check,
         };
+        Err(self.wait(check, admission))
+    }
+
+    /// `check` under the timeout, reporting to the breaker. Kept out of line: the ready
+    /// path above is the hot one.
+    #[inline(never)]
+    fn wait(&self, check: Check, admission: Admission) -> Check {
         if self.timeout.is_none() && self.breaker.is_none() {
-            return Err(check);
+            return check;
         }
         let feedback = self
             .breaker
             .as_ref()
             .map(|breaker| Feedback::new(breaker.clone(), admission));
-        Err(Check::pending(guard(check, self.timeout, feedback)))
+        Check::pending(guard(check, self.timeout, feedback))
     }
 }
 
