@@ -89,6 +89,9 @@ impl Breaker {
 
     /// A breaker timed by `clock` (the clock is read only while the circuit is open).
     pub(crate) fn with_clock(config: CircuitBreaker, clock: Arc<dyn Clock>) -> Self {
+        // Read once here: a clock's first read may calibrate it (`MonotonicClock`), which
+        // belongs in setup, not in the request that finds the circuit open.
+        clock.now_ms();
         Self {
             config,
             clock,
