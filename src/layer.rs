@@ -7,11 +7,12 @@ use tower_layer::Layer;
 use crate::{
     FailurePolicy, Limit, MissingKey,
     breaker::{Breaker, CircuitBreaker},
+    decide::Shared,
     headers::{HeaderStyle, HeaderWriter},
     key::PeerIp,
     rejection::DefaultRejection,
-    service::{RateLimit, Shared},
-    store::{MemoryStore, Store},
+    service::RateLimit,
+    store::{Guarded, MemoryStore, Store},
 };
 
 /// The default time a store call may take before the failure policy applies.
@@ -200,14 +201,16 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
         let shared = Shared {
             headers: HeaderWriter::new(self.settings.headers, &self.settings.limits),
             limits: self.settings.limits.clone().into(),
-            store: self.settings.store.clone(),
+            store: Guarded::new(
+                self.settings.store.clone(),
+                self.settings.timeout,
+                self.settings.breaker.clone(),
+            ),
             on_store_error: self.settings.on_store_error.clone(),
             on_missing_key: self.settings.on_missing_key,
-            timeout: self.settings.timeout,
             rejection: self.rejection.clone(),
             name: self.settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
-            breaker: self.settings.breaker.clone(),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
     }

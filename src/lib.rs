@@ -78,6 +78,7 @@
 pub mod algorithm;
 mod breaker;
 pub mod clock;
+mod decide;
 mod decision;
 mod error;
 mod future;

@@ -400,7 +400,8 @@ async fn stacked_layers_keep_retry_after_no_earlier_than_any_t() {
 
 /// The first response of a 3-per-hour layer that writes these fields.
 async fn first_response(ietf: bool, legacy: bool) -> Response<Body> {
-    let app = routes().layer(global(3).headers(HeaderStyle { ietf, legacy }));
+    let app =
+        routes().layer(global(3).headers(HeaderStyle::NONE.with_ietf(ietf).with_legacy(legacy)));
     send(&app, get("/")).await
 }
 
@@ -829,9 +830,11 @@ mod redis_store {
 
     #[tokio::test]
     async fn store_down_local_keeps_limiting() {
-        // `FailurePolicy::local()` on the frozen clock (it is `Local(MemoryStore)`).
-        let (_server, app) = dead_redis(FailurePolicy::Local(memory())).await;
+        // `FailurePolicy::local()` (it is `Local(MemoryStore)`) on a clock 100 s ahead of
+        // the Redis store's, so that its answers cannot be mistaken for Redis's.
+        let local = MemoryStore::new().with_clock(ManualClock::new(NOW_MS + 100_000));
+        let (_server, app) = dead_redis(FailurePolicy::Local(local)).await;
         assert_eq!(statuses(&app, 5, || get("/")).await, expect(3, 2));
-        assert_eq!(assert_limited(&send(&app, get("/")).await), HOUR_LEFT);
+        assert_eq!(assert_limited(&send(&app, get("/")).await), HOUR_LEFT - 100);
     }
 }

@@ -246,3 +246,111 @@ async fn a_bad_url_is_an_error_not_a_panic() {
             .is_err()
     );
 }
+
+/// One builder step of a [`RedisStore`].
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Clock,
+    QueueLimit,
+    Coalescing(bool),
+}
+
+fn apply(store: RedisStore, step: Step, clock: &tollgate::clock::ManualClock) -> RedisStore {
+    match step {
+        Step::Clock => store.with_clock(clock.clone()),
+        Step::QueueLimit => store.with_queue_limit(1),
+        Step::Coalescing(on) => store.with_coalescing(on),
+    }
+}
+
+fn permutations(steps: [Step; 3]) -> Vec<[Step; 3]> {
+    let [a, b, c] = steps;
+    vec![
+        [a, b, c],
+        [a, c, b],
+        [b, a, c],
+        [b, c, a],
+        [c, a, b],
+        [c, b, a],
+    ]
+}
+
+/// How a store behaves: whether decisions beyond a queue of 1 are refused at once
+/// (coalescing on, with the queue limit), and whether the time is the explicit clock's.
+async fn behaviour(store: &RedisStore, key: &str) -> (usize, bool) {
+    let limits = hourly(100);
+    // Submitted together, before the batching task (on this current-thread runtime) runs.
+    let checks: Vec<_> = (0..20)
+        .map(|i| store.check(&Key::new(format!("{key}-{i}")), &limits, 1))
+        .collect();
+    let refused = checks.iter().filter(|c| c.is_ready()).count();
+    // Let the queued ones through, so that the queue is empty again.
+    futures_util::future::join_all(checks.into_iter().filter(|c| !c.is_ready())).await;
+    let decision = store.check(&Key::new(key), &limits, 1).await.unwrap();
+    // The manual clock stands 1 s into an hour-long window; Redis's clock does not.
+    let on_the_clock = decision.limits()[0].reset_after_ms == 3_599_000;
+    (refused, on_the_clock)
+}
+
+/// `with_clock`, `with_queue_limit` and `with_coalescing` give the same store in any
+/// order: once, coalescing off after the others re-enabled it, and coalescing on reset an
+/// earlier queue limit.
+#[tokio::test]
+async fn builder_calls_give_the_same_store_in_any_order() {
+    let server = RedisServer::start();
+    let clock = tollgate::clock::ManualClock::new(3_600_000 * 500_000 + 1_000);
+    let connected = uncached(&server).await;
+    let cases = [
+        (Step::Coalescing(false), (0, true)),
+        (Step::Coalescing(true), (19, true)),
+    ];
+    for (coalescing, expected) in cases {
+        for (i, order) in permutations([Step::Clock, Step::QueueLimit, coalescing])
+            .into_iter()
+            .enumerate()
+        {
+            let store = order
+                .iter()
+                .fold(connected.clone(), |store, &step| apply(store, step, &clock));
+            let got = behaviour(&store, &format!("{coalescing:?}-{i}")).await;
+            assert_eq!(got, expected, "{order:?}");
+        }
+    }
+}
+
+/// A store first used in a runtime that then shuts down keeps working in the next one:
+/// the batching task is started again on the runtime that needs it.
+#[test]
+fn a_store_outlives_the_runtime_it_was_first_used_in() {
+    let server = RedisServer::start();
+    let limits = hourly(5);
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = first.block_on(async {
+        let store = uncached(&server).await;
+        let decision = store.check(&Key::new("k"), &limits, 1).await.unwrap();
+        assert!(decision.is_allowed());
+        store
+    });
+    drop(first);
+    for round in 0..2 {
+        let next = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        next.block_on(async {
+            let check = store.check(&Key::new("k"), &limits, 1);
+            let decision = tokio::time::timeout(Duration::from_secs(10), check)
+                .await
+                .expect("a decision hung")
+                .unwrap_or_else(|e| {
+                    panic!("round {round}: {e}: {:?}", std::error::Error::source(&e))
+                });
+            assert!(decision.is_allowed());
+            assert_eq!(decision.remaining(), Some(3 - round));
+        });
+    }
+}

@@ -304,11 +304,17 @@ async fn connect_store(config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
 async fn connect_redis(url: &str, prefix: &str) -> Result<Arc<dyn Store>, Error> {
     let store = tollgate::store::RedisStore::connect(url)
         .await
-        .map_err(|e| format!("store.url: cannot connect to {url:?}: {e}"))?
+        .map_err(|e| format!("store.url: cannot connect to {url:?}: {e}{}", cause(&e)))?
         .with_prefix(prefix)
         .map_err(|e| format!("store.prefix: {e}"))?;
     tracing::info!(url, prefix, "connected to redis");
     Ok(Arc::new(store))
+}
+
+/// `: <cause>` of a store error (its `Display` names only its own level).
+#[cfg(feature = "redis")]
+fn cause(error: &tollgate::StoreError) -> String {
+    std::error::Error::source(error).map_or_else(String::new, |cause| format!(": {cause}"))
 }
 
 #[cfg(not(feature = "redis"))]
@@ -321,7 +327,12 @@ async fn connect_redis(_url: &str, _prefix: &str) -> Result<Arc<dyn Store>, Erro
 async fn connect_redis_cluster(nodes: &[String], prefix: &str) -> Result<Arc<dyn Store>, Error> {
     let store = tollgate::store::RedisStore::connect_cluster(nodes)
         .await
-        .map_err(|e| format!("store.nodes: cannot connect to the cluster at {nodes:?}: {e}"))?
+        .map_err(|e| {
+            format!(
+                "store.nodes: cannot connect to the cluster at {nodes:?}: {e}{}",
+                cause(&e)
+            )
+        })?
         .with_prefix(prefix)
         .map_err(|e| format!("store.prefix: {e}"))?;
     tracing::info!(?nodes, prefix, "connected to redis cluster");
