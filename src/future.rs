@@ -260,11 +260,13 @@ fn on_store_error<R>(
     } = asked;
     let policy = shared.on_store_error.as_str();
     let layer = &*shared.name;
+    // Never the key itself: it may be an API key.
+    let redacted = key.redacted();
     if *admission == Admission::Skip {
         // The failures that opened the circuit were logged already.
-        tracing::debug!(%error, %key, policy, layer, "rate limit store skipped");
+        tracing::debug!(%error, key = %redacted, policy, layer, "rate limit store skipped");
     } else {
-        tracing::warn!(%error, %key, policy, layer, "rate limit store failed");
+        tracing::warn!(%error, key = %redacted, policy, layer, "rate limit store failed");
     }
     match &shared.on_store_error {
         FailurePolicy::Allow => Ok(None),
