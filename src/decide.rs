@@ -91,11 +91,13 @@ fn on_store_error<R>(
     let policy = shared.on_store_error.as_str();
     let layer = &*shared.name;
     let chain = error.chain();
+    // Never the key itself: it may be an API key.
+    let redacted = key.redacted();
     if error.is_circuit_open() {
         // The failures that opened the circuit were logged already.
-        tracing::debug!(error = %chain, %key, policy, layer, "rate limit store skipped");
+        tracing::debug!(error = %chain, key = %redacted, policy, layer, "rate limit store skipped");
     } else {
-        tracing::warn!(error = %chain, %key, policy, layer, "rate limit store failed");
+        tracing::warn!(error = %chain, key = %redacted, policy, layer, "rate limit store failed");
     }
     match &shared.on_store_error {
         FailurePolicy::Allow => Ok(None),

@@ -26,7 +26,10 @@ pub const DEFAULT_NAME: &str = "default";
 /// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`]; every other
 /// part is set with a builder method. **Clones of the layer, and every service it makes,
 /// share one budget** (one store), so `Router::layer` applies one limit across all
-/// routes; build a second layer (or name the limits differently) for separate budgets.
+/// routes. A second layer with its own store has its own budgets; layers on one store
+/// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
+/// of the same kind and their limits are equal and equally [named](crate::Limit::named),
+/// so name the limits differently to keep them apart.
 pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
     key: Arc<K>,
     cost: C,

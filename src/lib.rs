@@ -49,6 +49,9 @@
 //! [`PeerIp`](key::PeerIp) (the default) is the TCP peer. **Behind a proxy or load balancer
 //! every client has the proxy's address: use [`ClientIp`](key::ClientIp) with the proxies'
 //! CIDRs, which reads `X-Forwarded-For` from the right and only from trusted peers.**
+//! Each kind of key has its own namespace, so a header value that spells an IP or
+//! `global` never spends that client's budget. **API keys are stored as they are unless
+//! hashed:** [`HeaderKey::hashed_with`](key::HeaderKey::hashed_with).
 //! See [`key`] for all extractors and for how keys are made safe for Redis.
 //!
 //! # Stores

@@ -300,8 +300,8 @@ impl Limit {
     }
 
     /// A name for this limit: the policy name in the `RateLimit` headers and a part of
-    /// its store key, so that two routes with equal limits keep separate budgets (or share
-    /// one, by giving both the same name).
+    /// its store key, so that two routes with equal limits on one store keep separate
+    /// budgets (or share one, by giving both the same name).
     ///
     /// # Errors
     ///

@@ -1335,6 +1335,25 @@ mod redis {
         header_and_global_keys(&store(&redis, "keys")).await;
     }
 
+    /// Header keys are hashed by default, so API keys never appear in Redis key names;
+    /// `hash_header_keys = false` stores them as they are.
+    #[tokio::test]
+    async fn redis_header_keys_are_hashed_by_default() {
+        let redis = RedisServer::start();
+        header_and_global_keys(&store(&redis, "hashed")).await;
+        header_and_global_keys(&(store(&redis, "plain") + "hash_header_keys = false\n")).await;
+        let hashed = redis.cli(&["--scan", "--pattern", "hashed:*"]).unwrap();
+        assert!(hashed.contains("hashed:{header:x-api-key|#"), "{hashed}");
+        let plain = redis.cli(&["--scan", "--pattern", "plain:*"]).unwrap();
+        for key in ["k1", "k2"] {
+            assert!(!hashed.contains(&format!("|{key}}}")), "{hashed}");
+            assert!(
+                plain.contains(&format!("plain:{{header:x-api-key|{key}}}")),
+                "{plain}"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn redis_same_key_limits_are_all_or_nothing() {
         let redis = RedisServer::start();
@@ -1379,7 +1398,7 @@ mod redis {
         }
         // The keys are the config's: <prefix>:{<client>}:<limit name>...
         let keys = redis.cli(&["--scan", "--pattern", "shared:*"]).unwrap();
-        assert!(keys.contains("shared:{127.0.0.1}:r0-l0:"), "{keys}");
+        assert!(keys.contains("shared:{ip|127.0.0.1}:r0-l0:"), "{keys}");
         one.stop().await.unwrap();
         two.stop().await.unwrap();
     }
@@ -1563,11 +1582,27 @@ mod redis {
                 .unwrap();
             assert!(!keys.is_empty(), "no keys on node {master}");
         }
-        let keys = cluster
-            .cli(cluster.node_for_key("shared:{client-0}:x"), &["--scan"])
+        // Header keys are hashed by default: the tag is the digest of `client-0`.
+        use tollgate::key::KeyExtractor as _;
+        let tag = tollgate::key::HeaderKey::new("x-client")
+            .unwrap()
+            .hashed()
+            .extract(
+                &http::Request::get("/")
+                    .header("x-client", "client-0")
+                    .body(())
+                    .unwrap(),
+            )
             .unwrap();
-        assert!(keys.contains("shared:{client-0}:r0-l0:"), "{keys}");
-        assert!(keys.contains("shared:{client-0}:r0-l1:"), "{keys}");
+        let keys = cluster
+            .cli(
+                cluster.node_for_key(&format!("shared:{{{tag}}}:x")),
+                &["--scan"],
+            )
+            .unwrap();
+        assert!(keys.contains(&format!("shared:{{{tag}}}:r0-l0:")), "{keys}");
+        assert!(keys.contains(&format!("shared:{{{tag}}}:r0-l1:")), "{keys}");
+        assert!(!keys.contains("client-"), "{keys}");
         assert!(cluster.assert_every_key_expires() >= 2 * clients.len());
         one.stop().await.unwrap();
         two.stop().await.unwrap();

@@ -5,10 +5,132 @@
 
 mod support;
 
-use std::time::Duration;
+use std::{convert::Infallible, sync::Arc, time::Duration};
 
-use support::RedisServer;
-use tollgate::{Limit, Store, key::Key, store::RedisStore};
+use http::{Request, Response, StatusCode};
+use support::{RedisServer, logs::Logs};
+use tollgate::{
+    FailurePolicy, Limit, RateLimitLayer, Store,
+    key::{HeaderKey, Key},
+    store::RedisStore,
+};
+use tower::{Layer, ServiceExt, service_fn};
+
+/// Layers keyed by different extractors on one Redis keep separate budgets.
+#[tokio::test]
+async fn kinds_of_keys_never_share_state_in_redis() {
+    let server = RedisServer::start();
+    let store = uncached(&server)
+        .await
+        .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
+    support::kinds::kinds_never_share_state(std::sync::Arc::new(store)).await;
+    // Each kind's keys carry its namespace.
+    let keys = server.cli(&["--scan"]).unwrap();
+    for namespace in [
+        "{ip|",
+        "{global|",
+        "{header:x-api-key|",
+        "{header:x-user|",
+        "{custom|",
+        "{ext:",
+    ] {
+        assert!(keys.contains(namespace), "no {namespace} in {keys}");
+    }
+}
+
+/// An API key as a client sends it.
+const API_KEY: &str = "sk_live_0123456789abcdef";
+
+/// The status of one request with `x-api-key: API_KEY` through a new layer keyed by `key`
+/// on `store`, 10 per hour under the limit name `name`.
+async fn with_api_key(store: &Arc<dyn Store>, key: HeaderKey, name: &str) -> StatusCode {
+    let limit = Limit::fixed_window(10, Duration::from_secs(3600))
+        .unwrap()
+        .named(name)
+        .unwrap();
+    let layer = RateLimitLayer::new(limit)
+        .shared_store(store.clone())
+        .key(key)
+        .on_store_error(FailurePolicy::Allow)
+        .timeout(Some(Duration::from_millis(500)));
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let request = Request::get("/")
+        .header("x-api-key", API_KEY)
+        .body(())
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), service.oneshot(request))
+        .await
+        .unwrap()
+        .unwrap()
+        .status()
+}
+
+/// The hash tag (`{...}`) of the one Redis key whose limit is named `name`.
+fn tag_of(keys: &str, name: &str) -> String {
+    let key = keys
+        .lines()
+        .find(|k| k.contains(&format!("}}:{name}:")))
+        .unwrap_or_else(|| panic!("no key for {name} in {keys}"));
+    let start = key.find('{').unwrap();
+    let end = key.find('}').unwrap();
+    key[start + 1..end].to_owned()
+}
+
+/// Hashed header keys never put the API key into Redis (checked on the server's own key
+/// names), stay in the header's namespace, and differ by secret.
+#[tokio::test]
+async fn hashed_api_keys_never_reach_redis_in_clear() {
+    let server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(uncached(&server).await);
+    let header = || HeaderKey::new("x-api-key").unwrap();
+    for (key, name) in [
+        (header(), "plain"),
+        (header().hashed(), "sha"),
+        (header().hashed_with("secret-one"), "one"),
+        (header().hashed_with("secret-two"), "two"),
+    ] {
+        assert_eq!(with_api_key(&store, key, name).await, StatusCode::OK);
+    }
+    let keys = server.cli(&["--scan"]).unwrap();
+    // The scan sees values: unhashed, the API key is in the key name.
+    assert_eq!(
+        tag_of(&keys, "plain"),
+        format!("header:x-api-key|{API_KEY}")
+    );
+    let hashed: Vec<String> = ["sha", "one", "two"]
+        .iter()
+        .map(|name| tag_of(&keys, name))
+        .collect();
+    for tag in &hashed {
+        assert!(tag.starts_with("header:x-api-key|#"), "{tag}");
+        assert_eq!(tag.len(), "header:x-api-key|#".len() + 32, "{tag}");
+    }
+    assert_eq!(keys.matches("sk_live").count(), 1, "{keys}");
+    assert!(hashed[0] != hashed[1] && hashed[1] != hashed[2] && hashed[0] != hashed[2]);
+}
+
+/// A store failure is logged at warn with the key's namespace and a short digest, never
+/// the key's value.
+#[tokio::test]
+async fn store_failures_never_log_the_key() {
+    let mut server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(uncached(&server).await);
+    server.kill();
+    let (logs, _guard) = Logs::capture();
+    let header = HeaderKey::new("x-api-key").unwrap();
+    // Failed open: the request passes, and the failure is logged.
+    assert_eq!(with_api_key(&store, header, "down").await, StatusCode::OK);
+    let text = logs.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("rate limit store failed"))
+        .unwrap_or_else(|| panic!("no warning in {text}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("header:x-api-key|sha256:"), "{line}");
+    assert!(!text.contains("sk_live"), "{text}");
+}
 
 fn hourly(limit: u32) -> [Limit; 1] {
     [Limit::fixed_window(limit, Duration::from_secs(3600)).unwrap()]
@@ -125,7 +247,10 @@ async fn keys_follow_the_documented_layout() {
     keys.sort();
     assert_eq!(
         keys,
-        ["app:{user:1}:burst:tb:5:1000:5", "app:{user:1}:fw:5:60000"]
+        [
+            "app:{custom|user:1}:burst:tb:5:1000:5",
+            "app:{custom|user:1}:fw:5:60000"
+        ]
     );
     assert_eq!(store.redis_key(&Key::new("user:1"), &limits[0]), keys[1]);
     // Both keys of one identity hash to one slot.

@@ -26,7 +26,7 @@ use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
-    config::{Backend, Config, KeySpec, OnError, Route, RouteLimit, StoreConfig},
+    config::{Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, StoreConfig},
     path,
     proxy::{self, Proxy},
     serve::{ConnectionLimits, serve},
@@ -267,7 +267,13 @@ fn route_service(
                     .layer(service),
             ),
             KeySpec::Header(name) => {
-                BoxCloneSyncService::new(layer.key(HeaderKey::from(name)).layer(service))
+                let key = HeaderKey::from(name);
+                let key = match &config.store.header_keys {
+                    HeaderKeys::Plain => key,
+                    HeaderKeys::Sha256 => key.hashed(),
+                    HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
+                };
+                BoxCloneSyncService::new(layer.key(key).layer(service))
             }
             KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
         };

@@ -7,6 +7,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod cluster;
+pub mod kinds;
+pub mod logs;
 
 use std::{
     io::{BufRead, BufReader},
