@@ -625,7 +625,7 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
         Ok(config) => config,
         Err(error) => {
             prop_assert!(!error.message.is_empty());
-            let _ = error.to_string();
+            prop_assert!(error.to_string().contains(&error.message), "{}", error);
             return Ok(());
         }
     };

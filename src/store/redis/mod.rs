@@ -216,8 +216,8 @@ impl RedisStore {
     ///
     /// # Errors
     ///
-    /// When `prefix` is longer than 64 bytes or has characters other than ASCII letters,
-    /// digits and `-_.:/` (braces would change the hash tag).
+    /// When `prefix` is empty, longer than 64 bytes or has characters other than ASCII
+    /// letters, digits and `-_.:/` (braces would change the hash tag).
     pub fn with_prefix(mut self, prefix: &str) -> Result<Self, ConfigError> {
         super::validate_prefix(prefix)?;
         self.prefix = prefix.into();
