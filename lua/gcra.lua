@@ -27,6 +27,8 @@ local function define_gcra()
   end
 
   function gcra.commit(s, now, L, W, B, cost)
+    -- Nothing to add, and now + ahead would move the TAT back after a step back.
+    if cost == 0 then return end
     local a = ahead(s, now, L, W, B) + cost * W
     s.tat = now + math.floor(a / L)
     s.frac = a % L

@@ -246,3 +246,111 @@ async fn a_bad_url_is_an_error_not_a_panic() {
             .is_err()
     );
 }
+
+/// A plain connection for the test's own reads (faster than `redis-cli`, so that the
+/// moments read around a check are close together).
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Redis's clock, in ms.
+async fn redis_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    s * 1000 + us / 1000
+}
+
+/// The TTL margin the script adds when the caller sends its own clock (lua/prelude.lua):
+/// that clock may lag Redis's by up to this much.
+const EXPLICIT_CLOCK_MARGIN_MS: u64 = 5_000;
+
+/// Every algorithm's key lives exactly as long as its state matters, after every write:
+/// its expiry time (PEXPIRETIME, on Redis's clock) is the moment of the script plus the
+/// decision's `reset_after` (which `lua_model` holds equal to the model's, and the model
+/// holds equal to when its state stops mattering), plus the margin with an explicit
+/// clock. The moment of the script is only known to lie between two reads of Redis's
+/// clock, so each bound is widened by that bracket and no more: a key that could vanish
+/// earlier, by any amount beyond the bracket, fails the lower bound; one kept much longer
+/// fails the upper.
+async fn every_key_lives_as_long_as_its_state_matters(clock_behind_redis_ms: Option<u64>) {
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let clock = tollgate::clock::ManualClock::new(0);
+    let store = match clock_behind_redis_ms {
+        Some(_) => uncached(&server).await.with_clock(clock.clone()),
+        None => uncached(&server).await,
+    };
+    let margin = clock_behind_redis_ms.map_or(0, |_| EXPLICIT_CLOCK_MARGIN_MS);
+    let window = Duration::from_secs(1);
+    let limits = [
+        Limit::fixed_window(10, window).unwrap(),
+        Limit::sliding_window(10, window).unwrap(),
+        Limit::sliding_window_counter(10, window).unwrap(),
+        Limit::token_bucket(10, window).unwrap(),
+        Limit::gcra(10, window).unwrap(),
+    ];
+    // (pause before, cost): two windows and a bit, with several writes in each.
+    let schedule = [
+        (0, 1),
+        (0, 2),
+        (300, 1),
+        (0, 0),
+        (800, 1),
+        (10, 3),
+        (1_100, 1),
+    ];
+    let mut widest = 0;
+    for (step, (pause_ms, cost)) in schedule.into_iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        for limit in &limits {
+            let key = Key::new("k");
+            let before = redis_ms(&mut conn).await;
+            if let Some(behind) = clock_behind_redis_ms {
+                clock.set(before - behind);
+            }
+            let decision = store
+                .check(&key, std::slice::from_ref(limit), cost)
+                .await
+                .unwrap();
+            let after = redis_ms(&mut conn).await;
+            assert!(decision.is_allowed(), "step {step}: {limit:?}");
+            if cost == 0 {
+                continue;
+            }
+            widest = widest.max(after - before);
+            let redis_key = store.redis_key(&key, limit);
+            let expires: i64 = redis::cmd("PEXPIRETIME")
+                .arg(&redis_key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let lives = decision.limits()[0].reset_after_ms + margin;
+            // The fixed window keeps the TTL of the write that opened its window
+            // (KEEPTTL), so that write's bracket counts too: the widest so far. And 1 ms
+            // for Redis TIME's truncation to ms.
+            let (low, high) = (before + lives - widest - 1, after + lives + widest + 1);
+            assert!(
+                (low..=high).contains(&(expires as u64)),
+                "step {step}, {limit:?}: expires at {expires}, its state matters until \
+                 {before}..{after} + {lives} ms"
+            );
+        }
+    }
+    support::assert_every_key_expires(&server);
+}
+
+/// Item 9 of the hardening issue, with the script reading Redis TIME.
+#[tokio::test]
+async fn every_key_lives_as_long_as_its_state_matters_by_redis_time() {
+    every_key_lives_as_long_as_its_state_matters(None).await;
+}
+
+/// Item 9 of the hardening issue, with the caller's clock (2 s behind Redis's) sent as
+/// the script's `now`.
+#[tokio::test]
+async fn every_key_lives_as_long_as_its_state_matters_by_an_explicit_clock() {
+    every_key_lives_as_long_as_its_state_matters(Some(2_000)).await;
+}

@@ -47,6 +47,11 @@ impl Model for Gcra {
     }
 
     fn commit(&mut self, now: u64, limit: &Limit, cost: u64) {
+        // Nothing to add. (Writing `now + ahead` back would move the TAT back when the
+        // clock stepped back: `ahead` is capped at the tolerance.)
+        if cost == 0 {
+            return;
+        }
         let ahead = self.ahead(now, limit) + cost * limit.window_ms();
         self.tat = now + ahead / u64::from(limit.limit());
         self.frac = ahead % u64::from(limit.limit());
@@ -82,5 +87,15 @@ mod tests {
         assert!(!d[1].allowed);
         assert_eq!(d[1].retry_after_ms, 50);
         assert!(d[2].allowed);
+    }
+
+    #[test]
+    fn a_request_of_cost_zero_never_moves_the_arrival_time_back() {
+        let limit = Limit::gcra(1, Duration::from_secs(1)).unwrap();
+        // Full at 1000; a cost-0 request from a clock 500 ms behind, then 1000 again.
+        let d = run(&limit, &[(1000, 1), (500, 0), (1000, 1)]);
+        assert!(d[1].allowed);
+        assert!(!d[2].allowed);
+        assert_eq!(d[2].retry_after_ms, 1000);
     }
 }
