@@ -217,6 +217,35 @@ proptest! {
         })?;
     }
 
+    /// The sliding-window log with many weighted entries (larger limits and costs,
+    /// requests close together, the clock sometimes behind): the script finds the entry
+    /// a `retry_after` waits for by bisection over its numbered units; it must agree with
+    /// the model's walk through the entries.
+    #[test]
+    fn a_long_log_decides_like_the_model(
+        limit in 20u32..400,
+        window_ms in 50u64..2_000,
+        steps in prop::collection::vec(
+            (prop_oneof![4 => (0u64..15).prop_map(Wait::Ms), 1 => (1u64..30).prop_map(Wait::Back)], 1u32..40),
+            1..150,
+        ),
+    ) {
+        let limits = [Limit::sliding_window(limit, Duration::from_millis(window_ms)).unwrap()];
+        let steps: Vec<(Wait, u32, usize)> = steps.into_iter().map(|(w, c)| (w, c, 0)).collect();
+        let expected = model_run(&limits, &steps);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            for (i, (&(_, cost, _), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = store.check(&Key::new("a"), &limits, cost).await.unwrap();
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
     /// Every run of allowed requests, in the order they were decided, whose times span
     /// `[lo, hi]`, stays within what the algorithm allows in that span, also when the
     /// clock steps back (requests then come in any order of time): a step back never

@@ -354,3 +354,103 @@ async fn every_key_lives_as_long_as_its_state_matters_by_redis_time() {
 async fn every_key_lives_as_long_as_its_state_matters_by_an_explicit_clock() {
     every_key_lives_as_long_as_its_state_matters(Some(2_000)).await;
 }
+
+/// A sliding-window request of any cost writes one sorted-set member: the log holds
+/// weighted entries (one per millisecond with requests), so a decision's Redis work and
+/// the key's memory do not grow with the cost.
+#[tokio::test]
+async fn an_expensive_request_writes_one_log_entry() {
+    let server = RedisServer::start();
+    let clock = tollgate::clock::ManualClock::new(1_700_000_000_000);
+    let store = uncached(&server).await.with_clock(clock.clone());
+    let limits = [Limit::sliding_window(
+        tollgate::MAX_SLIDING_WINDOW_LIMIT,
+        Duration::from_secs(3600),
+    )
+    .unwrap()];
+    let key = Key::new("big");
+    let redis_key = store.redis_key(&key, &limits[0]);
+    store.check(&Key::new("warm-up"), &limits, 1).await.unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let d = store.check(&key, &limits, 99_990).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.limits()[0].remaining, 10);
+    let card = |server: &RedisServer| -> u64 {
+        server
+            .cli(&["ZCARD", &redis_key])
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(card(&server), 1);
+    assert_eq!(server.calls("zadd"), 1);
+    let bytes: u64 = server
+        .cli(&["MEMORY", "USAGE", &redis_key])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(bytes < 512, "{bytes} bytes for one entry");
+    // The same millisecond again: the entry grows, no new member.
+    assert!(store.check(&key, &limits, 4).await.unwrap().is_allowed());
+    assert_eq!(card(&server), 1);
+    // Later, a new entry; the limit holds, counted exactly across entries.
+    clock.advance(Duration::from_millis(5));
+    assert!(store.check(&key, &limits, 6).await.unwrap().is_allowed());
+    assert_eq!(card(&server), 2);
+    let denied = store.check(&key, &limits, 1).await.unwrap();
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.limits()[0].remaining, 0);
+    // The oldest unit is in the first entry: it leaves when that entry does.
+    assert_eq!(denied.retry_after(), Duration::from_millis(3_600_000 - 5));
+    // One more unit than the first entry's 99 994 needs the second one gone too.
+    clock.advance(Duration::from_millis(3_600_000 - 5));
+    assert!(
+        !store
+            .check(&key, &limits, 99_995)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        store
+            .check(&key, &limits, 99_994)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert_eq!(card(&server), 2);
+    support::assert_every_key_expires(&server);
+}
+
+/// Earlier builds kept the sliding-window log as one member per unit under limit id
+/// `sw`; the weighted log lives under `sw2`. During a rolling upgrade the old format is
+/// never read, so it cannot be misread: old keys keep their TTL and expire.
+#[tokio::test]
+async fn an_old_format_log_is_left_to_expire() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let limits = [Limit::sliding_window(3, Duration::from_secs(60)).unwrap()];
+    let key = Key::new("k");
+    let new_key = store.redis_key(&key, &limits[0]);
+    let old_key = new_key.replace(":sw2:", ":sw:");
+    assert_ne!(old_key, new_key);
+    let now = redis_ms(&mut raw(&server).await).await.to_string();
+    for n in ["1", "2"] {
+        server
+            .cli(&["ZADD", &old_key, &now, &format!("{now}:{n}")])
+            .unwrap();
+    }
+    server.cli(&["PEXPIRE", &old_key, "60000"]).unwrap();
+    assert_eq!(allowed(&store, "k", &limits, 5).await, 3);
+    assert_eq!(server.cli(&["ZCARD", &old_key]).unwrap().trim(), "2");
+    let ttl: i64 = server
+        .cli(&["PTTL", &old_key])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((1..=60_000).contains(&ttl), "{ttl}");
+    support::assert_every_key_expires(&server);
+}

@@ -5,7 +5,9 @@ use crate::Limit;
 
 /// Sliding window log: the time of every request still inside the window, so that at
 /// most `limit` fall in *any* interval of `window`. An entry at `t` counts while
-/// `now - t < window`. Entries stay sorted by time even when the clock steps back.
+/// `now - t < window`. A clock that stepped back logs its request at the newest entry's
+/// time (it stays in the window longer, never shorter), so entries are in the order they
+/// were written: the script keeps running totals of units on that order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlidingWindow {
     /// `(time, units)`, oldest first; one element per millisecond that had requests.
@@ -46,11 +48,9 @@ impl Model for SlidingWindow {
             return;
         }
         self.count += cost;
-        // Almost always appends; a clock that stepped back inserts in order.
-        let at = self.entries.partition_point(|&(t, _)| t <= now);
-        match at.checked_sub(1).map(|i| &mut self.entries[i]) {
-            Some((t, units)) if *t == now => *units += cost,
-            _ => self.entries.insert(at, (now, cost)),
+        match self.entries.back_mut() {
+            Some((newest, units)) if *newest >= now => *units += cost,
+            _ => self.entries.push_back((now, cost)),
         }
     }
 
@@ -103,5 +103,16 @@ mod tests {
         // 4 units used; 3 more need the first three units (at 0, 10, 20) gone: at 120.
         assert!(!d[3].allowed);
         assert_eq!(d[3].retry_after_ms, 90);
+    }
+
+    #[test]
+    fn a_clock_that_steps_back_logs_at_the_newest_entry() {
+        let limit = Limit::sliding_window(2, Duration::from_millis(100)).unwrap();
+        let d = run(&limit, &[(50, 1), (40, 1), (149, 1), (150, 1)]);
+        let allowed: Vec<bool> = d.iter().map(|d| d.allowed).collect();
+        // The unit at 40 was logged at 50: both leave at 150.
+        assert_eq!(allowed, [true, true, false, true]);
+        assert_eq!(d[1].reset_after_ms, 110);
+        assert_eq!(d[2].retry_after_ms, 1);
     }
 }
