@@ -1,11 +1,13 @@
 -- Sliding window log: a sorted set of weighted entries, one per millisecond that had
 -- requests, scored by that time. The units of the log are numbered in the order they
 -- were written, and member "<from>:<to>" holds units from .. to - 1: the units in the
--- window are to(newest) - from(oldest), read from the two ends, and a request of any cost
--- writes one member. Members are unique (their ranges never overlap) and in score order:
--- a clock that stepped back logs its units at the newest entry's time, and a second call
--- in the same millisecond replaces that entry with a wider one. Numbering starts at 0
--- again whenever the log is empty. Mirrors src/algorithm/sliding_window.rs.
+-- window are to(newest) - from(oldest in the window), read with two O(log n) lookups,
+-- and a request of any cost writes one member. Members are unique (their ranges never
+-- overlap) and in score order: a clock that stepped back logs its units at the newest
+-- entry's time, and a second call in the same millisecond replaces that entry with a
+-- wider one. The log changes only when a request is allowed: entries that have left the
+-- window are dropped by the next write (a denied request from a clock ahead must not drop
+-- what a clock a little behind still counts). Mirrors src/algorithm/sliding_window.rs.
 -- (Earlier builds kept one member "<time>:<n>" per unit under limit id "sw"; the id is
 -- now "sw2", so the two formats never meet in one key: old keys expire within a window.)
 -- Defined on first use, so a call pays only for the algorithms it runs.
@@ -21,22 +23,26 @@ local function define_sliding_window()
   end
 
   function sliding_window.load(key, now, L, W, B)
-    -- An entry at t counts while now - t < W.
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - W)
-    -- base: the oldest unit's number; top: one past the newest's, pending included.
-    -- newest_*: the stored newest entry (newest_at = false: none). at: the time this
-    -- call's units are logged at; pending: how many this call has committed.
+    -- base: the number of the oldest unit in the window (an entry at t counts while
+    -- now - t < W); top: one past the newest unit's, this call's included. newest_*: the
+    -- stored newest entry (newest_at = false: none), in the window or not. at: the time
+    -- this call's units are logged at; pending: how many this call has committed.
+    -- oldest: the member of the oldest entry in the window (false: none).
     local s = {
-      key = key, changed = false, count = 0, base = 0, top = 0,
+      key = key, changed = false, count = 0, base = 0, top = 0, oldest = false,
       newest_from = 0, newest_to = 0, newest_at = false, at = now, pending = 0,
     }
-    local from = entry(key, 0)
-    if from then
-      local newest_from, newest_to, newest_at = entry(key, -1)
-      s.base, s.top = from, newest_to
+    local newest_from, newest_to, newest_at = entry(key, -1)
+    if newest_from then
       s.newest_from, s.newest_to, s.newest_at = newest_from, newest_to, newest_at
-      s.count = newest_to - from
+      s.base, s.top = newest_to, newest_to
       s.at = math.max(now, newest_at)
+      if newest_at + W > now then
+        local e = redis.call('ZRANGEBYSCORE', key, '(' .. int(now - W), '+inf', 'LIMIT', 0, 1)
+        s.oldest = e[1]
+        s.base = string.match(e[1], '^(%d+):') + 0
+        s.count = newest_to - s.base
+      end
     end
     return s
   end
@@ -51,7 +57,7 @@ local function define_sliding_window()
     -- grows with the entries' order: O(log^2 n) in Redis, whatever the costs.
     local last = s.base + s.count + cost - L - 1
     if last >= s.newest_to then return s.at + W - now end -- in this call's entry
-    local lo, hi = 0, redis.call('ZCARD', s.key) - 1
+    local lo, hi = redis.call('ZRANK', s.key, s.oldest), redis.call('ZCARD', s.key) - 1
     while lo < hi do
       local mid = math.floor((lo + hi) / 2)
       local _, to = entry(s.key, mid)
@@ -70,6 +76,7 @@ local function define_sliding_window()
 
   function sliding_window.save(s, now, L, W, B)
     if s.pending == 0 then return end
+    redis.call('ZREMRANGEBYSCORE', s.key, '-inf', now - W)
     if s.newest_at == s.at then
       -- The newest entry is at this millisecond: it grows (members stay one per time).
       redis.call('ZREM', s.key, int(s.newest_from) .. ':' .. int(s.newest_to))
@@ -86,7 +93,7 @@ local function define_sliding_window()
 
   function sliding_window.reset_after(s, now, L, W, B)
     if s.pending > 0 then return s.at + W - now end
-    if s.newest_at then return s.newest_at + W - now end
+    if s.newest_at then return math.max(s.newest_at + W - now, 0) end
     return 0
   end
   return sliding_window

@@ -246,6 +246,28 @@ proptest! {
         })?;
     }
 
+    /// `retry_after` is exact, also after the clock stepped back: the same request is
+    /// still denied one millisecond earlier, and allowed at it.
+    #[test]
+    fn retry_after_is_exact(limit in limit_strategy(), steps in steps_strategy()) {
+        let limits = std::slice::from_ref(&limit);
+        let mut states = [State::new(limit.algorithm())];
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        for &(wait, cost, _) in &steps {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check(&mut states, limits, now, cost);
+            if !decision.is_allowed() && cost <= limit.capacity() {
+                let retry = decision.limits()[0].retry_after_ms;
+                let at = |t: u64| algorithm::check(&mut states.clone(), limits, t, cost).is_allowed();
+                prop_assert!(retry > 0);
+                prop_assert!(!at(now + retry - 1), "{:?} at {}: early", limit, now);
+                prop_assert!(at(now + retry), "{:?} at {}: {} ms", limit, now, retry);
+            }
+            previous = Some(decision);
+        }
+    }
+
     /// Every run of allowed requests, in the order they were decided, whose times span
     /// `[lo, hi]`, stays within what the algorithm allows in that span, also when the
     /// clock steps back (requests then come in any order of time): a step back never

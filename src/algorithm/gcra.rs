@@ -1,4 +1,4 @@
-use super::{Model, div_ceil};
+use super::Model;
 use crate::Limit;
 
 /// GCRA: one theoretical arrival time (TAT). A request of cost `c` fits when pushing the
@@ -42,8 +42,16 @@ impl Model for Gcra {
     }
 
     fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
-        let over = self.ahead(now, limit) + cost * limit.window_ms() - Self::tolerance(limit);
-        div_ceil(over, u64::from(limit.limit()))
+        // ceil(((tat - now) * limit + frac - room) / limit), split so that it stays exact
+        // (and needs no cap) when the TAT is more than the tolerance ahead, after the
+        // clock stepped back. The request does not fit, so the TAT is ahead of now.
+        let room = Self::tolerance(limit) - cost * limit.window_ms();
+        let ahead_ms = self.tat - now;
+        if self.frac > room {
+            ahead_ms + 1
+        } else {
+            ahead_ms - (room - self.frac) / u64::from(limit.limit())
+        }
     }
 
     fn commit(&mut self, now: u64, limit: &Limit, cost: u64) {
@@ -61,8 +69,13 @@ impl Model for Gcra {
         (Self::tolerance(limit) - self.ahead(now, limit)) / limit.window_ms()
     }
 
-    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
-        div_ceil(self.ahead(now, limit), u64::from(limit.limit()))
+    fn reset_after(&self, now: u64, _limit: &Limit) -> u64 {
+        // ceil(((tat - now) * limit + frac) / limit), exact also beyond the tolerance.
+        if self.tat < now {
+            0
+        } else {
+            self.tat - now + u64::from(self.frac > 0)
+        }
     }
 
     fn expires_at(&self, _limit: &Limit) -> u64 {

@@ -127,13 +127,13 @@ impl State {
     }
 
     /// What a denied request must leave behind: the state before [`Model::normalize`]
-    /// (`None`: keep the normalized one). The script writes a key only when a request is
-    /// allowed, so a window rolled or a bucket refilled for a denied request is not kept
-    /// there: a clock that then steps back must find the same state here. The log is the
-    /// exception: the script drops its expired entries whatever the decision.
+    /// (`None`: normalizing changes nothing). The script writes a key only when a request
+    /// is allowed, so a window rolled or a bucket refilled for a denied request is not
+    /// kept there: a clock that then steps back must find the same state here. (The log
+    /// does not normalize at all, and is never copied.)
     fn kept_on_denial(&self) -> Option<Self> {
         match self {
-            Self::SlidingWindow(_) => None,
+            Self::SlidingWindow(_) | Self::Gcra(_) => None,
             other => Some(other.clone()),
         }
     }
