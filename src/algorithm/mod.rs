@@ -17,7 +17,9 @@
 //! Redis, and a clock given with `with_clock` may be adjusted. A step back never grants
 //! budget: a window that has started stays the one counted into, a bucket does not
 //! refill, an arrival time never moves back, and a log entry is never written before
-//! the newest one. (An earlier time is treated as the latest time the state has seen.)
+//! the newest one. And a state changes only when a request is allowed (the script writes
+//! a key only then), so that a denied request from a clock ahead leaves nothing behind
+//! that a clock behind would read differently.
 //!
 //! ```
 //! use std::time::Duration;
@@ -65,8 +67,8 @@ pub enum State {
 /// The questions the driver asks each algorithm. `now` is in milliseconds, `cost` in
 /// requests; all of them assume [`normalize`](Model::normalize) ran first at `now`.
 pub(crate) trait Model {
-    /// Brings the state to `now` without changing any decision it will make (drops
-    /// expired entries, refills, rolls windows).
+    /// Brings the state to `now` without changing any decision at `now` or later
+    /// (refills, rolls windows). [`check`] undoes it when the request is denied.
     fn normalize(&mut self, now: u64, limit: &Limit);
     /// Whether `cost` fits now.
     fn fits(&self, now: u64, limit: &Limit, cost: u64) -> bool;
