@@ -74,16 +74,19 @@ local function define_sliding_window()
     s.pending = s.pending + cost
   end
 
+  -- Writes first, removes after: the key never becomes empty (deleted) within the
+  -- script. In a Redis Cluster slot being migrated, a write to a key the script had just
+  -- deleted is refused (ASK) half-way through the script, losing the log.
   function sliding_window.save(s, now, L, W, B)
     if s.pending == 0 then return end
-    redis.call('ZREMRANGEBYSCORE', s.key, '-inf', now - W)
     if s.newest_at == s.at then
       -- The newest entry is at this millisecond: it grows (members stay one per time).
-      redis.call('ZREM', s.key, int(s.newest_from) .. ':' .. int(s.newest_to))
       redis.call('ZADD', s.key, s.at, int(s.newest_from) .. ':' .. int(s.top))
+      redis.call('ZREM', s.key, int(s.newest_from) .. ':' .. int(s.newest_to))
     else
       redis.call('ZADD', s.key, s.at, int(s.newest_to) .. ':' .. int(s.top))
     end
+    redis.call('ZREMRANGEBYSCORE', s.key, '-inf', now - W)
     expire(s.key, s.at + W - now)
   end
 
