@@ -28,7 +28,7 @@
 //! | algorithm | guarantee | state per key |
 //! |---|---|---|
 //! | [`fixed_window`](Limit::fixed_window) | at most `limit` per aligned window (up to `2 * limit` across a boundary) | one counter |
-//! | [`sliding_window`](Limit::sliding_window) | at most `limit` in *any* interval of `window` | one entry per request in the window |
+//! | [`sliding_window`](Limit::sliding_window) | at most `limit` in *any* interval of `window` | one entry per millisecond with requests in the window, weighted by their cost |
 //! | [`sliding_window_counter`](Limit::sliding_window_counter) | approximate sliding window, at most `limit` per aligned window | two counters |
 //! | [`token_bucket`](Limit::token_bucket) | at most `burst + limit * t / window` in any interval `t` | tokens and a timestamp |
 //! | [`gcra`](Limit::gcra) | the same as the token bucket | one timestamp |

@@ -57,7 +57,9 @@ impl Algorithm {
     const fn key_tag(self) -> &'static str {
         match self {
             Self::FixedWindow => "fw",
-            Self::SlidingWindow => "sw",
+            // Earlier builds used "sw" for one sorted-set member per unit: a new name,
+            // so that weighted entries never meet that format in one key.
+            Self::SlidingWindow => "sw2",
             Self::SlidingWindowCounter => "swc",
             Self::TokenBucket => "tb",
             Self::Gcra => "gcra",

@@ -794,11 +794,15 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
             &["store.prefix", "\"{tg}\""],
         ),
         (
+            "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"\"".into(),
+            &["store.prefix", "1 to 64"],
+        ),
+        (
             format!(
                 "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"{}\"",
                 "p".repeat(65)
             ),
-            &["store.prefix", "at most 64"],
+            &["store.prefix", "1 to 64"],
         ),
         (
             "listen = \"127.0.0.1:0\"\n[server]\nheader_timeout = \"1s\"".into(),

@@ -479,3 +479,211 @@ fn a_store_outlives_the_runtime_it_was_first_used_in() {
         });
     }
 }
+
+/// A plain connection for the test's own reads (faster than `redis-cli`, so that the
+/// moments read around a check are close together).
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Redis's clock, in ms.
+async fn redis_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    s * 1000 + us / 1000
+}
+
+/// The TTL margin the script adds when the caller sends its own clock (lua/prelude.lua):
+/// that clock may lag Redis's by up to this much.
+const EXPLICIT_CLOCK_MARGIN_MS: u64 = 5_000;
+
+/// Every algorithm's key lives exactly as long as its state matters, after every write:
+/// its expiry time (PEXPIRETIME, on Redis's clock) is the moment of the script plus the
+/// decision's `reset_after` (which `lua_model` holds equal to the model's, and the model
+/// holds equal to when its state stops mattering), plus the margin with an explicit
+/// clock. The moment of the script is only known to lie between two reads of Redis's
+/// clock, so each bound is widened by that bracket and no more: a key that could vanish
+/// earlier, by any amount beyond the bracket, fails the lower bound; one kept much longer
+/// fails the upper.
+async fn every_key_lives_as_long_as_its_state_matters(clock_behind_redis_ms: Option<u64>) {
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let clock = tollgate::clock::ManualClock::new(0);
+    let store = match clock_behind_redis_ms {
+        Some(_) => uncached(&server).await.with_clock(clock.clone()),
+        None => uncached(&server).await,
+    };
+    let margin = clock_behind_redis_ms.map_or(0, |_| EXPLICIT_CLOCK_MARGIN_MS);
+    let window = Duration::from_secs(1);
+    let limits = [
+        Limit::fixed_window(10, window).unwrap(),
+        Limit::sliding_window(10, window).unwrap(),
+        Limit::sliding_window_counter(10, window).unwrap(),
+        Limit::token_bucket(10, window).unwrap(),
+        Limit::gcra(10, window).unwrap(),
+    ];
+    // (pause before, cost): two windows and a bit, with several writes in each.
+    let schedule = [
+        (0, 1),
+        (0, 2),
+        (300, 1),
+        (0, 0),
+        (800, 1),
+        (10, 3),
+        (1_100, 1),
+    ];
+    let mut widest = 0;
+    for (step, (pause_ms, cost)) in schedule.into_iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        for limit in &limits {
+            let key = Key::new("k");
+            let before = redis_ms(&mut conn).await;
+            if let Some(behind) = clock_behind_redis_ms {
+                clock.set(before - behind);
+            }
+            let decision = store
+                .check(&key, std::slice::from_ref(limit), cost)
+                .await
+                .unwrap();
+            let after = redis_ms(&mut conn).await;
+            assert!(decision.is_allowed(), "step {step}: {limit:?}");
+            if cost == 0 {
+                continue;
+            }
+            widest = widest.max(after - before);
+            let redis_key = store.redis_key(&key, limit);
+            let expires: i64 = redis::cmd("PEXPIRETIME")
+                .arg(&redis_key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let lives = decision.limits()[0].reset_after_ms + margin;
+            // The fixed window keeps the TTL of the write that opened its window
+            // (KEEPTTL), so that write's bracket counts too: the widest so far. And 1 ms
+            // for Redis TIME's truncation to ms.
+            let (low, high) = (before + lives - widest - 1, after + lives + widest + 1);
+            assert!(
+                (low..=high).contains(&(expires as u64)),
+                "step {step}, {limit:?}: expires at {expires}, its state matters until \
+                 {before}..{after} + {lives} ms"
+            );
+        }
+    }
+    support::assert_every_key_expires(&server);
+}
+
+/// Item 9 of the hardening issue, with the script reading Redis TIME.
+#[tokio::test]
+async fn every_key_lives_as_long_as_its_state_matters_by_redis_time() {
+    every_key_lives_as_long_as_its_state_matters(None).await;
+}
+
+/// Item 9 of the hardening issue, with the caller's clock (2 s behind Redis's) sent as
+/// the script's `now`.
+#[tokio::test]
+async fn every_key_lives_as_long_as_its_state_matters_by_an_explicit_clock() {
+    every_key_lives_as_long_as_its_state_matters(Some(2_000)).await;
+}
+
+/// A sliding-window request of any cost writes one sorted-set member: the log holds
+/// weighted entries (one per millisecond with requests), so a decision's Redis work and
+/// the key's memory do not grow with the cost.
+#[tokio::test]
+async fn an_expensive_request_writes_one_log_entry() {
+    let server = RedisServer::start();
+    let clock = tollgate::clock::ManualClock::new(1_700_000_000_000);
+    let store = uncached(&server).await.with_clock(clock.clone());
+    let limits = [Limit::sliding_window(
+        tollgate::MAX_SLIDING_WINDOW_LIMIT,
+        Duration::from_secs(3600),
+    )
+    .unwrap()];
+    let key = Key::new("big");
+    let redis_key = store.redis_key(&key, &limits[0]);
+    store.check(&Key::new("warm-up"), &limits, 1).await.unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let d = store.check(&key, &limits, 99_990).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.limits()[0].remaining, 10);
+    let card = |server: &RedisServer| -> u64 {
+        server
+            .cli(&["ZCARD", &redis_key])
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(card(&server), 1);
+    assert_eq!(server.calls("zadd"), 1);
+    let bytes: u64 = server
+        .cli(&["MEMORY", "USAGE", &redis_key])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(bytes < 512, "{bytes} bytes for one entry");
+    // The same millisecond again: the entry grows, no new member.
+    assert!(store.check(&key, &limits, 4).await.unwrap().is_allowed());
+    assert_eq!(card(&server), 1);
+    // Later, a new entry; the limit holds, counted exactly across entries.
+    clock.advance(Duration::from_millis(5));
+    assert!(store.check(&key, &limits, 6).await.unwrap().is_allowed());
+    assert_eq!(card(&server), 2);
+    let denied = store.check(&key, &limits, 1).await.unwrap();
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.limits()[0].remaining, 0);
+    // The oldest unit is in the first entry: it leaves when that entry does.
+    assert_eq!(denied.retry_after(), Duration::from_millis(3_600_000 - 5));
+    // One more unit than the first entry's 99 994 needs the second one gone too.
+    clock.advance(Duration::from_millis(3_600_000 - 5));
+    assert!(
+        !store
+            .check(&key, &limits, 99_995)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        store
+            .check(&key, &limits, 99_994)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert_eq!(card(&server), 2);
+    support::assert_every_key_expires(&server);
+}
+
+/// Earlier builds kept the sliding-window log as one member per unit under limit id
+/// `sw`; the weighted log lives under `sw2`. During a rolling upgrade the old format is
+/// never read, so it cannot be misread: old keys keep their TTL and expire.
+#[tokio::test]
+async fn an_old_format_log_is_left_to_expire() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let limits = [Limit::sliding_window(3, Duration::from_secs(60)).unwrap()];
+    let key = Key::new("k");
+    let new_key = store.redis_key(&key, &limits[0]);
+    let old_key = new_key.replace(":sw2:", ":sw:");
+    assert_ne!(old_key, new_key);
+    let now = redis_ms(&mut raw(&server).await).await.to_string();
+    for n in ["1", "2"] {
+        server
+            .cli(&["ZADD", &old_key, &now, &format!("{now}:{n}")])
+            .unwrap();
+    }
+    server.cli(&["PEXPIRE", &old_key, "60000"]).unwrap();
+    assert_eq!(allowed(&store, "k", &limits, 5).await, 3);
+    assert_eq!(server.cli(&["ZCARD", &old_key]).unwrap().trim(), "2");
+    let ttl: i64 = server
+        .cli(&["PTTL", &old_key])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((1..=60_000).contains(&ttl), "{ttl}");
+    support::assert_every_key_expires(&server);
+}
