@@ -426,8 +426,12 @@ impl Inner {
             return;
         }
         let cursor = self.sweep_cursor.load(Ordering::Relaxed);
-        let mut shard = lock(&self.shards[cursor]);
-        // Another request finished this shard while this one waited for the lock.
+        // A busy shard is left to the next request: no request waits to sweep, and
+        // concurrent requests do not queue up on the one shard a round is in.
+        let Some(mut shard) = self.shards[cursor].try_lock() else {
+            return;
+        };
+        // Another request finished this shard before this one took the lock.
         if self.sweep_cursor.load(Ordering::Relaxed) != cursor {
             return;
         }
