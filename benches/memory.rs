@@ -3,9 +3,9 @@
 //! Memory per key is measured by `benches/memory_per_key.rs`.
 //!
 //! `memory/tollgate/flood`: a key never seen before in every decision, on a store kept
-//! at its bound (100 000 keys, one-hour windows, so that every new key evicts a live
-//! one): what a client rotating API keys or IPv6 addresses costs. Each key is made in
-//! the timed loop (a few ns).
+//! at its bound (`FLOOD_BOUND` keys, 100 000 by default; one-hour windows, so that every
+//! new key evicts a live one): what a client rotating API keys or IPv6 addresses costs.
+//! Each key is made in the timed loop (a few ns).
 
 use std::{
     hint::black_box,
@@ -31,8 +31,13 @@ fn threads() -> u64 {
         .unwrap_or(2)
 }
 const KEYS: u32 = 1_000_000;
-/// The bound of the store the flood runs against.
-const FLOOD_BOUND: usize = 100_000;
+/// The bound of the store the flood runs against: `FLOOD_BOUND` or 100 000.
+fn flood_bound() -> usize {
+    std::env::var("FLOOD_BOUND")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000)
+}
 
 fn ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
@@ -99,12 +104,13 @@ pub(crate) fn bench_all(c: &mut Criterion) {
             });
         });
     }
-    let store = MemoryStore::new().with_max_keys(FLOOD_BOUND);
+    let bound = flood_bound();
+    let store = MemoryStore::new().with_max_keys(bound);
     let hour = [Limit::fixed_window(1, Duration::from_secs(3_600)).unwrap()];
-    for i in 0..FLOOD_BOUND as u64 {
+    for i in 0..bound as u64 {
         store.decide(&Key::from(i), &hour, 1);
     }
-    let next = Arc::new(AtomicU64::new(FLOOD_BOUND as u64));
+    let next = Arc::new(AtomicU64::new(bound as u64));
     group.bench_function(BenchmarkId::new("tollgate", "flood"), |b| {
         b.iter_custom(|iters| {
             let (store, hour) = (store.clone(), hour.clone());
@@ -116,6 +122,6 @@ pub(crate) fn bench_all(c: &mut Criterion) {
             })
         });
     });
-    assert!(store.len() <= FLOOD_BOUND, "{}", store.len());
+    assert!(store.len() <= bound, "{}", store.len());
     group.finish();
 }
