@@ -89,6 +89,7 @@ mod limit;
 pub mod metrics;
 mod policy;
 mod rejection;
+pub mod rules;
 mod service;
 pub mod store;
 
@@ -98,9 +99,10 @@ pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
-pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW};
+pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
+pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
 
