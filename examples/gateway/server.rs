@@ -149,6 +149,14 @@ impl Live {
         new.store.prefix = running.store.prefix.clone();
         new.rules = running.rules.clone();
         let gateway = build_gateway(&new, &self.store, &self.client);
+        // Limits whose state carries over keep their store keys with new parameters: a
+        // store that remembers limits (the memory store's expiry) learns them.
+        let limits: Vec<tollgate::Limit> = new
+            .routes
+            .iter()
+            .flat_map(|route| route.limits.iter().map(|l| l.limit.clone()))
+            .collect();
+        self.store.limits_changed(&limits);
         self.gateway.store(Arc::new(gateway));
         let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::gauge!(reload::RULES_VERSION).set(version as f64);
