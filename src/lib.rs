@@ -58,6 +58,12 @@
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
 //!
+//! # Changing rules while running
+//!
+//! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`] that swaps the layer's
+//! limits and policies atomically while it serves; a changed limit starts fresh or keeps
+//! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
+//!
 //! # Feature flags
 //!
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.

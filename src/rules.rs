@@ -4,9 +4,9 @@
 //!
 //! Each request reads the rules once, when it arrives, and is decided, answered and given
 //! its headers under that one set: a change never shows half-applied to a request, and
-//! requests in flight finish under the rules they started with. The swap is an
-//! [`arc_swap::ArcSwap`], so reading the rules costs a request no lock and no shared
-//! counter.
+//! requests in flight finish under the rules they started with. The rules sit in an
+//! [`arc_swap::ArcSwap`]; each service keeps the set it last saw and compares one version
+//! number per request, so reading them costs a request no lock and no shared counter.
 //!
 //! ```
 //! use std::time::Duration;
