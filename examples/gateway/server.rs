@@ -77,6 +77,8 @@ pub(crate) struct Live {
     config: Mutex<Config>,
     /// Kept across reloads: the budgets live in it.
     store: Arc<dyn Store>,
+    /// The fallback of `on_error = "local"` (a memory store), kept across reloads too.
+    local: FailurePolicy,
     /// Kept across reloads: its pooled upstream connections stay.
     client: proxy::HttpClient,
     version: AtomicU64,
@@ -148,7 +150,7 @@ impl Live {
         new.store.backend = running.store.backend.clone();
         new.store.prefix = running.store.prefix.clone();
         new.rules = running.rules.clone();
-        let gateway = build_gateway(&new, &self.store, &self.client);
+        let gateway = build_gateway(&new, &self.store, &self.local, &self.client);
         // Limits whose state carries over keep their store keys with new parameters: a
         // store that remembers limits (the memory store's expiry) learns them.
         let limits: Vec<tollgate::Limit> = new
@@ -157,6 +159,9 @@ impl Live {
             .flat_map(|route| route.limits.iter().map(|l| l.limit.clone()))
             .collect();
         self.store.limits_changed(&limits);
+        if let FailurePolicy::Local(local) = &self.local {
+            local.limits_changed(&limits);
+        }
         self.gateway.store(Arc::new(gateway));
         let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::gauge!(reload::RULES_VERSION).set(version as f64);
@@ -233,7 +238,8 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     let store = connect_store(&config.store).await?;
     let follow = first_rule_set(&mut config).await?;
     let client = proxy::client();
-    let gateway = build_gateway(&config, &store, &client);
+    let local = FailurePolicy::local();
+    let gateway = build_gateway(&config, &store, &local, &client);
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -274,6 +280,7 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         gateway: ArcSwap::from_pointee(gateway),
         config: Mutex::new(config.clone()),
         store,
+        local,
         client,
         version: AtomicU64::new(1),
         redis_routes: Mutex::new(follow.as_ref().and_then(|f| f.routes.clone())),
@@ -382,11 +389,17 @@ async fn first_rule_set(_config: &mut Config) -> Result<Option<Follow>, Error> {
 }
 
 /// The route table of `config`, its limits on `store`.
-fn build_gateway(config: &Config, store: &Arc<dyn Store>, client: &proxy::HttpClient) -> Gateway {
+/// `local` is the fallback store of `on_error = "local"`, kept across reloads like `store`.
+fn build_gateway(
+    config: &Config,
+    store: &Arc<dyn Store>,
+    local: &FailurePolicy,
+    client: &proxy::HttpClient,
+) -> Gateway {
     let policy = match config.store.on_error {
         OnError::Allow => FailurePolicy::Allow,
         OnError::Deny => FailurePolicy::Deny,
-        OnError::Local => FailurePolicy::local(),
+        OnError::Local => local.clone(),
     };
     let proxy = Arc::new(proxy::Settings {
         client: client.clone(),
