@@ -181,7 +181,38 @@ impl Load {
                     answered
                 })
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let mut tasks = tasks;
+        // And one client on a single connection, kept open across every reload: a reload
+        // that closed connections would fail its next request.
+        let stop_one = stop.clone();
+        let addr = gateway.addr();
+        tasks.push(tokio::spawn(async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .unwrap();
+            tokio::spawn(connection);
+            let mut answered = 0;
+            while !stop_one.load(Ordering::Relaxed) {
+                sender.ready().await.expect("the connection stays open");
+                let request = http::Request::get("/load")
+                    .header("host", addr.to_string())
+                    .body(Body::empty())
+                    .unwrap();
+                let response = sender
+                    .send_request(request)
+                    .await
+                    .expect("no failed request");
+                assert_eq!(response.status(), StatusCode::OK, "on the kept connection");
+                http_body_util::BodyExt::collect(response.into_body())
+                    .await
+                    .unwrap();
+                answered += 1;
+            }
+            answered
+        }));
         Self { stop, tasks }
     }
 
