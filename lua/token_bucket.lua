@@ -12,7 +12,11 @@ local function define_token_bucket()
     if s.tokens == nil then
       s.tokens = capacity
       s.last = now
-    elseif now > s.last then
+      return s
+    end
+    -- More than the bucket holds: its burst shrank while the state carried over.
+    if s.tokens > capacity then s.tokens = capacity end
+    if now > s.last then
       local elapsed = now - s.last
       if elapsed >= ceil_div(capacity - s.tokens, L) then
         s.tokens = capacity

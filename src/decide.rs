@@ -8,22 +8,20 @@ use std::sync::Arc;
 use http::{Request, Response};
 
 use crate::{
-    Decision, FailurePolicy, Limit, MissingKey, StoreError,
-    headers::HeaderWriter,
+    Decision, FailurePolicy, StoreError,
     key::Key,
     metrics::{self, Outcome as Recorded, Timer},
     rejection::OnRejection,
+    rules::{Active, Cell},
     store::Guarded,
 };
 
 /// What a [`RateLimit`](crate::RateLimit) service shares with its response futures.
 pub(crate) struct Shared<R> {
-    pub(crate) limits: Arc<[Limit]>,
+    /// The rules in force: each request reads them once, as it arrives.
+    pub(crate) rules: Arc<Cell>,
     /// The layer's store, under its timeout and circuit breaker.
     pub(crate) store: Guarded,
-    pub(crate) headers: HeaderWriter,
-    pub(crate) on_store_error: FailurePolicy,
-    pub(crate) on_missing_key: MissingKey,
     pub(crate) rejection: R,
     /// The layer's name: the `route` label of its metrics.
     pub(crate) name: Arc<str>,
@@ -46,11 +44,12 @@ pub(crate) enum Next<ResB> {
     Call(Option<Decision>),
 }
 
-/// Acts on the store's answer about `request`: records the metrics, applies the failure
-/// policy to an error, and says whether to answer at once (a denial, a store failure) or
-/// to call the inner service.
+/// Acts on the store's answer about `request`, under the `rules` it was asked with:
+/// records the metrics, applies the failure policy to an error, and says whether to
+/// answer at once (a denial, a store failure) or to call the inner service.
 pub(crate) fn settle<ReqB, ResB, R>(
     shared: &Shared<R>,
+    rules: &Active,
     result: Result<Decision, StoreError>,
     request: &Request<ReqB>,
     asked: &Asked,
@@ -66,7 +65,7 @@ where
     shared.metrics.decided(recorded, &asked.timer);
     let decision = match result {
         Ok(decision) => decision,
-        Err(error) => match on_store_error(shared, error, asked) {
+        Err(error) => match on_store_error(shared, rules, error, asked) {
             Ok(Some(decision)) => decision,
             Ok(None) => return Next::Call(None),
             Err(error) => return Next::Answer(shared.rejection.store_failed(request, &error)),
@@ -76,7 +75,7 @@ where
         return Next::Call(Some(decision));
     }
     let mut response = shared.rejection.rate_limited(request, &decision);
-    shared.headers.write(response.headers_mut(), &decision);
+    rules.headers.write(response.headers_mut(), &decision);
     Next::Answer(response)
 }
 
@@ -84,11 +83,12 @@ where
 /// none (fail open), or the error to answer with (fail closed).
 fn on_store_error<R>(
     shared: &Shared<R>,
+    rules: &Active,
     error: StoreError,
     asked: &Asked,
 ) -> Result<Option<Decision>, StoreError> {
     let Asked { key, cost, .. } = asked;
-    let policy = shared.on_store_error.as_str();
+    let policy = rules.rules.on_store_error().as_str();
     let layer = &*shared.name;
     let chain = error.chain();
     // Never the key itself: it may be an API key.
@@ -99,9 +99,9 @@ fn on_store_error<R>(
     } else {
         tracing::warn!(error = %chain, key = %redacted, policy, layer, "rate limit store failed");
     }
-    match &shared.on_store_error {
+    match rules.rules.on_store_error() {
         FailurePolicy::Allow => Ok(None),
         FailurePolicy::Deny => Err(error),
-        FailurePolicy::Local(store) => Ok(Some(store.decide(key, &shared.limits, *cost))),
+        FailurePolicy::Local(store) => Ok(Some(store.decide(key, rules.limits(), *cost))),
     }
 }

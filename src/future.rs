@@ -18,6 +18,7 @@ use crate::{
     Decision,
     decide::{Asked, Next, Shared, settle},
     rejection::OnRejection,
+    rules::Active,
     store::Check,
 };
 
@@ -29,7 +30,11 @@ pin_project! {
     {
         #[pin]
         state: State<S, ReqB>,
+        // Set while checking.
         shared: Option<Arc<Shared<R>>>,
+        // The rules the request is decided and answered under: set while checking, and
+        // while calling with a decision whose fields the response gets.
+        rules: Option<Arc<Active>>,
     }
 }
 
@@ -69,6 +74,7 @@ where
         check: Check,
         pending: Pending<S, ReqB>,
         shared: Arc<Shared<R>>,
+        rules: Arc<Active>,
     ) -> Self {
         Self {
             state: State::Checking {
@@ -76,6 +82,7 @@ where
                 pending: Some(pending),
             },
             shared: Some(shared),
+            rules: Some(rules),
         }
     }
 
@@ -86,18 +93,20 @@ where
                 decision: None,
             },
             shared: None,
+            rules: None,
         }
     }
 
-    /// The inner service's future, whose response gets `decision`'s fields.
-    pub(crate) fn calling(
-        future: S::Future,
-        decision: Option<Decision>,
-        shared: Arc<Shared<R>>,
-    ) -> Self {
+    /// The inner service's future, whose response gets `decision`'s fields as `rules`
+    /// write them.
+    pub(crate) fn calling(future: S::Future, decision: Decision, rules: Arc<Active>) -> Self {
         Self {
-            state: State::Calling { future, decision },
-            shared: Some(shared),
+            state: State::Calling {
+                future,
+                decision: Some(decision),
+            },
+            shared: None,
+            rules: Some(rules),
         }
     }
 
@@ -107,6 +116,7 @@ where
                 response: Some(response),
             },
             shared: None,
+            rules: None,
         }
     }
 }
@@ -133,6 +143,7 @@ where
             match this.state.as_mut().project() {
                 StateProj::Checking { check, pending } => {
                     let shared = this.shared.as_ref().expect("checking without config");
+                    let rules = this.rules.as_ref().expect("checking without rules");
                     // The store's timeout and circuit breaker are inside `check`.
                     let result = ready!(check.poll_unpin(cx));
                     let Pending {
@@ -140,7 +151,7 @@ where
                         request,
                         asked,
                     } = pending.take().expect("polled after completion");
-                    match settle(shared, result, &request, &asked) {
+                    match settle(shared, rules, result, &request, &asked) {
                         Next::Answer(response) => return Poll::Ready(Ok(response)),
                         Next::Call(decision) => {
                             let future = service.call(request);
@@ -150,9 +161,8 @@ where
                 }
                 StateProj::Calling { future, decision } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let (Some(decision), Some(shared)) = (decision.take(), this.shared.as_ref())
-                    {
-                        shared.headers.write(response.headers_mut(), &decision);
+                    if let (Some(decision), Some(rules)) = (decision.take(), this.rules.as_ref()) {
+                        rules.headers.write(response.headers_mut(), &decision);
                     }
                     return Poll::Ready(Ok(response));
                 }

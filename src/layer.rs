@@ -1,6 +1,10 @@
 //! [`RateLimitLayer`]: the configuration, applied with `.layer(..)`.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use tower_layer::Layer;
 
@@ -8,9 +12,10 @@ use crate::{
     FailurePolicy, Limit, MissingKey,
     breaker::{Breaker, CircuitBreaker},
     decide::Shared,
-    headers::{HeaderStyle, HeaderWriter},
+    headers::HeaderStyle,
     key::PeerIp,
     rejection::DefaultRejection,
+    rules::{Cell, Rules, RulesHandle},
     service::RateLimit,
     store::{Guarded, MemoryStore, Store},
 };
@@ -41,14 +46,34 @@ pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
 
 #[derive(Debug, Clone)]
 struct Settings {
-    limits: Vec<Limit>,
+    /// The rules as built; once a service or a [`RulesHandle`] exists, `cell` holds the
+    /// rules in force.
+    rules: Rules,
     store: Arc<dyn Store>,
-    on_store_error: FailurePolicy,
-    on_missing_key: MissingKey,
     timeout: Option<Duration>,
-    headers: HeaderStyle,
     name: Arc<str>,
     breaker: Option<Arc<Breaker>>,
+    /// Shared by clones of the layer made since its last builder call: they are one layer
+    /// to a [`RulesHandle`]. A builder call starts a new one.
+    cell: Arc<OnceLock<Arc<Cell>>>,
+}
+
+impl Settings {
+    /// The rules cell of the layer as it is now, made on first use.
+    fn cell(&self) -> &Arc<Cell> {
+        self.cell
+            .get_or_init(|| Cell::new(self.rules.clone(), self.store.clone()))
+    }
+
+    /// A builder call: the layer is a new one, with rules of its own.
+    fn changed(&mut self) -> &mut Self {
+        if let Some(cell) = self.cell.get() {
+            // Keep what a handle may have set.
+            self.rules = cell.active.load().rules.clone();
+        }
+        self.cell = Arc::default();
+        self
+    }
 }
 
 // By hand: the key extractor is shared through an `Arc`, so it need not be `Clone`.
@@ -82,14 +107,12 @@ impl RateLimitLayer {
             cost: 1,
             rejection: DefaultRejection::new(),
             settings: Settings {
-                limits: vec![limit],
+                rules: Rules::new([limit]).expect("one limit is a valid rule set"),
                 store: Arc::new(MemoryStore::new()),
-                on_store_error: FailurePolicy::default(),
-                on_missing_key: MissingKey::default(),
                 timeout: Some(DEFAULT_TIMEOUT),
-                headers: HeaderStyle::default(),
                 name: Arc::from(DEFAULT_NAME),
                 breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
+                cell: Arc::default(),
             },
         }
     }
@@ -98,11 +121,11 @@ impl RateLimitLayer {
 impl<K, C, R> RateLimitLayer<K, C, R> {
     /// Adds another limit. A request passes only when every limit has room, and a denied
     /// request consumes nothing from any of them; all are decided in one store call.
-    /// Adding a limit equal to one already present changes nothing.
+    /// Adding a limit equal to one already present changes nothing; one with the same
+    /// [carried-over](crate::OnChange::CarryOver) state (name, algorithm and window)
+    /// replaces it.
     pub fn limit(mut self, limit: Limit) -> Self {
-        if !self.settings.limits.contains(&limit) {
-            self.settings.limits.push(limit);
-        }
+        self.settings.changed().rules.push_limit(limit);
         self
     }
 
@@ -129,25 +152,27 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
 
     /// Keeps the state in `store` (a `RedisStore` to share limits between replicas).
     pub fn store(mut self, store: impl Store) -> Self {
-        self.settings.store = Arc::new(store);
+        self.settings.changed().store = Arc::new(store);
         self
     }
 
     /// Keeps the state in a store already shared with other layers.
     pub fn shared_store(mut self, store: Arc<dyn Store>) -> Self {
-        self.settings.store = store;
+        self.settings.changed().store = store;
         self
     }
 
     /// What requests get when the store fails or times out. See [`FailurePolicy`].
     pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
-        self.settings.on_store_error = policy;
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_on_store_error(policy);
         self
     }
 
     /// What requests without a key get. See [`MissingKey`].
     pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
-        self.settings.on_missing_key = policy;
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_on_missing_key(policy);
         self
     }
 
@@ -170,7 +195,8 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
 
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
     pub fn headers(mut self, style: HeaderStyle) -> Self {
-        self.settings.headers = style;
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_headers(style);
         self
     }
 
@@ -192,9 +218,20 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
         self
     }
 
-    /// The limits, in the order they are reported.
-    pub fn limits(&self) -> &[Limit] {
-        &self.settings.limits
+    /// The limits in force, in the order they are reported.
+    pub fn limits(&self) -> Arc<[Limit]> {
+        match self.settings.cell.get() {
+            Some(cell) => cell.active.load().limits().clone(),
+            None => self.settings.rules.limits().into(),
+        }
+    }
+
+    /// A handle that changes this layer's [`Rules`] while it serves: every service made
+    /// by this layer or its clones, before or after, decides under the rules last set.
+    /// Take it once the layer is configured: a builder call afterwards makes a new layer
+    /// that the handle does not change. See [`rules`](crate::rules).
+    pub fn rules_handle(&self) -> RulesHandle {
+        RulesHandle::new(self.settings.cell().clone())
     }
 }
 
@@ -203,15 +240,12 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
 
     fn layer(&self, inner: S) -> Self::Service {
         let shared = Shared {
-            headers: HeaderWriter::new(self.settings.headers, &self.settings.limits),
-            limits: self.settings.limits.clone().into(),
+            rules: self.settings.cell().clone(),
             store: Guarded::new(
                 self.settings.store.clone(),
                 self.settings.timeout,
                 self.settings.breaker.clone(),
             ),
-            on_store_error: self.settings.on_store_error.clone(),
-            on_missing_key: self.settings.on_missing_key,
             rejection: self.rejection.clone(),
             name: self.settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),

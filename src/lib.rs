@@ -62,6 +62,12 @@
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
 //!
+//! # Changing rules while running
+//!
+//! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`] that swaps the layer's
+//! limits and policies atomically while it serves; a changed limit starts fresh or keeps
+//! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
+//!
 //! # Feature flags
 //!
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
@@ -93,6 +99,7 @@ mod limit;
 pub mod metrics;
 mod policy;
 mod rejection;
+pub mod rules;
 mod service;
 pub mod store;
 
@@ -102,9 +109,10 @@ pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
-pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW};
+pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
+pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
 

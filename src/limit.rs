@@ -136,11 +136,67 @@ pub struct Limit {
     window_ms: u64,
     burst: u32,
     name: Option<Arc<str>>,
-    /// `[name:]algo:limit:window_ms[:burst]`, the last part of the store key. It names
-    /// every parameter, so changing a limit never reads state written by another.
+    /// What a change of `limit` or `burst` does to the state. See [`OnChange`].
+    on_change: OnChange,
+    /// The last part of the store key. [`OnChange::Reset`]:
+    /// `[name:]algo:limit:window_ms[:burst]`, naming every parameter, so changing a limit
+    /// never reads state written by another. [`OnChange::CarryOver`]:
+    /// `name:algo:window_ms`, so a changed `limit` or `burst` reads the same state.
     id: Arc<str>,
-    /// A 64-bit hash of `id`, for in-process maps.
+    /// A 64-bit hash of `id`, for in-process maps: the state's identity.
     fingerprint: u64,
+    /// A 64-bit hash of every parameter, for caches of decisions (which a changed
+    /// `limit` invalidates even when the state carries over).
+    params_fingerprint: u64,
+}
+
+/// What happens to a limit's state (its spent budget) when a rules change gives it a new
+/// `limit` or `burst`; see [`Limit::on_change`]. A limit that does not change keeps its
+/// state either way, and a changed algorithm or window always starts fresh: the state's
+/// meaning depends on both.
+///
+/// Carrying over, per algorithm: the new parameters apply to the state as it is.
+/// - `fixed_window`, `sliding_window_counter`: the units counted in the current (and
+///   previous) window stay counted; `remaining` is the new limit minus them, 0 when they
+///   exceed it.
+/// - `sliding_window`: every request still in the window stays logged.
+/// - `token_bucket`: the tokens in the bucket stay, at most the new `burst`; it refills
+///   at the new rate from its last update on.
+/// - `gcra`: the theoretical arrival time stays, so the time until the bucket is full
+///   again stays; spent units scale with the rate (50 of 100 spent become 100 of 200).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum OnChange {
+    /// A changed limit starts with a full budget (its store key names every parameter).
+    #[default]
+    Reset,
+    /// A changed limit keeps its state (its store key is its name, algorithm and window).
+    CarryOver,
+}
+
+impl OnChange {
+    /// The config name: `reset` or `carry_over`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Reset => "reset",
+            Self::CarryOver => "carry_over",
+        }
+    }
+}
+
+impl FromStr for OnChange {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "reset" => Ok(Self::Reset),
+            "carry_over" => Ok(Self::CarryOver),
+            other => Err(ConfigError::new(
+                "on_change",
+                format!("must be reset or carry_over (got {other:?})"),
+            )),
+        }
+    }
 }
 
 impl fmt::Debug for Limit {
@@ -151,6 +207,7 @@ impl fmt::Debug for Limit {
             .field("window", &self.window())
             .field("burst", &self.burst)
             .field("name", &self.name)
+            .field("on_change", &self.on_change)
             .finish()
     }
 }
@@ -196,7 +253,14 @@ impl Limit {
         }
         let window_ms = window.as_millis() as u64;
         check_capacity("limit", limit, window_ms)?;
-        Ok(Self::build(algorithm, limit, window_ms, limit, None))
+        Ok(Self::build(
+            algorithm,
+            limit,
+            window_ms,
+            limit,
+            None,
+            OnChange::Reset,
+        ))
     }
 
     /// At most `limit` per aligned window. See [`Algorithm::FixedWindow`].
@@ -298,6 +362,7 @@ impl Limit {
             self.window_ms,
             burst,
             self.name,
+            self.on_change,
         ))
     }
 
@@ -328,6 +393,36 @@ impl Limit {
             self.window_ms,
             self.burst,
             Some(name.into()),
+            self.on_change,
+        ))
+    }
+
+    /// What a rules change that gives this limit a new `limit` or `burst` does to its
+    /// state: [`OnChange::Reset`] (the default) starts fresh, [`OnChange::CarryOver`]
+    /// keeps the spent budget, as [`OnChange`] defines per algorithm. See
+    /// [`RulesHandle`](crate::RulesHandle).
+    ///
+    /// Carrying over identifies the state by the limit's name, algorithm and window, so
+    /// two limits of one rule set must not share all three.
+    ///
+    /// # Errors
+    ///
+    /// [`OnChange::CarryOver`] for a limit without a [name](Self::named) (field `name`):
+    /// only a name says which limit a changed one was.
+    pub fn on_change(self, on_change: OnChange) -> Result<Self, ConfigError> {
+        if on_change == OnChange::CarryOver && self.name.is_none() {
+            return Err(ConfigError::new(
+                "name",
+                "is needed to carry state over (on_change = carry_over): name the limit first",
+            ));
+        }
+        Ok(Self::build(
+            self.algorithm,
+            self.limit,
+            self.window_ms,
+            self.burst,
+            self.name,
+            on_change,
         ))
     }
 
@@ -337,32 +432,40 @@ impl Limit {
         window_ms: u64,
         burst: u32,
         name: Option<Arc<str>>,
+        on_change: OnChange,
     ) -> Self {
-        let mut id = String::new();
+        let mut full = String::new();
         if let Some(name) = &name {
             // Names are validated to key-safe characters.
-            id.push_str(name);
-            id.push(':');
+            full.push_str(name);
+            full.push(':');
         }
-        id.push_str(algorithm.key_tag());
-        id.push(':');
-        id.push_str(itoa::Buffer::new().format(limit));
-        id.push(':');
-        id.push_str(itoa::Buffer::new().format(window_ms));
+        full.push_str(algorithm.key_tag());
+        full.push(':');
+        full.push_str(itoa::Buffer::new().format(limit));
+        full.push(':');
+        full.push_str(itoa::Buffer::new().format(window_ms));
         if algorithm.has_burst() {
-            id.push(':');
-            id.push_str(itoa::Buffer::new().format(burst));
+            full.push(':');
+            full.push_str(itoa::Buffer::new().format(burst));
         }
-        // Fixed keys: equal ids give equal fingerprints in every store and process run.
-        let mut hasher = std::hash::DefaultHasher::new();
-        id.hash(&mut hasher);
+        let id = match (&name, on_change) {
+            // Three parts where a reset id has at least four (a named one, five or six):
+            // the two never collide.
+            (Some(name), OnChange::CarryOver) => {
+                format!("{name}:{}:{window_ms}", algorithm.key_tag())
+            }
+            _ => full.clone(),
+        };
         Self {
             algorithm,
             limit,
             window_ms,
             burst,
             name,
-            fingerprint: hasher.finish(),
+            on_change,
+            fingerprint: fixed_hash(&id),
+            params_fingerprint: fixed_hash(&full),
             id: id.into(),
         }
     }
@@ -416,6 +519,24 @@ impl Limit {
     pub(crate) fn fingerprint(&self) -> u64 {
         self.fingerprint
     }
+
+    /// A hash of every parameter: what caches of decisions key a limit by.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn params_fingerprint(&self) -> u64 {
+        self.params_fingerprint
+    }
+
+    /// What a change of `limit` or `burst` does to the state. See [`OnChange`].
+    pub fn state_on_change(&self) -> OnChange {
+        self.on_change
+    }
+}
+
+/// Fixed keys: equal strings give equal hashes in every store and process run.
+fn fixed_hash(text: &str) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    text.hash(&mut hasher);
+    hasher.finish()
 }
 
 fn check_capacity(field: &'static str, amount: u32, window_ms: u64) -> Result<(), ConfigError> {
@@ -485,6 +606,47 @@ mod tests {
         assert_eq!(c.id(), "gcra:5:1000:5");
         assert_eq!(d.id(), "api:tb:5:1000:5");
         assert!(a.clone().named("a b").is_err());
+    }
+
+    #[test]
+    fn carried_over_ids_leave_out_limit_and_burst() {
+        let a = Limit::token_bucket(5, Duration::from_secs(1))
+            .unwrap()
+            .named("api")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        let b = Limit::token_bucket(9, Duration::from_secs(1))
+            .unwrap()
+            .with_burst(20)
+            .unwrap()
+            .named("api")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        assert_eq!(a.id(), "api:tb:1000");
+        assert_eq!(a.id(), b.id());
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        assert_ne!(a.params_fingerprint(), b.params_fingerprint());
+        assert_eq!(b.state_on_change(), OnChange::CarryOver);
+        // A new window or algorithm is new state.
+        let c = Limit::token_bucket(5, Duration::from_secs(2))
+            .unwrap()
+            .named("api")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        assert_ne!(a.id(), c.id());
+        let err = Limit::per_second(1)
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap_err();
+        assert_eq!(err.field(), "name");
+        assert_eq!(
+            "carry_over".parse::<OnChange>().unwrap(),
+            OnChange::CarryOver
+        );
+        assert_eq!("keep".parse::<OnChange>().unwrap_err().field(), "on_change");
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::{
     key::KeyExtractor,
     metrics,
     rejection::OnRejection,
+    rules::Active,
 };
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -28,15 +29,19 @@ pub struct RateLimit<S, K, C, R> {
     key: Arc<K>,
     cost: C,
     shared: Arc<Shared<R>>,
+    /// The rules this service last saw in force, refreshed when a newer version exists.
+    rules: Arc<Active>,
 }
 
 impl<S, K, C, R> RateLimit<S, K, C, R> {
     pub(crate) fn from_parts(inner: S, key: Arc<K>, cost: C, shared: Arc<Shared<R>>) -> Self {
+        let rules = shared.rules.active.load_full();
         Self {
             inner,
             key,
             cost,
             shared,
+            rules,
         }
     }
 
@@ -63,6 +68,7 @@ impl<S: Clone, K, C: Clone, R> Clone for RateLimit<S, K, C, R> {
             key: self.key.clone(),
             cost: self.cost.clone(),
             shared: self.shared.clone(),
+            rules: self.rules.clone(),
         }
     }
 }
@@ -73,7 +79,7 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R> fmt::Debug for RateLimit<S,
             .field("inner", &self.inner)
             .field("key", &self.key)
             .field("cost", &self.cost)
-            .field("limits", &self.shared.limits)
+            .field("limits", self.rules.limits())
             .finish_non_exhaustive()
     }
 }
@@ -95,12 +101,16 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        // The rules this request is decided, answered and given its fields under, even
+        // when they change before it is done.
+        self.shared.rules.refresh(&mut self.rules);
         let shared = &self.shared;
+        let rules = &self.rules;
         let key = match self.key.extract(&request) {
             Ok(key) => key,
             Err(error) => {
                 shared.metrics.request(metrics::Outcome::KeyMissing);
-                return match shared.on_missing_key {
+                return match rules.rules.on_missing_key() {
                     MissingKey::Allow => ResponseFuture::unlimited(self.inner.call(request)),
                     MissingKey::Reject => {
                         tracing::debug!(%error, "rate limit key missing; rejecting");
@@ -112,20 +122,19 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
-        let check = shared.store.check_now(&key, &shared.limits, cost);
+        let check = shared.store.check_now(&key, rules.limits(), cost);
         let asked = Asked { key, cost, timer };
         let check = match check {
             // Decided already (the memory store, a block-cache hit, an open circuit): the
             // service that was polled ready takes the request now, so neither it nor the
             // request has to wait in the future.
             Ok(result) => {
-                return match settle(shared, result, &request, &asked) {
+                return match settle(shared, rules, result, &request, &asked) {
                     Next::Answer(response) => ResponseFuture::ready(response),
-                    Next::Call(decision) => ResponseFuture::calling(
-                        self.inner.call(request),
-                        decision,
-                        self.shared.clone(),
-                    ),
+                    Next::Call(None) => ResponseFuture::unlimited(self.inner.call(request)),
+                    Next::Call(Some(decision)) => {
+                        ResponseFuture::calling(self.inner.call(request), decision, rules.clone())
+                    }
                 };
             }
             Err(check) => check,
@@ -138,6 +147,6 @@ where
             request,
             asked,
         };
-        ResponseFuture::checking(check, pending, self.shared.clone())
+        ResponseFuture::checking(check, pending, self.shared.clone(), self.rules.clone())
     }
 }

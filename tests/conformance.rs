@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use support::RedisServer;
 use tollgate::{
-    Algorithm, Decision, Limit, MemoryStore, Store,
+    Algorithm, Decision, Limit, MemoryStore, OnChange, Store,
     clock::{Clock, ManualClock},
     key::Key,
     store::RedisStore,
@@ -250,6 +250,107 @@ async fn a_clock_that_steps_back_grants_no_extra_budget(h: Harness) {
     );
 }
 
+/// `limit` per `window` named `api`, whose state carries over a change (or not).
+fn api(algorithm: Algorithm, limit: u32, window: Duration, on_change: OnChange) -> Limit {
+    Limit::new(algorithm, limit, window)
+        .unwrap()
+        .named("api")
+        .unwrap()
+        .on_change(on_change)
+        .unwrap()
+}
+
+/// The window algorithms count spent units: carried over, they stay counted against a
+/// raised or a lowered limit.
+async fn carried_over_windows_keep_their_counts(h: Harness) {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingWindowCounter,
+    ] {
+        let key = algorithm.as_str();
+        let at = |limit| [api(algorithm, limit, secs(3600), OnChange::CarryOver)];
+        assert_eq!(h.allowed(key, &at(3), 5).await, 3, "{algorithm}");
+        // Raised: the 3 spent stay spent.
+        assert_eq!(h.allowed(key, &at(5), 5).await, 2, "{algorithm}");
+        // Lowered below what was spent: nothing left, and never a negative remainder.
+        let denied = h.check(key, &at(2), 1).await;
+        assert!(!denied.is_allowed(), "{algorithm}");
+        assert_eq!(denied.limits()[0].remaining, 0, "{algorithm}");
+        assert_eq!(denied.limits()[0].limit, 2, "{algorithm}");
+        // And back up: what was spent under every version still counts.
+        assert_eq!(h.allowed(key, &at(8), 5).await, 3, "{algorithm}");
+    }
+}
+
+/// A changed limit that resets (the default) starts with its whole budget; an unchanged
+/// one keeps its own either way.
+async fn a_changed_limit_resets_by_default(h: Harness) {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
+        let key = algorithm.as_str();
+        let at = |limit| [api(algorithm, limit, secs(3600), OnChange::Reset)];
+        assert_eq!(h.allowed(key, &at(3), 5).await, 3, "{algorithm}");
+        assert_eq!(h.allowed(key, &at(4), 5).await, 4, "{algorithm}");
+        // Back to 3: its state was never touched by the 4, and is spent.
+        assert_eq!(h.allowed(key, &at(3), 5).await, 0, "{algorithm}");
+    }
+}
+
+/// A carried-over token bucket keeps its tokens, at most the new burst, and refills at
+/// the new rate.
+async fn a_carried_over_token_bucket_keeps_its_tokens(h: Harness) {
+    let bucket = |limit, burst| {
+        [Limit::token_bucket(limit, secs(1))
+            .unwrap()
+            .with_burst(burst)
+            .unwrap()
+            .named("api")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap()]
+    };
+    assert_eq!(h.allowed("a", &bucket(10, 10), 8).await, 8);
+    // A larger burst: the 2 tokens left stay 2.
+    let left = h.check("a", &bucket(10, 20), 0).await;
+    assert_eq!(left.limits()[0].remaining, 2);
+    // Refilled at the new rate: 20 per second is one token per 50 ms.
+    h.advance(50);
+    assert_eq!(h.allowed("a", &bucket(20, 20), 5).await, 3);
+    // A burst that shrinks below the tokens held, in the same millisecond as the last
+    // write: the bucket keeps what fits.
+    h.advance(10_000);
+    assert!(h.check("b", &bucket(10, 10), 1).await.is_allowed());
+    let shrunk = h.check("b", &bucket(10, 3), 1).await;
+    assert!(shrunk.is_allowed());
+    assert_eq!(shrunk.limits()[0].remaining, 2);
+    assert_eq!(h.allowed("b", &bucket(10, 3), 5).await, 2);
+}
+
+/// A carried-over GCRA keeps its theoretical arrival time: the time until it is full
+/// again, so spent units scale with the rate (5 of 10 spent are 10 of 20).
+async fn a_carried_over_gcra_keeps_its_arrival_time(h: Harness) {
+    let at = |limit| [api(Algorithm::Gcra, limit, secs(1), OnChange::CarryOver)];
+    assert_eq!(h.allowed("a", &at(10), 5).await, 5);
+    let now = h.check("a", &at(20), 0).await;
+    assert_eq!(now.limits()[0].remaining, 10);
+    assert_eq!(now.limits()[0].reset_after(), ms(500));
+    assert_eq!(h.allowed("a", &at(20), 20).await, 10);
+}
+
+/// A carried-over limit whose window changes starts fresh: the window is part of what
+/// the state means.
+async fn a_new_window_is_new_state(h: Harness) {
+    let limit = |window| [api(Algorithm::FixedWindow, 3, window, OnChange::CarryOver)];
+    assert_eq!(h.allowed("a", &limit(secs(3600)), 5).await, 3);
+    assert_eq!(h.allowed("a", &limit(secs(7200)), 5).await, 3);
+}
+
 macro_rules! conformance {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -316,4 +417,9 @@ conformance!(
     costs_are_weighed,
     keys_are_isolated,
     a_clock_that_steps_back_grants_no_extra_budget,
+    carried_over_windows_keep_their_counts,
+    a_changed_limit_resets_by_default,
+    a_carried_over_token_bucket_keeps_its_tokens,
+    a_carried_over_gcra_keeps_its_arrival_time,
+    a_new_window_is_new_state,
 );

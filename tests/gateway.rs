@@ -24,6 +24,13 @@ mod path;
 #[path = "../examples/gateway/proxy.rs"]
 mod proxy;
 #[allow(dead_code)]
+#[path = "../examples/gateway/reload.rs"]
+mod reload;
+#[cfg(feature = "redis")]
+#[allow(dead_code)]
+#[path = "../examples/gateway/rules_source.rs"]
+mod rules_source;
+#[allow(dead_code)]
 #[path = "../examples/gateway/serve.rs"]
 mod serve;
 #[allow(dead_code)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tollgate::{
-    Algorithm, Decision, Limit, Store,
+    Algorithm, Decision, Limit, OnChange, Store,
     algorithm::{self, State},
     clock::{Clock, ManualClock},
     key::Key,
@@ -122,8 +122,74 @@ fn model_run(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, D
         .collect()
 }
 
+/// Up to three versions of one named, carried-over limit: one algorithm and window, other
+/// `limit`s and `burst`s. The token bucket is left out: its key's TTL is the time to refill
+/// under the parameters of its last write, so after a lower rate or a larger burst Redis
+/// may forget (refill) a bucket that the model still refills (README, "Changing rules").
+fn versions_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    let algorithm = prop::sample::select(vec![
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::Gcra,
+    ]);
+    let window = prop_oneof![1u64..20, 1u64..3_000];
+    let versions = prop::collection::vec((1u32..20, 1u32..30), 1..=3);
+    (algorithm, window, versions).prop_map(|(algorithm, window_ms, versions)| {
+        versions
+            .into_iter()
+            .map(|(limit, burst)| {
+                let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
+                let l = match algorithm {
+                    Algorithm::Gcra => l.with_burst(burst).unwrap(),
+                    _ => l,
+                };
+                l.named("api")
+                    .unwrap()
+                    .on_change(OnChange::CarryOver)
+                    .unwrap()
+            })
+            .collect()
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Carried over, a limit whose parameters change between requests decides alike in
+    /// the model (one state per key, whatever the version) and in Lua (one Redis key).
+    #[test]
+    fn lua_decides_like_the_model_across_changes(
+        versions in versions_strategy(),
+        steps in steps_strategy(),
+        picks in prop::collection::vec(0usize..3, 60),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut states: [Vec<State>; 2] =
+            std::array::from_fn(|_| vec![State::new(versions[0].algorithm())]);
+        let mut now = START;
+        let mut expected = Vec::new();
+        for (i, &(wait, cost, key)) in steps.iter().enumerate() {
+            // Plain waits only: `retry_after` belongs to the version that answered.
+            if let Wait::Ms(ms) = wait {
+                now += ms;
+            }
+            let limit = &versions[picks[i] % versions.len()];
+            let decision = algorithm::check(&mut states[key], std::slice::from_ref(limit), now, cost);
+            expected.push((now, limit.clone(), decision));
+        }
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, limit, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = store.check(&keys[key], std::slice::from_ref(limit), cost).await.unwrap();
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, versions);
+            }
+            Ok(())
+        })?;
+    }
 
     #[test]
     fn lua_decides_like_the_model(limits in limits_strategy(), steps in steps_strategy()) {

@@ -9,7 +9,7 @@ use std::{fmt, net::SocketAddr, path::Path, time::Duration};
 use http::{HeaderName, Uri};
 use ipnet::IpNet;
 use serde::Deserialize;
-use tollgate::{Algorithm, Limit};
+use tollgate::{Algorithm, Limit, OnChange};
 
 use crate::path;
 
@@ -67,6 +67,8 @@ pub(crate) struct Config {
     pub(crate) server: ServerConfig,
     pub(crate) store: StoreConfig,
     pub(crate) routes: Vec<Route>,
+    /// Where the routes come from (`[rules]`).
+    pub(crate) rules: RulesConfig,
 }
 
 /// How much one client or upstream may hold of the gateway: `[server]`.
@@ -210,6 +212,8 @@ struct RawConfig {
     store: RawStore,
     #[serde(default)]
     routes: Vec<RawRoute>,
+    #[serde(default)]
+    rules: RawRules,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -253,6 +257,9 @@ struct RawLimit {
     window: String,
     burst: Option<u32>,
     name: Option<String>,
+    /// `reset` (default) or `carry_over`: what a reload that changes this limit does to
+    /// its budget.
+    on_change: Option<String>,
 }
 
 impl Config {
@@ -301,17 +308,8 @@ impl RawConfig {
             .collect::<Result<_, _>>()?;
         let server = self.server.validate()?;
         let store = self.store.validate()?;
-        let mut routes: Vec<Route> = Vec::with_capacity(self.routes.len());
-        for (index, raw) in self.routes.into_iter().enumerate() {
-            let route = raw.validate(index)?;
-            if let Some(other) = routes.iter().position(|r| r.path == route.path) {
-                return Err(ConfigError::new(
-                    format!("routes[{index}].path"),
-                    format!("{:?} is also the path of routes[{other}]", route.path),
-                ));
-            }
-            routes.push(route);
-        }
+        let routes = validate_routes(self.routes)?;
+        let rules = self.rules.validate(&store)?;
         Ok(Config {
             listen,
             admin_listen,
@@ -319,7 +317,95 @@ impl RawConfig {
             server,
             store,
             routes,
+            rules,
         })
+    }
+}
+
+/// The routes, each validated, with unique paths.
+fn validate_routes(raw: Vec<RawRoute>) -> Result<Vec<Route>, ConfigError> {
+    let mut routes: Vec<Route> = Vec::with_capacity(raw.len());
+    for (index, raw) in raw.into_iter().enumerate() {
+        let route = raw.validate(index)?;
+        if let Some(other) = routes.iter().position(|r| r.path == route.path) {
+            return Err(ConfigError::new(
+                format!("routes[{index}].path"),
+                format!("{:?} is also the path of routes[{other}]", route.path),
+            ));
+        }
+        routes.push(route);
+    }
+    Ok(routes)
+}
+
+/// A rule set as published to Redis (`--publish-rules`): only `[[routes]]`.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRuleSet {
+    #[serde(default)]
+    routes: Vec<RawRoute>,
+}
+
+/// Parses and validates a rule set's text: `[[routes]]` tables, as in the config file.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn parse_rule_set(text: &str) -> Result<Vec<Route>, ConfigError> {
+    let raw: RawRuleSet = toml::from_str(text)
+        .map_err(|e| ConfigError::new("", e.to_string().trim_end().to_owned()))?;
+    validate_routes(raw.routes)
+}
+
+/// Where the routes come from: `[rules]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RulesConfig {
+    /// Routes from Redis (published with `--publish-rules`) instead of the file.
+    pub(crate) from_redis: bool,
+    /// How often the Redis rule set is checked besides the change announcements.
+    pub(crate) check_interval: Duration,
+}
+
+impl Default for RulesConfig {
+    fn default() -> Self {
+        Self {
+            from_redis: false,
+            check_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRules {
+    source: Option<String>,
+    check_interval: Option<String>,
+}
+
+impl RawRules {
+    fn validate(self, store: &StoreConfig) -> Result<RulesConfig, ConfigError> {
+        let mut rules = RulesConfig::default();
+        match self.source.as_deref() {
+            None | Some("file") => {}
+            Some("redis") => {
+                if !matches!(store.backend, Backend::Redis { .. }) {
+                    return Err(ConfigError::new(
+                        "rules.source",
+                        "\"redis\" needs store.backend = \"redis\" (the rules live under the \
+                         store's prefix)",
+                    ));
+                }
+                rules.from_redis = true;
+            }
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "rules.source",
+                    format!("must be file or redis (got {other:?})"),
+                ));
+            }
+        }
+        if let Some(interval) = &self.check_interval {
+            rules.check_interval = parse_timeout("rules.check_interval", interval)?;
+        }
+        Ok(rules)
     }
 }
 
@@ -527,12 +613,35 @@ impl RawRoute {
             .as_deref()
             .map(|u| parse_upstream(&format!("{at}.upstream"), u))
             .transpose()?;
-        let limits = self
+        let limits: Vec<RouteLimit> = self
             .limits
             .into_iter()
             .enumerate()
             .map(|(j, raw)| raw.validate(index, j, &format!("{at}.limits[{j}]")))
             .collect::<Result<_, _>>()?;
+        // Carried over, a limit's state is its name, algorithm and window: two limits of
+        // one key that share them would share one budget.
+        for (j, limit) in limits.iter().enumerate() {
+            let same = |other: &RouteLimit| {
+                other.key == limit.key
+                    && other.limit != limit.limit
+                    && other.limit.state_on_change() == OnChange::CarryOver
+                    && limit.limit.state_on_change() == OnChange::CarryOver
+                    && other.limit.name() == limit.limit.name()
+                    && other.limit.algorithm() == limit.limit.algorithm()
+                    && other.limit.window() == limit.limit.window()
+            };
+            if let Some(other) = limits[..j].iter().position(same) {
+                return Err(ConfigError::new(
+                    format!("{at}.limits[{j}].name"),
+                    format!(
+                        "{:?} with on_change = \"carry_over\" is also limits[{other}], with the \
+                         same key, algorithm and window: they would share one budget",
+                        limit.limit.name().unwrap_or_default()
+                    ),
+                ));
+            }
+        }
         Ok(Route {
             path,
             upstream,
@@ -565,7 +674,11 @@ impl RawLimit {
         }
         // A name unique to this limit: equal limits on two routes keep separate budgets.
         let name = self.name.unwrap_or_else(|| format!("r{route}-l{index}"));
-        let limit = limit.named(name).map_err(lib)?;
+        let mut limit = limit.named(name).map_err(lib)?;
+        if let Some(on_change) = &self.on_change {
+            let on_change: OnChange = on_change.parse().map_err(lib)?;
+            limit = limit.on_change(on_change).map_err(lib)?;
+        }
         Ok(RouteLimit { key, limit })
     }
 }

@@ -10,12 +10,15 @@
 //! Modules: `config` (the TOML contract and its validation), `path` (path normalisation
 //! and prefix matching), `proxy` (forwarding with hyper-util), `serve` (connections:
 //! header-read timeout, connection cap, bounded shutdown), `server` (routes, layers,
-//! starting and stopping). `tests/gateway.rs` includes the same modules to start
+//! starting and stopping), `reload` (SIGHUP and file changes). `tests/gateway.rs` includes the same modules to start
 //! gateways in-process. The reference is `docs/gateway.md`.
 
 mod config;
 mod path;
 mod proxy;
+mod reload;
+#[cfg(feature = "redis")]
+mod rules_source;
 mod serve;
 mod server;
 
@@ -25,10 +28,14 @@ use tracing_subscriber::EnvFilter;
 
 const USAGE: &str = "\
 usage: gateway [--config PATH]
+       gateway --config PATH --publish-rules RULES
 
 Rate-limiting HTTP gateway (tollgate example). Without --config it listens on
 127.0.0.1:8080 with the in-memory store and a demo limit on / (5 requests per 10s
-per client IP). Logs: RUST_LOG (default info). Reference: docs/gateway.md";
+per client IP). With --config, SIGHUP or an edit of the file reloads it.
+--publish-rules validates RULES (a file of [[routes]]) and publishes it to the Redis
+of the config's [store], for gateways with [rules] source = \"redis\".
+Logs: RUST_LOG (default info). Reference: docs/gateway.md";
 
 fn main() -> ExitCode {
     let config_path = match parse_args(std::env::args_os().skip(1)) {
@@ -37,6 +44,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Ok(Some(Args::Config(path))) => Some(path),
+        Ok(Some(Args::Publish { config, rules })) => return publish_rules(&config, &rules),
         Ok(None) => None,
         Err(message) => {
             eprintln!("gateway: {message}\n\n{USAGE}");
@@ -70,13 +78,17 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let running = match server::start(config).await {
+        let mut running = match server::start(config).await {
             Ok(running) => running,
             Err(error) => {
                 eprintln!("gateway: {error}");
                 return ExitCode::FAILURE;
             }
         };
+        if let Some(path) = config_path {
+            // SIGHUP or an edit of the file reloads it (see reload.rs).
+            running.watch(path, reload::DEFAULT_POLL);
+        }
         println!("listening on http://{}", running.addr());
         if let Some(admin) = running.admin_addr() {
             println!("metrics on http://{admin}/metrics");
@@ -94,10 +106,12 @@ fn main() -> ExitCode {
 enum Args {
     Help,
     Config(PathBuf),
+    Publish { config: PathBuf, rules: PathBuf },
 }
 
 fn parse_args(mut args: impl Iterator<Item = std::ffi::OsString>) -> Result<Option<Args>, String> {
     let mut config = None;
+    let mut publish = None;
     while let Some(arg) = args.next() {
         let arg = arg
             .into_string()
@@ -108,13 +122,68 @@ fn parse_args(mut args: impl Iterator<Item = std::ffi::OsString>) -> Result<Opti
                 let path = args.next().ok_or("--config needs a path")?;
                 config = Some(PathBuf::from(path));
             }
+            "--publish-rules" => {
+                let path = args.next().ok_or("--publish-rules needs a path")?;
+                publish = Some(PathBuf::from(path));
+            }
             other => match other.strip_prefix("--config=") {
                 Some(path) => config = Some(PathBuf::from(path)),
                 None => return Err(format!("unexpected argument {other:?}")),
             },
         }
     }
-    Ok(config.map(Args::Config))
+    match (config, publish) {
+        (Some(config), Some(rules)) => Ok(Some(Args::Publish { config, rules })),
+        (None, Some(_)) => {
+            Err("--publish-rules needs --config (for the store's url and prefix)".into())
+        }
+        (config, None) => Ok(config.map(Args::Config)),
+    }
+}
+
+/// `--publish-rules`: validates the rule set and publishes it to the config's Redis.
+fn publish_rules(config: &std::path::Path, rules: &std::path::Path) -> ExitCode {
+    let config = match config::Config::load(config) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("gateway: {}: {error}", config.display());
+            return ExitCode::from(2);
+        }
+    };
+    let text = match std::fs::read_to_string(rules) {
+        Ok(text) => text,
+        Err(error) => {
+            eprintln!("gateway: cannot read {}: {error}", rules.display());
+            return ExitCode::from(2);
+        }
+    };
+    #[cfg(feature = "redis")]
+    {
+        let config::Backend::Redis { url } = &config.store.backend else {
+            eprintln!("gateway: --publish-rules needs store.backend = \"redis\"");
+            return ExitCode::from(2);
+        };
+        let location = rules_source::Location::new(url, &config.store.prefix);
+        let published = tokio::runtime::Runtime::new()
+            .map_err(|e| -> server::Error { e.into() })
+            .and_then(|runtime| runtime.block_on(rules_source::publish(&location, &text)));
+        match published {
+            Ok(version) => {
+                println!("published rule set version {version}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("gateway: {}: {error}", rules.display());
+                ExitCode::from(2)
+            }
+        }
+    }
+    #[cfg(not(feature = "redis"))]
+    {
+        let _ = (config, text);
+        eprintln!("gateway: --publish-rules needs the gateway built with the redis feature");
+        ExitCode::from(2)
+    }
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM.

@@ -5,10 +5,15 @@ use std::{
     future::Future,
     io,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
+use arc_swap::ArcSwap;
 use axum::{
     Router,
     extract::{Request, State},
@@ -29,6 +34,7 @@ use crate::{
     config::{Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, StoreConfig},
     path,
     proxy::{self, Proxy},
+    reload::{self, Watcher},
     serve::{ConnectionLimits, serve},
 };
 
@@ -59,6 +65,109 @@ impl Gateway {
     }
 }
 
+/// What a reload changes: the route table (with its limits), swapped atomically, and
+/// what it was built from.
+pub(crate) struct Live {
+    /// Each request reads it once: it is routed and limited under one config.
+    gateway: ArcSwap<Gateway>,
+    /// The running config: what a reload is compared with.
+    config: Mutex<Config>,
+    /// Kept across reloads: the budgets live in it.
+    store: Arc<dyn Store>,
+    /// The fallback of `on_error = "local"` (a memory store), kept across reloads too.
+    local: FailurePolicy,
+    /// Kept across reloads: its pooled upstream connections stay.
+    client: proxy::HttpClient,
+    version: AtomicU64,
+    /// The routes of the last good rule set from Redis (`[rules] source = "redis"`):
+    /// they replace the file's routes, also when the file is reloaded.
+    redis_routes: Mutex<Option<Vec<Route>>>,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live")
+            .field("version", &self.version())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Live {
+    /// The version of the config in force: 1 as started, one more per applied reload.
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
+    }
+
+    /// Applies the routes of a validated rule set from Redis. Returns the new version.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn apply_routes(&self, routes: Vec<Route>) -> u64 {
+        *self.redis_routes.lock().unwrap_or_else(|e| e.into_inner()) = Some(routes);
+        let running = self
+            .config
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        self.apply(running)
+    }
+
+    /// Applies a validated config to the next requests, keeping (with a warning) what
+    /// only a restart changes. Returns the new version.
+    pub(crate) fn apply(&self, mut new: Config) -> u64 {
+        if let Some(routes) = &*self.redis_routes.lock().unwrap_or_else(|e| e.into_inner()) {
+            new.routes = routes.clone();
+        }
+        let mut running = self.config.lock().unwrap_or_else(|e| e.into_inner());
+        let restart = |field: &str| {
+            tracing::warn!(
+                field,
+                "config reload: {field} changed, which needs a restart; the running value stays"
+            );
+        };
+        if new.listen != running.listen {
+            restart("listen");
+        }
+        if new.admin_listen != running.admin_listen {
+            restart("admin_listen");
+        }
+        if new.server != running.server {
+            restart("[server]");
+        }
+        if new.store.backend != running.store.backend {
+            restart("store.backend (and its url or nodes)");
+        }
+        if new.store.prefix != running.store.prefix {
+            restart("store.prefix");
+        }
+        if new.rules != running.rules {
+            restart("[rules]");
+        }
+        new.listen = running.listen;
+        new.admin_listen = running.admin_listen;
+        new.server = running.server.clone();
+        new.store.backend = running.store.backend.clone();
+        new.store.prefix = running.store.prefix.clone();
+        new.rules = running.rules.clone();
+        let gateway = build_gateway(&new, &self.store, &self.local, &self.client);
+        // Limits whose state carries over keep their store keys with new parameters: a
+        // store that remembers limits (the memory store's expiry) learns them.
+        let limits: Vec<tollgate::Limit> = new
+            .routes
+            .iter()
+            .flat_map(|route| route.limits.iter().map(|l| l.limit.clone()))
+            .collect();
+        self.store.limits_changed(&limits);
+        if let FailurePolicy::Local(local) = &self.local {
+            local.limits_changed(&limits);
+        }
+        self.gateway.store(Arc::new(gateway));
+        let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::gauge!(reload::RULES_VERSION).set(version as f64);
+        tracing::info!(version, routes = new.routes.len(), "config reloaded");
+        *running = new;
+        version
+    }
+}
+
 /// A started gateway. Dropping it shuts the servers down gracefully in the background.
 #[derive(Debug)]
 pub(crate) struct Running {
@@ -66,6 +175,7 @@ pub(crate) struct Running {
     admin_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    live: Arc<Live>,
 }
 
 impl Running {
@@ -77,6 +187,26 @@ impl Running {
     /// The address `/metrics` is served on, if any.
     pub(crate) fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin_addr
+    }
+
+    /// The version of the config in force (1 as started).
+    #[allow(dead_code)] // for tests/gateway_reload.rs
+    pub(crate) fn version(&self) -> u64 {
+        self.live.version()
+    }
+
+    /// What a reload changes, for a [`Watcher`] of one's own.
+    #[allow(dead_code)] // for tests/gateway_reload.rs
+    pub(crate) fn live(&self) -> Arc<Live> {
+        self.live.clone()
+    }
+
+    /// Reloads the config from `path` on SIGHUP and whenever its contents change (read
+    /// every `every`), until the gateway stops. See [`reload`](crate::reload).
+    pub(crate) fn watch(&mut self, path: PathBuf, every: Duration) {
+        let watcher = Watcher::new(path, self.live.clone());
+        let stop = self.shutdown.subscribe();
+        self.tasks.push(tokio::spawn(watcher.run(every, stop)));
     }
 
     /// Stops accepting connections, lets the requests in flight finish for up to
@@ -100,30 +230,13 @@ impl Running {
 }
 
 /// Connects the store, builds every route, binds the listeners and starts serving.
-pub(crate) async fn start(config: Config) -> Result<Running, Error> {
+pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
     let store = connect_store(&config.store).await?;
-    let policy = match config.store.on_error {
-        OnError::Allow => FailurePolicy::Allow,
-        OnError::Deny => FailurePolicy::Deny,
-        OnError::Local => FailurePolicy::local(),
-    };
-    let proxy = Arc::new(proxy::Settings {
-        client: proxy::client(),
-        trusted_proxies: config.trusted_proxies.clone(),
-        upstream_timeout: config.server.upstream_timeout,
-    });
-    let mut routes: Vec<(String, RouteService)> = config
-        .routes
-        .iter()
-        .map(|route| {
-            let service = route_service(route, &config, &store, &policy, &proxy);
-            (route.path.clone(), service)
-        })
-        .collect();
-    // Longest prefix first; two different prefixes of one length never both match.
-    routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
-    let gateway = Arc::new(Gateway { routes });
+    let follow = first_rule_set(&mut config).await?;
+    let client = proxy::client();
+    let local = FailurePolicy::local();
+    let gateway = build_gateway(&config, &store, &local, &client);
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -149,9 +262,29 @@ pub(crate) async fn start(config: Config) -> Result<Running, Error> {
     // The body limit comes first: a body announced too large is refused before a route
     // or a limit is looked at; one that grows too large while streamed fails the proxy's
     // upstream request, which answers 413 too.
+    metrics::describe_gauge!(
+        reload::RULES_VERSION,
+        "The version of the config in force: 1 at start, one more per applied reload."
+    );
+    metrics::describe_counter!(
+        reload::RELOADS_REFUSED_TOTAL,
+        metrics::Unit::Count,
+        "Config reloads refused because the new file was invalid."
+    );
+    metrics::gauge!(reload::RULES_VERSION).set(1.0);
+    let routes = config.routes.len();
+    let live = Arc::new(Live {
+        gateway: ArcSwap::from_pointee(gateway),
+        config: Mutex::new(config.clone()),
+        store,
+        local,
+        client,
+        version: AtomicU64::new(1),
+        redis_routes: Mutex::new(follow.as_ref().and_then(|f| f.routes.clone())),
+    });
     let app = Router::new()
         .fallback(dispatch)
-        .with_state(gateway)
+        .with_state(live.clone())
         .layer(RequestBodyLimitLayer::new(config.server.max_body_bytes));
     let mut tasks = vec![tokio::spawn(serve(
         listener,
@@ -159,6 +292,9 @@ pub(crate) async fn start(config: Config) -> Result<Running, Error> {
         limits,
         stopped(signal.clone()),
     ))];
+    if let Some(follow) = follow {
+        tasks.push(follow.spawn(live.clone(), signal.clone()));
+    }
     if let (Some(listener), Some(handle)) = (admin, prometheus) {
         let admin_app =
             Router::new().route("/metrics", get(move || async move { handle.render() }));
@@ -169,13 +305,115 @@ pub(crate) async fn start(config: Config) -> Result<Running, Error> {
             stopped(signal),
         )));
     }
-    tracing::info!(%addr, ?admin_addr, routes = config.routes.len(), "gateway started");
+    tracing::info!(%addr, ?admin_addr, routes, "gateway started");
     Ok(Running {
         addr,
         admin_addr,
         shutdown,
         tasks,
+        live,
     })
+}
+
+/// How a gateway with `[rules] source = "redis"` follows the rule set.
+struct Follow {
+    #[cfg(feature = "redis")]
+    location: crate::rules_source::Location,
+    /// The version found at start, and its routes if they were good.
+    seen: Option<u64>,
+    routes: Option<Vec<Route>>,
+    interval: Duration,
+}
+
+impl Follow {
+    #[cfg(feature = "redis")]
+    fn spawn(self, live: Arc<Live>, stop: watch::Receiver<bool>) -> JoinHandle<()> {
+        let follower = crate::rules_source::Follower::new(self.location, live, self.seen);
+        tokio::spawn(follower.run(self.interval, stop))
+    }
+
+    #[cfg(not(feature = "redis"))]
+    fn spawn(self, _live: Arc<Live>, _stop: watch::Receiver<bool>) -> JoinHandle<()> {
+        let _ = (self.seen, self.interval);
+        tokio::spawn(async {})
+    }
+}
+
+/// With `[rules] source = "redis"`: the rule set stored now replaces the file's routes
+/// (when it is good), so that a new replica starts with the fleet's rules.
+#[cfg(feature = "redis")]
+async fn first_rule_set(config: &mut Config) -> Result<Option<Follow>, Error> {
+    use crate::rules_source::{Location, fetch};
+    let Backend::Redis { url } = &config.store.backend else {
+        return Ok(None);
+    };
+    if !config.rules.from_redis {
+        return Ok(None);
+    }
+    let location = Location::new(url, &config.store.prefix);
+    let client = redis::Client::open(url.as_str())?;
+    let mut connection = redis::aio::ConnectionManager::new(client)
+        .await
+        .map_err(|e| format!("rules.source: cannot read the rule set from {url:?}: {e}"))?;
+    let mut follow = Follow {
+        location: location.clone(),
+        seen: None,
+        routes: None,
+        interval: config.rules.check_interval,
+    };
+    match fetch(&mut connection, &location).await? {
+        None => tracing::info!("no rule set in redis yet; serving the file's routes"),
+        Some((version, Ok(routes))) => {
+            tracing::info!(rules = version, "serving the rule set from redis");
+            config.routes = routes.clone();
+            follow.seen = Some(version);
+            follow.routes = Some(routes);
+        }
+        Some((version, Err(error))) => {
+            metrics::counter!(reload::RELOADS_REFUSED_TOTAL).increment(1);
+            tracing::error!(rules = version, field = error.field, %error,
+                "rule set from redis refused; serving the file's routes");
+            follow.seen = Some(version);
+        }
+    }
+    Ok(Some(follow))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn first_rule_set(_config: &mut Config) -> Result<Option<Follow>, Error> {
+    // `rules.source = "redis"` needs `store.backend = "redis"`, refused without the feature.
+    Ok(None)
+}
+
+/// The route table of `config`, its limits on `store`.
+/// `local` is the fallback store of `on_error = "local"`, kept across reloads like `store`.
+fn build_gateway(
+    config: &Config,
+    store: &Arc<dyn Store>,
+    local: &FailurePolicy,
+    client: &proxy::HttpClient,
+) -> Gateway {
+    let policy = match config.store.on_error {
+        OnError::Allow => FailurePolicy::Allow,
+        OnError::Deny => FailurePolicy::Deny,
+        OnError::Local => local.clone(),
+    };
+    let proxy = Arc::new(proxy::Settings {
+        client: client.clone(),
+        trusted_proxies: config.trusted_proxies.clone(),
+        upstream_timeout: config.server.upstream_timeout,
+    });
+    let mut routes: Vec<(String, RouteService)> = config
+        .routes
+        .iter()
+        .map(|route| {
+            let service = route_service(route, config, store, &policy, &proxy);
+            (route.path.clone(), service)
+        })
+        .collect();
+    // Longest prefix first; two different prefixes of one length never both match.
+    routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+    Gateway { routes }
 }
 
 /// Resolves when shutdown is asked for, or when the [`Running`] handle is dropped.
@@ -184,7 +422,7 @@ async fn stopped(mut signal: watch::Receiver<bool>) {
 }
 
 /// Answers every request: normalise the path, pick the route, let its service answer.
-async fn dispatch(State(gateway): State<Arc<Gateway>>, mut request: Request) -> Response {
+async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Response {
     let method = request.method().clone();
     let normalized = match path::normalize(request.uri().path()) {
         Ok(path) => path,
@@ -193,7 +431,8 @@ async fn dispatch(State(gateway): State<Arc<Gateway>>, mut request: Request) -> 
             return proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
         }
     };
-    let Some(service) = gateway.route(&normalized) else {
+    // One look at the route table: a reload during this request does not change it.
+    let Some(service) = live.gateway.load().route(&normalized).cloned() else {
         tracing::debug!(%method, path = normalized, "no route");
         return proxy::status(StatusCode::NOT_FOUND, "no route\n");
     };
@@ -206,7 +445,7 @@ async fn dispatch(State(gateway): State<Arc<Gateway>>, mut request: Request) -> 
         Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
         Err(_) => return proxy::status(StatusCode::BAD_REQUEST, "bad request path\n"),
     }
-    let response = match service.clone().oneshot(request).await {
+    let response = match service.oneshot(request).await {
         Ok(response) => response,
         Err(never) => match never {},
     };

@@ -45,7 +45,12 @@ impl Model for TokenBucket {
         if self.tokens == NEW {
             self.tokens = capacity;
             self.last = now;
-        } else if now > self.last {
+            return;
+        }
+        // More than the bucket holds: its burst (or window) shrank while the state carried
+        // over (`OnChange::CarryOver`). The bucket keeps what fits.
+        self.tokens = self.tokens.min(capacity);
+        if now > self.last {
             let elapsed = now - self.last;
             let to_full = div_ceil(capacity - self.tokens, u64::from(limit.limit()));
             self.tokens = if elapsed >= to_full {
@@ -75,7 +80,7 @@ impl Model for TokenBucket {
     }
 
     fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
-        let missing = Self::capacity(limit) - self.tokens();
+        let missing = Self::capacity(limit).saturating_sub(self.tokens());
         if missing == 0 {
             0
         } else {
@@ -84,7 +89,8 @@ impl Model for TokenBucket {
     }
 
     fn expires_at(&self, limit: &Limit) -> u64 {
-        let missing = Self::capacity(limit) - self.tokens();
+        // Saturating: a store may ask with a limit newer than the state (see `normalize`).
+        let missing = Self::capacity(limit).saturating_sub(self.tokens());
         self.last + div_ceil(missing, u64::from(limit.limit()))
     }
 }

@@ -336,6 +336,21 @@ impl Store for MemoryStore {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         Check::ready(Ok(self.decide(key, limits, cost)))
     }
+
+    /// A carried-over limit keeps its fingerprint with new parameters: the sweeps judge
+    /// its state's expiry by the new ones, as the next decision will.
+    fn limits_changed(&self, limits: &[Limit]) {
+        for shard in &self.inner.shards {
+            let known = &mut lock(shard).known;
+            for limit in limits {
+                if let Some(old) = known.get_mut(&limit.fingerprint())
+                    && old != limit
+                {
+                    *old = limit.clone();
+                }
+            }
+        }
+    }
 }
 
 impl Inner {

@@ -31,10 +31,21 @@ use crate::{Limit, key::Key};
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Decides one request of `cost` against `limits` (at least one) for `key`.
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check;
+
+    /// Told by [`RulesHandle::set`](crate::RulesHandle::set) before `limits` come into
+    /// force. A store that keeps limits besides the state (the memory store, to know when
+    /// state expires) updates those whose state carries over; the default does nothing.
+    fn limits_changed(&self, limits: &[Limit]) {
+        let _ = limits;
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         (**self).check(key, limits, cost)
+    }
+
+    fn limits_changed(&self, limits: &[Limit]) {
+        (**self).limits_changed(limits);
     }
 }

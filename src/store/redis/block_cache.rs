@@ -47,10 +47,11 @@ impl BlockCache {
         }
     }
 
-    /// A fingerprint of a list of limits, in order.
+    /// A fingerprint of a list of limits, in order, and of all their parameters: a
+    /// denial under 100/min says nothing about 200/min, even when the state carries over.
     pub(crate) fn fingerprint(limits: &[Limit]) -> u64 {
         limits.iter().fold(0, |acc, limit| {
-            acc.rotate_left(17).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ limit.fingerprint()
+            acc.rotate_left(17).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ limit.params_fingerprint()
         })
     }
 

@@ -1,0 +1,460 @@
+//! The example gateway reloading its config while real HTTP clients keep it busy: by
+//! SIGHUP, by an edit of the file, and refusing a bad file. In-process, as in
+//! `tests/gateway.rs`: the example's modules are included with `#[path]`.
+
+#[allow(dead_code)]
+#[path = "../examples/gateway/config.rs"]
+mod config;
+#[allow(dead_code)]
+#[path = "../examples/gateway/path.rs"]
+mod path;
+#[allow(dead_code)]
+#[path = "../examples/gateway/proxy.rs"]
+mod proxy;
+#[allow(dead_code)]
+#[path = "../examples/gateway/reload.rs"]
+mod reload;
+#[cfg(feature = "redis")]
+#[allow(dead_code)]
+#[path = "../examples/gateway/rules_source.rs"]
+mod rules_source;
+#[allow(dead_code)]
+#[path = "../examples/gateway/serve.rs"]
+mod serve;
+#[allow(dead_code)]
+#[path = "../examples/gateway/server.rs"]
+mod server;
+#[cfg(feature = "redis")]
+mod support;
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{body::Body, http::StatusCode};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+
+use config::Config;
+use server::Running;
+
+type HttpClient = Client<HttpConnector, Body>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// How long a reload may take to show, however loaded the machine is.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A config: `/load` with a limit no test reaches, `/api` with `api_limit` per hour per
+/// `x-key`.
+fn config_text(store: &str, listen: &str, api_limit: &str, on_change: &str) -> String {
+    format!(
+        r#"listen = "{listen}"
+{store}
+[[routes]]
+path = "/load"
+[[routes.limits]]
+key = "global"
+algorithm = "fixed_window"
+limit = 1000000
+window = "1h"
+
+[[routes]]
+path = "/api"
+[[routes.limits]]
+name = "api"
+key = "header:x-key"
+algorithm = "fixed_window"
+limit = {api_limit}
+window = "1h"
+on_change = "{on_change}"
+"#
+    )
+}
+
+/// A file in a directory of its own, removed at the end.
+struct ConfigFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl ConfigFile {
+    fn new(name: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-reload-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("gateway.toml");
+        Self { dir, path }
+    }
+
+    /// Writes `text` the way editors do: a new file renamed over the old one.
+    fn write(&self, text: &str) {
+        let next = self.dir.join("gateway.toml.new");
+        std::fs::write(&next, text).unwrap();
+        std::fs::rename(&next, &self.path).unwrap();
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn status(client: &HttpClient, gateway: &Running, path: &str, key: &str) -> StatusCode {
+    let request = http::Request::get(format!("http://{}{path}", gateway.addr()))
+        .header("x-key", key)
+        .body(Body::empty())
+        .unwrap();
+    let response = tokio::time::timeout(PATIENCE, client.request(request))
+        .await
+        .expect("an answer in time")
+        .expect("no failed request");
+    response.status()
+}
+
+/// `n` requests to `/api` as `key`: how many were allowed.
+async fn allowed(client: &HttpClient, gateway: &Running, key: &str, n: u32) -> u32 {
+    let mut allowed = 0;
+    for _ in 0..n {
+        match status(client, gateway, "/api", key).await {
+            StatusCode::OK => allowed += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    allowed
+}
+
+/// Waits until the gateway runs `version` or a later one (a file edit and a SIGHUP may
+/// both apply one file).
+async fn wait_for_version(gateway: &Running, version: u64) {
+    let start = Instant::now();
+    while gateway.version() < version {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "still version {}",
+            gateway.version()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// SIGHUP goes to the whole process, so to every gateway of this binary: the tests take
+/// turns.
+static SIGNALS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Four clients that keep `/load` busy until stopped; every answer must be 200.
+struct Load {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<u64>>,
+}
+
+impl Load {
+    fn start(gateway: &Running) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..4)
+            .map(|i| {
+                let stop = stop.clone();
+                let url = format!("http://{}/load", gateway.addr());
+                tokio::spawn(async move {
+                    let client = client();
+                    let mut answered = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let request = http::Request::get(&url)
+                            .header("x-key", format!("load-{i}"))
+                            .body(Body::empty())
+                            .unwrap();
+                        let response = client.request(request).await.expect("no failed request");
+                        assert_eq!(response.status(), StatusCode::OK, "under load");
+                        answered += 1;
+                    }
+                    answered
+                })
+            })
+            .collect::<Vec<_>>();
+        let mut tasks = tasks;
+        // And one client on a single connection, kept open across every reload: a reload
+        // that closed connections would fail its next request.
+        let stop_one = stop.clone();
+        let addr = gateway.addr();
+        tasks.push(tokio::spawn(async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .unwrap();
+            tokio::spawn(connection);
+            let mut answered = 0;
+            while !stop_one.load(Ordering::Relaxed) {
+                sender.ready().await.expect("the connection stays open");
+                let request = http::Request::get("/load")
+                    .header("host", addr.to_string())
+                    .body(Body::empty())
+                    .unwrap();
+                let response = sender
+                    .send_request(request)
+                    .await
+                    .expect("no failed request");
+                assert_eq!(response.status(), StatusCode::OK, "on the kept connection");
+                http_body_util::BodyExt::collect(response.into_body())
+                    .await
+                    .unwrap();
+                answered += 1;
+            }
+            answered
+        }));
+        Self { stop, tasks }
+    }
+
+    async fn finish(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            let answered = task.await.unwrap();
+            assert!(answered > 0, "a load client never got an answer");
+        }
+    }
+}
+
+/// Reloads by a file edit and by SIGHUP while four clients keep the gateway busy: no
+/// request fails, the new limit applies to the next request, a bad file is refused with
+/// the old limits still enforced, and a change of `listen` (restart only) keeps the
+/// running address.
+async fn reloads_under_load(store: &str, name: &str) {
+    let _turn = SIGNALS.lock().await;
+    let file = ConfigFile::new(name);
+    file.write(&config_text(store, "127.0.0.1:0", "2", "reset"));
+    let config = Config::load(&file.path).unwrap();
+    let mut gateway = server::start(config).await.unwrap();
+    gateway.watch(file.path.clone(), Duration::from_millis(50));
+    let client = client();
+    let load = Load::start(&gateway);
+
+    assert_eq!(allowed(&client, &gateway, "a", 3).await, 2);
+
+    // An edit: 5 per hour, carried over from now on. A reset limit that changed starts
+    // fresh: "a" gets all 5.
+    file.write(&config_text(store, "127.0.0.1:0", "5", "carry_over"));
+    wait_for_version(&gateway, 2).await;
+    assert_eq!(allowed(&client, &gateway, "a", 6).await, 5);
+
+    // A bad file: refused, version and limits stay.
+    file.write(&config_text(store, "127.0.0.1:0", "0", "carry_over"));
+    let mut watcher = reload::Watcher::new(file.path.clone(), gateway_live(&gateway));
+    let refused = watcher.reload().unwrap_err();
+    assert_eq!(refused.field, "routes[1].limits[0].limit");
+    tokio::time::sleep(Duration::from_millis(300)).await; // several polls of the bad file
+    assert_eq!(gateway.version(), 2);
+    assert_eq!(allowed(&client, &gateway, "b", 6).await, 5);
+
+    // SIGHUP after a good edit (the poll may see it first: either applies it once). 7 per
+    // hour, carried over: "a" spent 5, so 2 are left; and `listen` changed, which needs a
+    // restart: the gateway keeps serving where it is.
+    file.write(&config_text(store, "127.0.0.1:1", "7", "carry_over"));
+    sighup();
+    wait_for_version(&gateway, 3).await;
+    assert_eq!(allowed(&client, &gateway, "a", 5).await, 2);
+    assert_eq!(allowed(&client, &gateway, "c", 9).await, 7);
+
+    load.finish().await;
+    gateway.stop().await.unwrap();
+}
+
+/// A SIGHUP alone (the file unchanged since the last poll) reloads too.
+async fn sighup_reloads(store: &str, name: &str) {
+    let _turn = SIGNALS.lock().await;
+    let file = ConfigFile::new(name);
+    file.write(&config_text(store, "127.0.0.1:0", "1", "carry_over"));
+    let config = Config::load(&file.path).unwrap();
+    let mut gateway = server::start(config).await.unwrap();
+    // Polled once an hour: only the signal can reload it during this test.
+    gateway.watch(file.path.clone(), Duration::from_secs(3600));
+    let client = client();
+    let load = Load::start(&gateway);
+    assert_eq!(allowed(&client, &gateway, "a", 2).await, 1);
+    file.write(&config_text(store, "127.0.0.1:0", "3", "carry_over"));
+    // Other tests' gateways may reload on this signal too: harmless, they reread their
+    // own files.
+    sighup();
+    wait_for_version(&gateway, 2).await;
+    assert_eq!(allowed(&client, &gateway, "a", 3).await, 2);
+    load.finish().await;
+    gateway.stop().await.unwrap();
+}
+
+fn gateway_live(gateway: &Running) -> Arc<server::Live> {
+    gateway.live()
+}
+
+fn sighup() {
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &std::process::id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_reloads_under_load() {
+    reloads_under_load("", "memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_sighup_reloads() {
+    sighup_reloads("", "memory-hup").await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_reloads_under_load() {
+    let server = support::RedisServer::start();
+    let store = format!("[store]\nbackend = \"redis\"\nurl = \"{}\"\n", server.url());
+    reloads_under_load(&store, "redis").await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sighup_reloads() {
+    let server = support::RedisServer::start();
+    let store = format!("[store]\nbackend = \"redis\"\nurl = \"{}\"\n", server.url());
+    sighup_reloads(&store, "redis-hup").await;
+}
+
+#[test]
+fn carried_over_limits_sharing_a_budget_are_refused() {
+    let mut text = config_text("", "127.0.0.1:0", "2", "carry_over");
+    text += r#"[[routes.limits]]
+name = "api"
+key = "header:x-key"
+algorithm = "fixed_window"
+limit = 3
+window = "1h"
+on_change = "carry_over"
+"#;
+    let err = Config::parse(&text).unwrap_err();
+    assert_eq!(err.field, "routes[1].limits[1].name");
+    let bad = config_text("", "127.0.0.1:0", "2", "keep");
+    assert_eq!(
+        Config::parse(&bad).unwrap_err().field,
+        "routes[1].limits[0].on_change"
+    );
+}
+
+/// Two gateways following one rule set in Redis.
+#[cfg(feature = "redis")]
+mod fleet {
+    use super::*;
+
+    fn rule_set(limit: &str) -> String {
+        format!(
+            r#"[[routes]]
+path = "/api"
+[[routes.limits]]
+name = "api"
+key = "header:x-key"
+algorithm = "fixed_window"
+limit = {limit}
+window = "1h"
+on_change = "carry_over"
+"#
+        )
+    }
+
+    async fn replica(url: &str) -> Running {
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"{url}\"\n\
+             [rules]\nsource = \"redis\"\ncheck_interval = \"1s\"\n{}",
+            rule_set("2")
+        );
+        server::start(Config::parse(&text).unwrap()).await.unwrap()
+    }
+
+    /// Waits until both replicas run `version` or later: how long it took.
+    async fn both_at(replicas: &[&Running; 2], version: u64) -> Duration {
+        let start = Instant::now();
+        while replicas.iter().any(|r| r.version() < version) {
+            assert!(start.elapsed() < PATIENCE, "replicas did not follow");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        start.elapsed()
+    }
+
+    /// `n` requests as `key`, alternating between the replicas: how many were allowed.
+    async fn allowed_across(
+        client: &HttpClient,
+        replicas: &[&Running; 2],
+        key: &str,
+        n: u32,
+    ) -> u32 {
+        let mut allowed = 0;
+        for i in 0..n {
+            allowed += super::allowed(client, replicas[i as usize % 2], key, 1).await;
+        }
+        allowed
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replicas_follow_the_rule_set_and_keep_the_last_good_one() {
+        let server = support::RedisServer::start();
+        let url = server.url();
+        let a = replica(&url).await;
+        let b = replica(&url).await;
+        let replicas = [&a, &b];
+        let client = client();
+        // No rule set yet: the file's 2 per hour.
+        assert_eq!(allowed_across(&client, &replicas, "x", 4).await, 2);
+
+        // Published and announced: both apply it, within about a second.
+        let location = rules_source::Location::new(&url, "tollgate");
+        assert_eq!(
+            rules_source::publish(&location, &rule_set("5"))
+                .await
+                .unwrap(),
+            1
+        );
+        let took = both_at(&replicas, 2).await;
+        eprintln!("announced rule set applied by both replicas in {took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // One budget in Redis, carried over: "x" spent 2 of the 5.
+        assert_eq!(allowed_across(&client, &replicas, "x", 6).await, 3);
+        assert_eq!(allowed_across(&client, &replicas, "y", 7).await, 5);
+
+        // A bad set (written past the publisher's validation): refused by both, whose
+        // limits stay.
+        let bad = rule_set("0");
+        assert!(rules_source::publish(&location, &bad).await.is_err());
+        server.cli(&["SET", "tollgate:rules", &bad]).unwrap();
+        server.cli(&["INCR", "tollgate:rules:version"]).unwrap();
+        server.cli(&["PUBLISH", "tollgate:rules", "2"]).unwrap();
+        tokio::time::sleep(Duration::from_millis(2_500)).await; // two periodic checks
+        assert_eq!((a.version(), b.version()), (2, 2));
+        assert_eq!(allowed_across(&client, &replicas, "z", 7).await, 5);
+
+        // A change whose announcement is lost: the periodic check finds it.
+        server
+            .cli(&["SET", "tollgate:rules", &rule_set("8")])
+            .unwrap();
+        server.cli(&["INCR", "tollgate:rules:version"]).unwrap();
+        let took = both_at(&replicas, 3).await;
+        eprintln!("unannounced rule set applied by both replicas in {took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert_eq!(allowed_across(&client, &replicas, "z", 4).await, 3);
+
+        // A new replica starts with the fleet's rules, not its file's.
+        let c = replica(&url).await;
+        assert_eq!(super::allowed(&client, &c, "z", 2).await, 0);
+        assert_eq!(super::allowed(&client, &c, "w", 9).await, 8);
+        for replica in [a, b, c] {
+            replica.stop().await.unwrap();
+        }
+    }
+}
