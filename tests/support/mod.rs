@@ -6,13 +6,16 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod acl;
 pub mod cluster;
+pub mod tls;
 
 use std::{
     io::{BufRead, BufReader},
     net::TcpListener,
     path::PathBuf,
     process::{Child, Command, Stdio},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -36,6 +39,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra_args: Vec<String>,
+    /// Serving TLS only (`--port 0 --tls-port <port>`), with these certificates.
+    tls: Option<Arc<tls::TlsFiles>>,
 }
 
 impl RedisServer {
@@ -51,6 +56,21 @@ impl RedisServer {
 
     /// Starts a server on `port`.
     pub fn start_on(port: u16, extra_args: &[&str]) -> Self {
+        Self::start_on_with_tls(port, extra_args, None)
+    }
+
+    /// Starts a server that speaks only TLS, with certificates signed by `tls`'s CA and
+    /// client certificates required.
+    pub fn start_tls(tls: &Arc<tls::TlsFiles>) -> Self {
+        Self::start_on_with_tls(free_port(), &[], Some(tls.clone()))
+    }
+
+    /// Starts a server on `port`, TLS-only when `tls` is given.
+    pub fn start_on_with_tls(
+        port: u16,
+        extra_args: &[&str],
+        tls: Option<Arc<tls::TlsFiles>>,
+    ) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create the redis test directory");
@@ -59,24 +79,20 @@ impl RedisServer {
             port,
             dir,
             extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
+            tls,
         };
         server.spawn();
         server
     }
 
     fn spawn(&mut self) {
-        let port = self.port.to_string();
+        let listen = match &self.tls {
+            Some(tls) => tls.server_args(self.port, true),
+            None => vec!["--port".to_owned(), self.port.to_string()],
+        };
         let child = Command::new(redis_server_bin())
-            .args([
-                "--port",
-                &port,
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+            .args(&listen)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--dir", self.dir.to_str().expect("utf-8 temp dir")])
             .args(["--enable-debug-command", "local"])
             .args(&self.extra_args)
@@ -136,15 +152,34 @@ impl RedisServer {
         self.child.is_some()
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, or `rediss://` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// The certificates of a TLS server.
+    pub fn tls(&self) -> Option<&Arc<tls::TlsFiles>> {
+        self.tls.as_ref()
+    }
+
+    /// `redis-cli` arguments that reach this server (`-p`, and TLS options).
+    pub fn cli_args(&self) -> Vec<String> {
+        let mut args = vec!["-p".to_owned(), self.port.to_string()];
+        if let Some(tls) = &self.tls {
+            args.extend(tls.cli_args());
+        }
+        args
     }
 
     /// Runs `redis-cli -p <port> <args>` and returns its stdout.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
         let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
+            .args(self.cli_args())
             .args(args)
             .stderr(Stdio::null())
             .output()
