@@ -15,6 +15,8 @@ use std::{fmt, sync::Arc};
 pub use check::Check;
 pub use memory::MemoryStore;
 pub use prefix::validate_prefix;
+#[cfg(feature = "sentinel")]
+pub use redis::SentinelConfig;
 #[cfg(feature = "tls")]
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]

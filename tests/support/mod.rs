@@ -8,6 +8,7 @@
 
 pub mod acl;
 pub mod cluster;
+pub mod sentinel;
 pub mod tls;
 
 use std::{

@@ -9,9 +9,13 @@ mod acl;
 mod batch;
 mod block_cache;
 mod connect;
+#[cfg(feature = "sentinel")]
+mod sentinel;
 
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
+#[cfg(feature = "sentinel")]
+pub use self::sentinel::SentinelConfig;
 
 use redis::{
     Cmd, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind,
@@ -94,6 +98,8 @@ pub(crate) enum Connection {
     Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "bb8")]
     Pool(bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>),
+    #[cfg(feature = "sentinel")]
+    Sentinel(Arc<sentinel::SentinelConnection>),
 }
 
 impl Connection {
@@ -114,6 +120,8 @@ impl fmt::Debug for RedisStore {
             Connection::Cluster(_) => "ClusterConnection",
             #[cfg(feature = "bb8")]
             Connection::Pool(_) => "bb8::Pool",
+            #[cfg(feature = "sentinel")]
+            Connection::Sentinel(_) => "Sentinel",
         };
         f.debug_struct("RedisStore")
             .field("connection", &connection)
@@ -464,6 +472,8 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
             })?;
             evalsha(&mut *connection, &call).await
         }
+        #[cfg(feature = "sentinel")]
+        Connection::Sentinel(sentinel) => return sentinel.evalsha(&call).await,
     }
     .map_err(store_error)
 }
