@@ -25,6 +25,44 @@ pub fn redis_server_bin() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
 }
 
+/// The major version of [`redis_server_bin`].
+pub fn redis_server_major_version() -> u32 {
+    redis_server_version().0
+}
+
+/// The (major, minor) version of [`redis_server_bin`] (`redis-server --version`), read
+/// once.
+pub fn redis_server_version() -> (u32, u32) {
+    static VERSION: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *VERSION.get_or_init(|| {
+        let out = Command::new(redis_server_bin())
+            .arg("--version")
+            .output()
+            .unwrap_or_else(|e| panic!("could not run `{} --version`: {e}", redis_server_bin()));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut numbers = text
+            .split("v=")
+            .nth(1)
+            .unwrap_or_default()
+            .split(['.', ' '])
+            .map(str::parse::<u32>);
+        match (numbers.next(), numbers.next()) {
+            (Some(Ok(major)), Some(Ok(minor))) => (major, minor),
+            _ => panic!("no version in `redis-server --version`: {text}"),
+        }
+    })
+}
+
+/// `DEBUG` (for DEBUG SLEEP) is off by default since Redis 7, and the option to turn it
+/// on does not exist before.
+fn debug_command_args() -> &'static [&'static str] {
+    if redis_server_major_version() >= 7 {
+        &["--enable-debug-command", "local"]
+    } else {
+        &[]
+    }
+}
+
 /// A free TCP port on 127.0.0.1 (bound and released; the OS will not hand it out again
 /// right away).
 pub fn free_port() -> u16 {
@@ -95,7 +133,7 @@ impl RedisServer {
             .args(&listen)
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--dir", self.dir.to_str().expect("utf-8 temp dir")])
-            .args(["--enable-debug-command", "local"])
+            .args(debug_command_args())
             .args(&self.extra_args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -190,12 +228,18 @@ impl RedisServer {
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// How many times `command` (lower case, e.g. `evalsha`) ran since the server started or
-    /// since `CONFIG RESETSTAT`, from `INFO commandstats`; 0 if it never ran.
+    /// How many times `command` (lower case, e.g. `evalsha`, `script|load`) ran since the
+    /// server started or since `CONFIG RESETSTAT`, from `INFO commandstats`; 0 if it never
+    /// ran. Before Redis 7 a subcommand counts as its command (all `SCRIPT` calls).
     pub fn calls(&self, command: &str) -> u64 {
         let stats = self
             .cli(&["INFO", "commandstats"])
             .expect("INFO commandstats");
+        // Before Redis 7, subcommands (`script|load`) count under their command.
+        let command = match command.split_once('|') {
+            Some((parent, _)) if redis_server_major_version() < 7 => parent,
+            _ => command,
+        };
         let prefix = format!("cmdstat_{command}:calls=");
         stats
             .lines()

@@ -53,7 +53,7 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
 
-/// A [`Store`] in Redis (6.2 or later): each decision is one `EVALSHA` of a Lua script
+/// A [`Store`] in Redis (6.0 or later): each decision is one `EVALSHA` of a Lua script
 /// that reads, decides and writes atomically, so every replica of a service shares one
 /// budget and no two requests can race.
 ///
