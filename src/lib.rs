@@ -64,6 +64,9 @@
 //! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
 //! - `bb8`: build a `RedisStore` from a bb8-redis pool.
 //! - `cluster`: `RedisStore::connect_cluster` for Redis Cluster.
+//! - `tls`: `rediss://` (one node, cluster, Sentinel) over rustls with the ring provider (no
+//!   system OpenSSL); `store::TlsConfig` for a private CA and client certificates.
+//! - `sentinel`: `RedisStore::connect_sentinel` follows the master Redis Sentinel names.
 //! - `metrics`: request counters and decision latency per layer through the `metrics`
 //!   facade; see [`metrics`].
 //! - `tonic`: [`PeerIp`](key::PeerIp) and [`ClientIp`](key::ClientIp) read tonic's
