@@ -98,12 +98,13 @@ enum Mode {
     RedisNoCache,
     RedisPool,
     RedisCluster,
+    RedisTls,
     Governor,
     Handwritten,
 }
 
 impl Mode {
-    const ALL: [(&'static str, Mode); 10] = [
+    const ALL: [(&'static str, Mode); 11] = [
         ("plain", Mode::Plain),
         ("memory", Mode::Memory),
         ("memory-noheaders", Mode::MemoryNoHeaders),
@@ -112,6 +113,7 @@ impl Mode {
         ("redis-nocache", Mode::RedisNoCache),
         ("redis-pool", Mode::RedisPool),
         ("redis-cluster", Mode::RedisCluster),
+        ("redis-tls", Mode::RedisTls),
         ("governor", Mode::Governor),
         ("handwritten", Mode::Handwritten),
     ];
@@ -144,17 +146,21 @@ struct Args {
     scenario: Scenario,
     redis: Option<String>,
     cluster: Vec<String>,
+    /// `redis-tls`: a `rediss://` URL and the PEM CA its certificate is signed by.
+    redis_tls: Option<(String, String)>,
     port: u16,
 }
 
 const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients] \
-                     [--redis <url>] [--cluster <url,url,..>] [--port <port>]";
+                     [--redis <url>] [--cluster <url,url,..>] \
+                     [--redis-tls <rediss-url> --tls-ca <ca.pem>] [--port <port>]";
 
 fn parse_args() -> Result<Args, Error> {
     let mut mode = None;
     let mut scenario = Scenario::Allow;
     let mut redis = None;
     let mut cluster = Vec::new();
+    let (mut redis_tls, mut tls_ca) = (None, None);
     let mut port = 0;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -180,6 +186,8 @@ fn parse_args() -> Result<Args, Error> {
                     .map(str::to_owned)
                     .collect();
             }
+            "--redis-tls" => redis_tls = Some(value()?),
+            "--tls-ca" => tls_ca = Some(value()?),
             "--port" => port = value()?.parse()?,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}").into()),
@@ -191,6 +199,7 @@ fn parse_args() -> Result<Args, Error> {
         scenario,
         redis,
         cluster,
+        redis_tls: redis_tls.zip(tls_ca),
         port,
     })
 }
@@ -325,6 +334,7 @@ async fn app(args: &Args) -> Result<Router, Error> {
             }
             router.layer(layer.store(RedisStore::connect_cluster(&args.cluster).await?))
         }
+        Mode::RedisTls => router.layer(layer.store(connect_tls(args).await?)),
         Mode::Governor => {
             let mut config = GovernorConfigBuilder::default();
             if reject {
@@ -430,4 +440,20 @@ async fn handwritten(State(state): State<Handwritten>, request: Request, next: N
         Ok(_) => StatusCode::TOO_MANY_REQUESTS.into_response(),
         Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
     }
+}
+
+/// `redis-tls`: the default store over TLS (feature `tls`), trusting the given CA.
+#[cfg(feature = "tls")]
+async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
+    let (url, ca) = args
+        .redis_tls
+        .as_ref()
+        .ok_or("mode redis-tls needs --redis-tls <rediss-url> --tls-ca <ca.pem>")?;
+    let tls = tollgate::store::TlsConfig::new().with_ca_pem(std::fs::read(ca)?);
+    Ok(RedisStore::connect_tls(url, &tls).await?)
+}
+
+#[cfg(not(feature = "tls"))]
+async fn connect_tls(_args: &Args) -> Result<RedisStore, Error> {
+    Err("mode redis-tls needs the tls feature (FEATURES=redis,bb8,cluster,tls)".into())
 }

@@ -143,6 +143,11 @@ impl RedisStore {
     }
 }
 
+/// No TLS in this build: nothing can be passed where TLS settings go.
+#[cfg(all(feature = "cluster", not(feature = "tls")))]
+#[derive(Debug)]
+pub(super) enum TlsConfig {}
+
 /// The certificates of a TLS connection to Redis (feature `tls`): the CA that signed the
 /// server's certificate (the system's roots when none is set) and, for servers that ask
 /// for one, the client's certificate and key. All in PEM.
