@@ -8,11 +8,18 @@
 #   bench/script.sh REV          # REV's lua/ and this checkout's, interleaved, side by side
 #
 # Environment: REQUESTS=60000 per measurement, REPEAT=3 measurements per shape (the table
-# shows the median), CLIENTS=16 (redis-benchmark -c).
+# shows the median), CLIENTS=16 (redis-benchmark -c), COSTLY=2000 calls per measurement
+# of the cost-10 000 shapes, ONLY=<regex> to measure only the shapes it matches. Every
+# measurement starts on an empty Redis (FLUSHALL), so
+# that two revisions never read each other's keys.
 #
 # Shapes (every limit 1e9 per second, so nothing is rejected; the script reads Redis TIME;
 # the sliding window log keeps the last second's requests, some 10^4 members):
 #   <alg>x1        one request against one limit, for each algorithm
+#   sw cost 1       one request of cost 1, then of cost 10 000, on the sliding window
+#   sw cost 10000   log, COSTLY=2000 calls per measurement (both: short runs cost more
+#                   per call), since before the weighted log such a call wrote 10 000
+#                   members
 #   fw x13 one key  13 requests on one key in one call (a coalesced global key)
 #   fw x13 keys     13 requests on 13 keys in one call (coalesced per-client keys)
 #   incr (ref)      the hand-written INCR + PEXPIRE script of bench_server, for scale
@@ -21,6 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 REQUESTS=${REQUESTS:-60000}
+COSTLY=${COSTLY:-2000}
 REPEAT=${REPEAT:-3}
 CLIENTS=${CLIENTS:-16}
 REV=${1:-}
@@ -80,22 +88,24 @@ if c == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if c > tonumber(ARGV[1]) then return {0, redis.call('PTTL', KEYS[1])} end
 return {1, tonumber(ARGV[1]) - c}")
 
-# usec inside Redis per call of `EVALSHA args...`, the median of REPEAT measurements.
+# usec inside Redis per call of `EVALSHA args...`, the median of REPEAT measurements
+# of CALLS (default REQUESTS) calls.
 measure() {
   local i
   for i in $(seq "$REPEAT"); do
+    cli FLUSHALL >/dev/null
     cli CONFIG RESETSTAT >/dev/null
-    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "$REQUESTS" -q EVALSHA "$@" >/dev/null 2>&1
+    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "${CALLS:-$REQUESTS}" -q EVALSHA "$@" >/dev/null 2>&1
     cli INFO commandstats | sed -n 's/.*cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p'
   done | sort -n | sed -n "$(((REPEAT + 1) / 2))p"
 }
 
 # one_limit ALG: ARGV for one group of one limit of algorithm code ALG, 1e9 per second.
 one_limit() { echo "1 1 $1 1000000000 1000 1000000000"; }
-requests() { # requests N: N requests of cost 1 in group 1
+requests() { # requests N [COST]: N requests of cost COST (default 1) in group 1
   local i
   echo -n "$1"
-  for i in $(seq "$1"); do echo -n " 1 1"; done
+  for i in $(seq "$1"); do echo -n " ${2:-1} 1"; done
 }
 same_key=$(for _ in $(seq 13); do echo -n " bench:{hot}:fw"; done)
 distinct_keys=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw"; done)
@@ -107,6 +117,7 @@ printf '   (us inside Redis per call)\n'
 row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
   local name=$1 label value first=
   shift
+  [[ -z ${ONLY:-} || $name =~ $ONLY ]] || return 0
   printf '%-16s' "$name"
   for label in "${LABELS[@]}"; do
     value=$(measure "${SHA[$label]}" "$@")
@@ -121,9 +132,14 @@ for alg in 1:fw 2:sw 3:swc 4:tb 5:gcra; do
   # shellcheck disable=SC2046 # word splitting is the point: these are EVALSHA's arguments
   row "$name x1" 1 "bench:{one}:$name" "" $(one_limit "$code") $(requests 1)
 done
+for cost in 1 10000; do
+  # shellcheck disable=SC2046 # as above
+  CALLS=$COSTLY row "sw cost $cost" 1 "bench:{one}:sw" "" $(one_limit 2) $(requests 1 "$cost")
+done
 # shellcheck disable=SC2046,SC2086
 row "fw x13 one key" 13 $same_key "" $(one_limit 1) $(requests 13)
 # shellcheck disable=SC2046,SC2086
 row "fw x13 keys" 13 $distinct_keys "" $(one_limit 1) $(requests 13)
+[[ -z ${ONLY:-} || "incr (ref)" =~ $ONLY ]] || exit 0
 value=$(measure "$INCR" 1 bench:{ref}:incr 1000000000 1000)
 printf '%-16s%14s   (the hand-written INCR script: one request)\n' "incr (ref)" "$value"

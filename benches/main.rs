@@ -6,6 +6,7 @@
 use criterion::{criterion_group, criterion_main};
 
 mod algorithms;
+mod keys;
 mod layer;
 mod memory;
 #[cfg(feature = "redis")]
@@ -18,6 +19,7 @@ mod support;
 criterion_group!(
     benches,
     algorithms::bench_all,
+    keys::bench_all,
     layer::bench_all,
     memory::bench_all,
     redis::bench_all
@@ -26,6 +28,7 @@ criterion_group!(
 criterion_group!(
     benches,
     algorithms::bench_all,
+    keys::bench_all,
     layer::bench_all,
     memory::bench_all
 );

@@ -2,7 +2,8 @@
 -- one SET (a hash would take HMGET, HSET and PEXPIRE). Windows are aligned to multiples
 -- of W since the epoch. The key expires when its window ends: the write that opens a
 -- window sets that TTL (SET PX), later writes in the window keep it (SET KEEPTTL, about
--- half the cost inside Redis). Mirrors src/algorithm/fixed_window.rs.
+-- half the cost inside Redis). A request from before the stored window (a clock that
+-- stepped back) counts into the stored window. Mirrors src/algorithm/fixed_window.rs.
 -- Defined on first use, so a call pays only for the algorithms it runs.
 local function define_fixed_window()
   local fixed_window = {}
@@ -13,7 +14,11 @@ local function define_fixed_window()
     local v = redis.call('GET', key)
     if v then
       local start, count = string.match(v, '^(%d+):(%d+)$')
-      if start + 0 == s.start then
+      start = start + 0
+      -- An earlier window is over; a later one is the latest this key has seen, where a
+      -- clock that stepped back keeps counting (never that window's budget again).
+      if start >= s.start then
+        s.start = start
         s.count = count + 0
         s.ttl_set = true
       end

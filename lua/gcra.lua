@@ -22,11 +22,17 @@ local function define_gcra()
     return ahead(s, now, L, W, B) + cost * W <= B * W
   end
 
+  -- ceil(((tat - now) * L + frac - room) / L), split so that it stays exact beyond the
+  -- tolerance (after a step back). The request does not fit: the TAT is ahead of now.
   function gcra.wait(s, now, L, W, B, cost)
-    return ceil_div(ahead(s, now, L, W, B) + cost * W - B * W, L)
+    local room = B * W - cost * W
+    if s.frac > room then return s.tat - now + 1 end
+    return s.tat - now - math.floor((room - s.frac) / L)
   end
 
   function gcra.commit(s, now, L, W, B, cost)
+    -- Nothing to add, and now + ahead would move the TAT back after a step back.
+    if cost == 0 then return end
     local a = ahead(s, now, L, W, B) + cost * W
     s.tat = now + math.floor(a / L)
     s.frac = a % L
@@ -44,7 +50,9 @@ local function define_gcra()
   end
 
   function gcra.reset_after(s, now, L, W, B)
-    return ceil_div(ahead(s, now, L, W, B), L)
+    if s.tat < now then return 0 end
+    if s.frac > 0 then return s.tat - now + 1 end
+    return s.tat - now
   end
   return gcra
 end

@@ -1,15 +1,50 @@
--- Sliding window log: a sorted set with one member per cost unit, scored by its time in
--- ms. Members are "<time>:<n>", n = 1.. within one millisecond: all members of one time
--- leave together, so ZCOUNT of that time gives the next free n. Mirrors
--- src/algorithm/sliding_window.rs.
+-- Sliding window log: a sorted set of weighted entries, one per millisecond that had
+-- requests, scored by that time. The units of the log are numbered in the order they
+-- were written, and member "<from>:<to>" holds units from .. to - 1: the units in the
+-- window are to(newest) - from(oldest in the window), read with two O(log n) lookups,
+-- and a request of any cost writes one member. Members are unique (their ranges never
+-- overlap) and in score order: a clock that stepped back logs its units at the newest
+-- entry's time, and a second call in the same millisecond replaces that entry with a
+-- wider one. The log changes only when a request is allowed: entries that have left the
+-- window are dropped by the next write (a denied request from a clock ahead must not drop
+-- what a clock a little behind still counts). Mirrors src/algorithm/sliding_window.rs.
+-- (Earlier builds kept one member "<time>:<n>" per unit under limit id "sw"; the id is
+-- now "sw2", so the two formats never meet in one key: old keys expire within a window.)
 -- Defined on first use, so a call pays only for the algorithms it runs.
 local function define_sliding_window()
   local sliding_window = {}
 
+  -- The entry at `index` (0 = oldest, -1 = newest): from, to, time; nil when empty.
+  local function entry(key, index)
+    local e = redis.call('ZRANGE', key, index, index, 'WITHSCORES')
+    if e[1] == nil then return nil end
+    local from, to = string.match(e[1], '^(%d+):(%d+)$')
+    return from + 0, to + 0, e[2] + 0
+  end
+
   function sliding_window.load(key, now, L, W, B)
-    -- An entry at t counts while now - t < W.
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - W)
-    return { count = redis.call('ZCARD', key), key = key, changed = false }
+    -- base: the number of the oldest unit in the window (an entry at t counts while
+    -- now - t < W); top: one past the newest unit's, this call's included. newest_*: the
+    -- stored newest entry (newest_at = false: none), in the window or not. at: the time
+    -- this call's units are logged at; pending: how many this call has committed.
+    -- oldest: the member of the oldest entry in the window (false: none).
+    local s = {
+      key = key, changed = false, count = 0, base = 0, top = 0, oldest = false,
+      newest_from = 0, newest_to = 0, newest_at = false, at = now, pending = 0,
+    }
+    local newest_from, newest_to, newest_at = entry(key, -1)
+    if newest_from then
+      s.newest_from, s.newest_to, s.newest_at = newest_from, newest_to, newest_at
+      s.base, s.top = newest_to, newest_to
+      s.at = math.max(now, newest_at)
+      if newest_at + W > now then
+        local e = redis.call('ZRANGEBYSCORE', key, '(' .. int(now - W), '+inf', 'LIMIT', 0, 1)
+        s.oldest = e[1]
+        s.base = string.match(e[1], '^(%d+):') + 0
+        s.count = newest_to - s.base
+      end
+    end
+    return s
   end
 
   function sliding_window.fits(s, now, L, W, B, cost)
@@ -17,42 +52,42 @@ local function define_sliding_window()
   end
 
   function sliding_window.wait(s, now, L, W, B, cost)
-    -- The oldest (count + cost - L) units must leave the window first.
-    local i = s.count + cost - L - 1
-    local entry = redis.call('ZRANGE', s.key, i, i, 'WITHSCORES')
-    if entry[2] == nil then return W end
-    return tonumber(entry[2]) + W - now
+    -- The oldest (count + cost - L) units must leave the window first: the entry holding
+    -- unit number `last` leaves last of them. Found by bisection on the numbering, which
+    -- grows with the entries' order: O(log^2 n) in Redis, whatever the costs.
+    local last = s.base + s.count + cost - L - 1
+    if last >= s.newest_to then return s.at + W - now end -- in this call's entry
+    local lo, hi = redis.call('ZRANK', s.key, s.oldest), redis.call('ZCARD', s.key) - 1
+    while lo < hi do
+      local mid = math.floor((lo + hi) / 2)
+      local _, to = entry(s.key, mid)
+      if to > last then hi = mid else lo = mid + 1 end
+    end
+    local _, _, at = entry(s.key, lo)
+    return at + W - now
   end
 
-  local function newest(key)
-    local entry = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    return tonumber(entry[2])
-  end
-
-  -- The members go in at once (the set is the state); the TTL waits for save.
+  -- Counted here; one member is written by save, whatever the cost.
   function sliding_window.commit(s, now, L, W, B, cost)
-    if cost == 0 then return end
-    local at = int(now)
-    -- Members already at this ms: counted once per call (now does not move in a call).
-    if s.at == nil then s.at = redis.call('ZCOUNT', s.key, at, at) end
-    local args = {}
-    for i = 1, cost do
-      args[#args + 1] = at
-      args[#args + 1] = at .. ':' .. int(s.at + i)
-      if #args >= 2000 or i == cost then
-        redis.call('ZADD', s.key, unpack(args))
-        args = {}
-      end
-    end
-    s.at = s.at + cost
     s.count = s.count + cost
+    s.top = s.top + cost
+    s.pending = s.pending + cost
   end
 
+  -- Writes first, removes after: the key never becomes empty (deleted) within the
+  -- script. In a Redis Cluster slot being migrated, a write to a key the script had just
+  -- deleted is refused (ASK) half-way through the script, losing the log.
   function sliding_window.save(s, now, L, W, B)
-    local last = newest(s.key)
-    if last then
-      expire(s.key, last + W - now)
+    if s.pending == 0 then return end
+    if s.newest_at == s.at then
+      -- The newest entry is at this millisecond: it grows (members stay one per time).
+      redis.call('ZADD', s.key, s.at, int(s.newest_from) .. ':' .. int(s.top))
+      redis.call('ZREM', s.key, int(s.newest_from) .. ':' .. int(s.newest_to))
+    else
+      redis.call('ZADD', s.key, s.at, int(s.newest_to) .. ':' .. int(s.top))
     end
+    redis.call('ZREMRANGEBYSCORE', s.key, '-inf', now - W)
+    expire(s.key, s.at + W - now)
   end
 
   function sliding_window.remaining(s, now, L, W, B)
@@ -60,9 +95,9 @@ local function define_sliding_window()
   end
 
   function sliding_window.reset_after(s, now, L, W, B)
-    local last = newest(s.key)
-    if not last then return 0 end
-    return last + W - now
+    if s.pending > 0 then return s.at + W - now end
+    if s.newest_at then return math.max(s.newest_at + W - now, 0) end
+    return 0
   end
   return sliding_window
 end

@@ -13,9 +13,13 @@ local function define_sliding_window_counter()
       previous = tonumber(v[3]) or 0,
       key = key,
       changed = false,
+      elapsed = 0,
+      lag = 0,
     }
     local start = now - now % W
-    if s.start ~= start then
+    -- Only a later window rolls: a clock that stepped back keeps counting into the
+    -- latest window (never that earlier window's budget again), as at its start.
+    if start > s.start then
       if s.start + W == start then
         s.previous = s.current
       else
@@ -24,11 +28,13 @@ local function define_sliding_window_counter()
       s.current = 0
       s.start = start
     end
+    s.elapsed = math.max(now - s.start, 0)
+    s.lag = math.max(s.start - now, 0)
     return s
   end
 
   local function estimate(s, now, W)
-    return s.previous * (W - (now - s.start)) + s.current * W
+    return s.previous * (W - s.elapsed) + s.current * W
   end
 
   function sliding_window_counter.fits(s, now, L, W, B, cost)
@@ -36,7 +42,7 @@ local function define_sliding_window_counter()
   end
 
   function sliding_window_counter.wait(s, now, L, W, B, cost)
-    local left = W - (now - s.start)
+    local left = s.lag + W - s.elapsed
     if s.previous > 0 and s.current + cost <= L then
       local room = math.floor((L - cost - s.current) * W / s.previous)
       if room >= 1 then return left - room end
@@ -60,7 +66,7 @@ local function define_sliding_window_counter()
   end
 
   function sliding_window_counter.reset_after(s, now, L, W, B)
-    local left = W - (now - s.start)
+    local left = s.lag + W - s.elapsed
     if s.current > 0 then return left + W end
     if s.previous > 0 then return left end
     return 0

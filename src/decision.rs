@@ -8,7 +8,11 @@ use smallvec::SmallVec;
 pub(crate) type LimitDecisions = SmallVec<[LimitDecision; 2]>;
 
 /// The outcome for one [`Limit`](crate::Limit) of a request.
+///
+/// A custom [`Store`](crate::Store) builds these with [`allow`](Self::allow) and
+/// [`deny`](Self::deny).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LimitDecision {
     /// Whether this limit alone had room for the request.
     pub allowed: bool,
@@ -23,6 +27,35 @@ pub struct LimitDecision {
 }
 
 impl LimitDecision {
+    /// This limit of `limit` units had room: `remaining` are left, and it is fully
+    /// restored in `reset_after_ms`.
+    pub const fn allow(limit: u32, remaining: u64, reset_after_ms: u64) -> Self {
+        Self {
+            allowed: true,
+            limit,
+            remaining,
+            reset_after_ms,
+            retry_after_ms: 0,
+        }
+    }
+
+    /// This limit of `limit` units had no room: `remaining` are left, it is fully restored
+    /// in `reset_after_ms`, and the same request would fit in `retry_after_ms`.
+    pub const fn deny(
+        limit: u32,
+        remaining: u64,
+        reset_after_ms: u64,
+        retry_after_ms: u64,
+    ) -> Self {
+        Self {
+            allowed: false,
+            limit,
+            remaining,
+            reset_after_ms,
+            retry_after_ms,
+        }
+    }
+
     /// Time until this limit is fully restored.
     pub fn reset_after(&self) -> Duration {
         Duration::from_millis(self.reset_after_ms)

@@ -1,6 +1,10 @@
 //! Errors: invalid configuration, and a store that could not decide.
 
-use std::{error::Error as StdError, fmt, sync::Arc};
+use std::{
+    error::Error as StdError,
+    fmt,
+    sync::{Arc, LazyLock},
+};
 
 /// A value rejected while building a [`Limit`](crate::Limit) or a layer.
 ///
@@ -51,11 +55,24 @@ pub enum StoreErrorKind {
 
 /// A store failed to decide; the layer's failure policy chooses what the request gets.
 ///
-/// Cheap to clone: one failed call of a batch fails every request in it.
+/// Cheap to clone: one failed call of a batch fails every request in it. `Display` says
+/// what failed at this level only (`rate limit store unavailable`); the cause, such as the
+/// Redis error, is its [`source`](StdError::source), so that an error chain prints it once.
+///
+/// ```
+/// use std::error::Error;
+/// use tollgate::{StoreError, StoreErrorKind};
+///
+/// let error = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+/// assert_eq!(error.to_string(), "rate limit store unavailable");
+/// assert_eq!(error.source().unwrap().to_string(), "connection refused");
+/// ```
 #[derive(Debug, Clone)]
 pub struct StoreError {
     kind: StoreErrorKind,
     source: Option<Arc<dyn StdError + Send + Sync>>,
+    /// Made by an open circuit breaker: the store was not asked.
+    circuit_open: bool,
 }
 
 impl StoreError {
@@ -64,6 +81,7 @@ impl StoreError {
         Self {
             kind,
             source: Some(Arc::from(source.into())),
+            circuit_open: false,
         }
     }
 
@@ -72,7 +90,29 @@ impl StoreError {
         Self {
             kind: StoreErrorKind::Timeout,
             source: None,
+            circuit_open: false,
         }
+    }
+
+    /// The circuit breaker is open: the store was not asked.
+    pub(crate) fn circuit_open() -> Self {
+        static CAUSE: LazyLock<Arc<dyn StdError + Send + Sync>> =
+            LazyLock::new(|| Arc::from(Box::from("circuit open: the store failed repeatedly")));
+        Self {
+            kind: StoreErrorKind::Unavailable,
+            source: Some(CAUSE.clone()),
+            circuit_open: true,
+        }
+    }
+
+    /// Whether an open circuit breaker answered instead of the store.
+    pub(crate) fn is_circuit_open(&self) -> bool {
+        self.circuit_open
+    }
+
+    /// This error followed by its causes, `: `-separated, for log lines.
+    pub(crate) fn chain(&self) -> Chain<'_> {
+        Chain(self)
     }
 
     /// What kind of failure this is.
@@ -89,10 +129,22 @@ impl fmt::Display for StoreError {
             StoreErrorKind::Response => "rate limit store answered with an error",
             StoreErrorKind::Overloaded => "rate limit store overloaded",
         };
-        match &self.source {
-            Some(source) => write!(f, "{what}: {source}"),
-            None => f.write_str(what),
+        f.write_str(what)
+    }
+}
+
+/// See [`StoreError::chain`].
+pub(crate) struct Chain<'a>(&'a StoreError);
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(error) = cause {
+            write!(f, ": {error}")?;
+            cause = error.source();
         }
+        Ok(())
     }
 }
 
@@ -101,5 +153,26 @@ impl StdError for StoreError {
         self.source
             .as_deref()
             .map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_error_shows_its_cause_once_in_a_chain() {
+        let cause = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let error = StoreError::new(StoreErrorKind::Unavailable, cause);
+        assert_eq!(error.to_string(), "rate limit store unavailable");
+        assert_eq!(error.source().unwrap().to_string(), "refused");
+        assert_eq!(
+            error.chain().to_string(),
+            "rate limit store unavailable: refused"
+        );
+        let timeout = StoreError::timeout();
+        assert_eq!(timeout.to_string(), "rate limit store timed out");
+        assert!(timeout.source().is_none());
+        assert_eq!(timeout.chain().to_string(), "rate limit store timed out");
     }
 }

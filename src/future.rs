@@ -12,16 +12,12 @@ use std::{
 use futures_util::FutureExt;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::{
-    Decision, FailurePolicy, StoreError,
-    breaker::Admission,
-    key::Key,
-    metrics::{Outcome as Recorded, Timer},
+    Decision,
+    decide::{Asked, Next, Shared, settle},
     rejection::OnRejection,
-    service::Shared,
     store::Check,
 };
 
@@ -45,7 +41,6 @@ pin_project! {
     {
         Checking {
             check: Check,
-            deadline: Option<Pin<Box<Sleep>>>,
             pending: Option<Pending<S, ReqB>>,
         },
         Calling {
@@ -66,24 +61,6 @@ pub(crate) struct Pending<S, ReqB> {
     pub(crate) asked: Asked,
 }
 
-/// How the store was asked about a request: what [`settle`] needs besides its answer.
-pub(crate) struct Asked {
-    pub(crate) key: Key,
-    pub(crate) cost: u32,
-    pub(crate) timer: Timer,
-    /// How the circuit breaker let this request through.
-    pub(crate) admission: Admission,
-}
-
-/// What to do with a request once the store has answered.
-pub(crate) enum Next<ResB> {
-    /// Answer at once, without the inner service.
-    Answer(Response<ResB>),
-    /// Call the inner service, then write this decision's fields on its response (none
-    /// when failing open).
-    Call(Option<Decision>),
-}
-
 impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
 where
     S: Service<Request<ReqB>>,
@@ -96,7 +73,6 @@ where
         Self {
             state: State::Checking {
                 check,
-                deadline: None,
                 pending: Some(pending),
             },
             shared: Some(shared),
@@ -155,26 +131,10 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Checking {
-                    check,
-                    deadline,
-                    pending,
-                } => {
+                StateProj::Checking { check, pending } => {
                     let shared = this.shared.as_ref().expect("checking without config");
-                    let result = match check.poll_unpin(cx) {
-                        Poll::Ready(result) => result,
-                        Poll::Pending => {
-                            let Some(timeout) = shared.timeout else {
-                                return Poll::Pending;
-                            };
-                            // The timer is created only for a store that is not ready at
-                            // once, so the in-memory store never pays for one.
-                            let deadline = deadline
-                                .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-                            ready!(deadline.as_mut().poll(cx));
-                            Err(StoreError::timeout())
-                        }
-                    };
+                    // The store's timeout and circuit breaker are inside `check`.
+                    let result = ready!(check.poll_unpin(cx));
                     let Pending {
                         mut service,
                         request,
@@ -201,74 +161,5 @@ where
                 }
             }
         }
-    }
-}
-
-/// Acts on the store's answer about `request`: feeds the circuit breaker and the metrics,
-/// applies the failure policy to an error, and says whether to answer at once (a denial,
-/// a store failure) or to call the inner service.
-pub(crate) fn settle<ReqB, ResB, R>(
-    shared: &Shared<R>,
-    result: Result<Decision, StoreError>,
-    request: &Request<ReqB>,
-    asked: &Asked,
-) -> Next<ResB>
-where
-    R: OnRejection<ReqB, ResB>,
-{
-    if let Some(breaker) = &shared.breaker {
-        match &result {
-            Ok(_) => breaker.succeeded(),
-            Err(_) if asked.admission != Admission::Skip => breaker.failed(asked.admission),
-            Err(_) => {}
-        }
-    }
-    let recorded = match &result {
-        Ok(decision) if decision.is_allowed() => Recorded::Allowed,
-        Ok(_) => Recorded::Denied,
-        Err(_) => Recorded::StoreError,
-    };
-    shared.metrics.decided(recorded, &asked.timer);
-    let decision = match result {
-        Ok(decision) => decision,
-        Err(error) => match on_store_error(shared, error, asked) {
-            Ok(Some(decision)) => decision,
-            Ok(None) => return Next::Call(None),
-            Err(error) => return Next::Answer(shared.rejection.store_failed(request, &error)),
-        },
-    };
-    if decision.is_allowed() {
-        return Next::Call(Some(decision));
-    }
-    let mut response = shared.rejection.rate_limited(request, &decision);
-    shared.headers.write(response.headers_mut(), &decision);
-    Next::Answer(response)
-}
-
-/// The failure policy's answer to a store error: a decision (the local fallback store's),
-/// none (fail open), or the error to answer with (fail closed).
-fn on_store_error<R>(
-    shared: &Shared<R>,
-    error: StoreError,
-    asked: &Asked,
-) -> Result<Option<Decision>, StoreError> {
-    let Asked {
-        key,
-        cost,
-        admission,
-        ..
-    } = asked;
-    let policy = shared.on_store_error.as_str();
-    let layer = &*shared.name;
-    if *admission == Admission::Skip {
-        // The failures that opened the circuit were logged already.
-        tracing::debug!(%error, %key, policy, layer, "rate limit store skipped");
-    } else {
-        tracing::warn!(%error, %key, policy, layer, "rate limit store failed");
-    }
-    match &shared.on_store_error {
-        FailurePolicy::Allow => Ok(None),
-        FailurePolicy::Deny => Err(error),
-        FailurePolicy::Local(store) => Ok(Some(store.decide(key, &shared.limits, *cost))),
     }
 }

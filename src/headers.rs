@@ -27,7 +27,19 @@ pub static X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-rateli
 pub static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
 /// Which rate-limit fields responses carry.
+///
+/// ```
+/// use tollgate::HeaderStyle;
+///
+/// // The IETF fields and the legacy `X-RateLimit-*` ones.
+/// let both = HeaderStyle::default().with_legacy(true);
+/// assert!(both.ietf && both.legacy);
+/// // Only the legacy ones.
+/// let legacy = HeaderStyle::NONE.with_legacy(true);
+/// assert!(!legacy.ietf && legacy.legacy);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HeaderStyle {
     /// The IETF `RateLimit-Policy` and `RateLimit` fields (on by default).
     pub ietf: bool,
@@ -50,6 +62,18 @@ impl HeaderStyle {
         ietf: false,
         legacy: false,
     };
+
+    /// The same, with or without the IETF `RateLimit-Policy` and `RateLimit` fields.
+    pub const fn with_ietf(mut self, on: bool) -> Self {
+        self.ietf = on;
+        self
+    }
+
+    /// The same, with or without the legacy `X-RateLimit-*` fields.
+    pub const fn with_legacy(mut self, on: bool) -> Self {
+        self.legacy = on;
+        self
+    }
 }
 
 /// Whole seconds, rounded up.
@@ -227,10 +251,7 @@ mod tests {
     #[test]
     fn legacy_fields_on_request() {
         let limits = [Limit::fixed_window(10, Duration::from_secs(60)).unwrap()];
-        let style = HeaderStyle {
-            ietf: false,
-            legacy: true,
-        };
+        let style = HeaderStyle::NONE.with_legacy(true);
         let mut headers = HeaderMap::new();
         HeaderWriter::new(style, &limits).write(&mut headers, &decision(true, 4, 30_500, 0));
         assert_eq!(headers["x-ratelimit-limit"], "10");

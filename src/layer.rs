@@ -7,11 +7,12 @@ use tower_layer::Layer;
 use crate::{
     FailurePolicy, Limit, MissingKey,
     breaker::{Breaker, CircuitBreaker},
+    decide::Shared,
     headers::{HeaderStyle, HeaderWriter},
     key::PeerIp,
     rejection::DefaultRejection,
-    service::{RateLimit, Shared},
-    store::{MemoryStore, Store},
+    service::RateLimit,
+    store::{Guarded, MemoryStore, Store},
 };
 
 /// The default time a store call may take before the failure policy applies.
@@ -25,7 +26,10 @@ pub const DEFAULT_NAME: &str = "default";
 /// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`]; every other
 /// part is set with a builder method. **Clones of the layer, and every service it makes,
 /// share one budget** (one store), so `Router::layer` applies one limit across all
-/// routes; build a second layer (or name the limits differently) for separate budgets.
+/// routes. A second layer with its own store has its own budgets; layers on one store
+/// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
+/// of the same kind and their limits are equal and equally [named](crate::Limit::named),
+/// so name the limits differently to keep them apart.
 pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
     key: Arc<K>,
     cost: C,
@@ -200,14 +204,16 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
         let shared = Shared {
             headers: HeaderWriter::new(self.settings.headers, &self.settings.limits),
             limits: self.settings.limits.clone().into(),
-            store: self.settings.store.clone(),
+            store: Guarded::new(
+                self.settings.store.clone(),
+                self.settings.timeout,
+                self.settings.breaker.clone(),
+            ),
             on_store_error: self.settings.on_store_error.clone(),
             on_missing_key: self.settings.on_missing_key,
-            timeout: self.settings.timeout,
             rejection: self.rejection.clone(),
             name: self.settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
-            breaker: self.settings.breaker.clone(),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
     }

@@ -28,7 +28,7 @@
 //! | algorithm | guarantee | state per key |
 //! |---|---|---|
 //! | [`fixed_window`](Limit::fixed_window) | at most `limit` per aligned window (up to `2 * limit` across a boundary) | one counter |
-//! | [`sliding_window`](Limit::sliding_window) | at most `limit` in *any* interval of `window` | one entry per request in the window |
+//! | [`sliding_window`](Limit::sliding_window) | at most `limit` in *any* interval of `window` | one entry per millisecond with requests in the window, weighted by their cost |
 //! | [`sliding_window_counter`](Limit::sliding_window_counter) | approximate sliding window, at most `limit` per aligned window | two counters |
 //! | [`token_bucket`](Limit::token_bucket) | at most `burst + limit * t / window` in any interval `t` | tokens and a timestamp |
 //! | [`gcra`](Limit::gcra) | the same as the token bucket | one timestamp |
@@ -49,6 +49,9 @@
 //! [`PeerIp`](key::PeerIp) (the default) is the TCP peer. **Behind a proxy or load balancer
 //! every client has the proxy's address: use [`ClientIp`](key::ClientIp) with the proxies'
 //! CIDRs, which reads `X-Forwarded-For` from the right and only from trusted peers.**
+//! Each kind of key has its own namespace, so a header value that spells an IP or
+//! `global` never spends that client's budget. **API keys are stored as they are unless
+//! hashed:** [`HeaderKey::hashed_with`](key::HeaderKey::hashed_with).
 //! See [`key`] for all extractors and for how keys are made safe for Redis.
 //!
 //! # Stores
@@ -81,6 +84,7 @@
 pub mod algorithm;
 mod breaker;
 pub mod clock;
+mod decide;
 mod decision;
 mod error;
 mod future;

@@ -57,7 +57,9 @@ impl Algorithm {
     const fn key_tag(self) -> &'static str {
         match self {
             Self::FixedWindow => "fw",
-            Self::SlidingWindow => "sw",
+            // Earlier builds used "sw" for one sorted-set member per unit: a new name,
+            // so that weighted entries never meet that format in one key.
+            Self::SlidingWindow => "sw2",
             Self::SlidingWindowCounter => "swc",
             Self::TokenBucket => "tb",
             Self::Gcra => "gcra",
@@ -300,8 +302,8 @@ impl Limit {
     }
 
     /// A name for this limit: the policy name in the `RateLimit` headers and a part of
-    /// its store key, so that two routes with equal limits keep separate budgets (or share
-    /// one, by giving both the same name).
+    /// its store key, so that two routes with equal limits on one store keep separate
+    /// budgets (or share one, by giving both the same name).
     ///
     /// # Errors
     ///

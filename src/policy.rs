@@ -50,7 +50,8 @@ impl fmt::Debug for FailurePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MissingKey {
-    /// Answer 400 (gRPC: INVALID_ARGUMENT) without calling the inner service.
+    /// Answer 400 (gRPC: INVALID_ARGUMENT) without calling the inner service; 500 (gRPC:
+    /// INTERNAL) naming the fix when the server is at fault (no peer address).
     #[default]
     Reject,
     /// Pass the request on unlimited (for example, limit only requests with an API key).

@@ -1,5 +1,7 @@
 //! The answers the layer gives instead of calling the inner service.
 
+use std::any::Any;
+
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header::CONTENT_TYPE};
 
 use crate::{Decision, StoreError, headers::ceil_secs, key::KeyError};
@@ -26,6 +28,7 @@ pub trait OnRejection<ReqB, ResB>: Send + Sync + 'static {
 /// |---|---|---|
 /// | rate limited | 429 Too Many Requests | `grpc-status: 8` RESOURCE_EXHAUSTED |
 /// | no key | 400 Bad Request | `grpc-status: 3` INVALID_ARGUMENT ([configurable](Self::grpc_missing_key)) |
+/// | no key, server at fault ([`KeyError::is_misconfigured`]: no peer address) | 500 Internal Server Error, the fix in the body | `grpc-status: 13` INTERNAL, the fix in `grpc-message` |
 /// | store failed, policy deny | 503 Service Unavailable, `Retry-After: 1` | `grpc-status: 14` UNAVAILABLE, `retry-after: 1` |
 ///
 /// gRPC requests never get an HTTP 429: gRPC clients would turn it into UNAVAILABLE and
@@ -34,7 +37,8 @@ pub trait OnRejection<ReqB, ResB>: Send + Sync + 'static {
 /// `rate limit exceeded; retry in <seconds>s`, the same rounded-up seconds as
 /// `retry-after`) and no body. The layer adds `retry-after` and the rate-limit fields to the
 /// rate-limited answer, so gRPC clients see them as metadata. The bodies are empty
-/// (`ResB::default()`).
+/// (`ResB::default()`), except the one of a misconfigured server, which names the fix in
+/// plain text when the body type is axum's `Body` or `String`.
 ///
 /// gRPC answers can carry more, opt-in:
 ///
@@ -220,7 +224,24 @@ fn http_answer<B: Default>(status: StatusCode) -> Response<B> {
     response
 }
 
-impl<ReqB, ResB: Default> OnRejection<ReqB, ResB> for DefaultRejection {
+/// `text` as a body of type `B`, for the body types that can hold text: the default
+/// answers are generic over any `Default` body (tonic's, `Empty`, `()`), so the few that
+/// carry a message find out at run time whether the body type can.
+fn text_body<B: 'static>(text: String) -> Option<B> {
+    let mut text = Some(text);
+    let mut body: Option<B> = None;
+    let any: &mut dyn Any = &mut body;
+    if let Some(slot) = any.downcast_mut::<Option<String>>() {
+        *slot = text.take();
+    }
+    #[cfg(feature = "axum")]
+    if let Some(slot) = any.downcast_mut::<Option<axum::body::Body>>() {
+        *slot = text.take().map(axum::body::Body::from);
+    }
+    body
+}
+
+impl<ReqB, ResB: Default + 'static> OnRejection<ReqB, ResB> for DefaultRejection {
     fn rate_limited(&self, request: &Request<ReqB>, decision: &Decision) -> Response<ResB> {
         if !is_grpc(request) {
             return http_answer(StatusCode::TOO_MANY_REQUESTS);
@@ -243,11 +264,23 @@ impl<ReqB, ResB: Default> OnRejection<ReqB, ResB> for DefaultRejection {
         response
     }
 
-    fn key_missing(&self, request: &Request<ReqB>, _error: &KeyError) -> Response<ResB> {
-        if is_grpc(request) {
-            grpc_answer(self.missing_key.code(), "missing rate limit key")
-        } else {
-            http_answer(StatusCode::BAD_REQUEST)
+    fn key_missing(&self, request: &Request<ReqB>, error: &KeyError) -> Response<ResB> {
+        match (is_grpc(request), error.is_misconfigured()) {
+            (true, false) => grpc_answer(self.missing_key.code(), "missing rate limit key"),
+            (false, false) => http_answer(StatusCode::BAD_REQUEST),
+            // The client can do nothing about it: say what the operator must change.
+            (true, true) => grpc_answer(13, &error.to_string()),
+            (false, true) => {
+                let mut response = http_answer(StatusCode::INTERNAL_SERVER_ERROR);
+                if let Some(body) = text_body(error.to_string()) {
+                    *response.body_mut() = body;
+                    response.headers_mut().insert(
+                        CONTENT_TYPE,
+                        HeaderValue::from_static("text/plain; charset=utf-8"),
+                    );
+                }
+                response
+            }
         }
     }
 
@@ -269,7 +302,7 @@ impl<ReqB, ResB: Default> OnRejection<ReqB, ResB> for DefaultRejection {
 impl<F, ReqB, ResB> OnRejection<ReqB, ResB> for F
 where
     F: Fn(&Request<ReqB>, &Decision) -> Response<ResB> + Send + Sync + 'static,
-    ResB: Default,
+    ResB: Default + 'static,
 {
     fn rate_limited(&self, request: &Request<ReqB>, decision: &Decision) -> Response<ResB> {
         self(request, decision)
@@ -306,7 +339,7 @@ mod tests {
         }])
     }
 
-    fn header<'a>(response: &'a Response<()>, name: &str) -> Option<&'a str> {
+    fn header<'a, B>(response: &'a Response<B>, name: &str) -> Option<&'a str> {
         response.headers().get(name).map(|v| v.to_str().unwrap())
     }
 
@@ -354,6 +387,29 @@ mod tests {
         assert!(response.headers().is_empty());
         let response: Response<()> = rejection.key_missing(&request, &KeyError::new("x"));
         assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn a_misconfigured_server_is_a_500_that_names_the_fix() {
+        let error = KeyError::misconfigured("no client address: serve with X");
+        let request = Request::get("/").body(()).unwrap();
+        let response: Response<String> = DefaultRejection::new().key_missing(&request, &error);
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(response.body(), "no client address: serve with X");
+        assert_eq!(
+            header(&response, "content-type"),
+            Some("text/plain; charset=utf-8")
+        );
+        // A body type without text keeps its default body and no content type.
+        let response: Response<()> = DefaultRejection::new().key_missing(&request, &error);
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(header(&response, "content-type"), None);
+        let response: Response<()> = DefaultRejection::new().key_missing(&grpc_request(), &error);
+        assert_eq!(header(&response, "grpc-status"), Some("13"));
+        assert_eq!(
+            header(&response, "grpc-message"),
+            Some("no client address: serve with X")
+        );
     }
 
     #[test]

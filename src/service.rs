@@ -4,37 +4,19 @@ use std::{
     fmt,
     sync::Arc,
     task::{Context, Poll},
-    time::Duration,
 };
 
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::{
-    FailurePolicy, Limit, MissingKey, RequestCost, StoreError, StoreErrorKind,
-    breaker::{Admission, Breaker},
-    future::{Asked, Next, Pending, ResponseFuture, settle},
-    headers::HeaderWriter,
+    MissingKey, RequestCost,
+    decide::{Asked, Next, Shared, settle},
+    future::{Pending, ResponseFuture},
     key::KeyExtractor,
     metrics,
     rejection::OnRejection,
-    store::{Check, Store},
 };
-
-/// What a [`RateLimit`] service shares with its response futures.
-pub(crate) struct Shared<R> {
-    pub(crate) limits: Arc<[Limit]>,
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) headers: HeaderWriter,
-    pub(crate) on_store_error: FailurePolicy,
-    pub(crate) on_missing_key: MissingKey,
-    pub(crate) timeout: Option<Duration>,
-    pub(crate) rejection: R,
-    pub(crate) breaker: Option<Arc<Breaker>>,
-    /// The layer's name: the `route` label of its metrics.
-    pub(crate) name: Arc<str>,
-    pub(crate) metrics: metrics::LayerMetrics,
-}
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
 ///
@@ -130,25 +112,9 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
-        let admission = shared
-            .breaker
-            .as_ref()
-            .map_or(Admission::Ask, |b| b.admit());
-        let check = if admission == Admission::Skip {
-            Check::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "circuit open: the store failed repeatedly",
-            )))
-        } else {
-            shared.store.check(&key, &shared.limits, cost)
-        };
-        let asked = Asked {
-            key,
-            cost,
-            timer,
-            admission,
-        };
-        let check = match check.into_ready() {
+        let check = shared.store.check_now(&key, &shared.limits, cost);
+        let asked = Asked { key, cost, timer };
+        let check = match check {
             // Decided already (the memory store, a block-cache hit, an open circuit): the
             // service that was polled ready takes the request now, so neither it nor the
             // request has to wait in the future.

@@ -6,7 +6,6 @@
 //! script's explicit `now`), so hour-long windows, which are aligned to the epoch, can
 //! never roll over during a test and every `t` is known exactly.
 
-#[cfg(feature = "redis")]
 mod support;
 
 use std::{
@@ -400,7 +399,8 @@ async fn stacked_layers_keep_retry_after_no_earlier_than_any_t() {
 
 /// The first response of a 3-per-hour layer that writes these fields.
 async fn first_response(ietf: bool, legacy: bool) -> Response<Body> {
-    let app = routes().layer(global(3).headers(HeaderStyle { ietf, legacy }));
+    let app =
+        routes().layer(global(3).headers(HeaderStyle::NONE.with_ietf(ietf).with_legacy(legacy)));
     send(&app, get("/")).await
 }
 
@@ -448,6 +448,58 @@ async fn peer_ip_reads_mock_connect_info() {
     let other = limited.layer(peer("192.0.2.2"));
     assert_eq!(statuses(&one, 2, || get("/")).await, expect(1, 1));
     assert_eq!(statuses(&other, 2, || get("/")).await, expect(1, 1));
+}
+
+/// Without `ConnectInfo` there is no peer address: every request is a 500 whose body
+/// names the fix, and the layer's extractor warns once, not once per request.
+#[tokio::test]
+async fn without_connect_info_the_answer_names_the_fix_and_warns_once() {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let app = routes().layer(per_hour(5));
+    for _ in 0..3 {
+        let response = send(&app, get("/")).await;
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_no_rate_limit_fields(&response);
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .unwrap();
+        let body = String::from_utf8(body.to_vec()).unwrap();
+        assert!(
+            body.starts_with("tollgate: no client address: serve with ")
+                && body.contains("into_make_service_with_connect_info::<SocketAddr>()"),
+            "{body}"
+        );
+    }
+    let text = logs.text();
+    // One warning; the debug line per request stays.
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains(" WARN ")).collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(warnings[0].contains("no client address"), "{text}");
+}
+
+/// The same through a real server started without `into_make_service_with_connect_info`.
+#[tokio::test]
+async fn served_without_connect_info_the_answer_names_the_fix() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = routes().layer(per_hour(5));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let uri: http::Uri = format!("http://{addr}/").parse().unwrap();
+    let response = timeout(Duration::from_secs(5), client.get(uri))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    assert!(
+        body.contains("into_make_service_with_connect_info"),
+        "{body}"
+    );
 }
 
 /// 2 per hour and client IP, with the proxies of 10.0.0.0/8 trusted, for requests from
@@ -829,9 +881,11 @@ mod redis_store {
 
     #[tokio::test]
     async fn store_down_local_keeps_limiting() {
-        // `FailurePolicy::local()` on the frozen clock (it is `Local(MemoryStore)`).
-        let (_server, app) = dead_redis(FailurePolicy::Local(memory())).await;
+        // `FailurePolicy::local()` (it is `Local(MemoryStore)`) on a clock 100 s ahead of
+        // the Redis store's, so that its answers cannot be mistaken for Redis's.
+        let local = MemoryStore::new().with_clock(ManualClock::new(NOW_MS + 100_000));
+        let (_server, app) = dead_redis(FailurePolicy::Local(local)).await;
         assert_eq!(statuses(&app, 5, || get("/")).await, expect(3, 2));
-        assert_eq!(assert_limited(&send(&app, get("/")).await), HOUR_LEFT);
+        assert_eq!(assert_limited(&send(&app, get("/")).await), HOUR_LEFT - 100);
     }
 }

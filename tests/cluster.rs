@@ -57,6 +57,14 @@ async fn connect(cluster: &RedisCluster) -> RedisStore {
         .with_clock(ManualClock::new(NOW_MS))
 }
 
+/// Layers keyed by different extractors on one cluster keep separate budgets.
+#[tokio::test]
+async fn kinds_of_keys_never_share_state_in_a_cluster() {
+    let cluster = RedisCluster::start();
+    let store = connect(&cluster).await.with_block_cache(0);
+    support::kinds::kinds_never_share_state(Arc::new(store)).await;
+}
+
 /// One check that must answer in time: a decision or a `StoreError`, never a hang.
 async fn check(store: &RedisStore, key: &Key, limits: &[Limit]) -> Result<Decision, StoreError> {
     timeout(CHECK_TIMEOUT, store.check(key, limits, 1))
@@ -199,7 +207,10 @@ async fn keys_spread_over_every_master_and_never_cross_slots() {
     // the hash tag.
     let hostile = Key::new("{user-0}");
     let name = store.redis_key(&hostile, &limits[0]);
-    assert_eq!(cluster.keyslot(&name), cluster.keyslot("%7Buser-0%7D"));
+    assert_eq!(
+        cluster.keyslot(&name),
+        cluster.keyslot("custom|%7Buser-0%7D")
+    );
     assert!(cluster.assert_every_key_expires() >= 5 * 300);
 }
 

@@ -204,14 +204,50 @@ async fn keys_are_isolated(h: Harness) {
     assert_eq!(h.allowed("tenant-a\n", &limit, 5).await, 2);
 }
 
-async fn a_clock_that_steps_back_never_panics(h: Harness) {
+/// Two replicas share the store, one's clock 5 ms behind the other's, and take turns
+/// across a window boundary (each turn: the one ahead asks for 1, the one behind for 0
+/// and for 1). A step back never grants budget: every algorithm admits no more than a
+/// clock that only moved forward through the same 45 ms: the limit once, or, for the
+/// aligned windows, once in each of the two windows the span touches.
+async fn a_clock_that_steps_back_grants_no_extra_budget(h: Harness) {
     let limits = every_algorithm(3, ms(700));
-    for _ in 0..3 {
-        h.check("a", &limits, 1).await;
-        h.clock.set(h.clock.now_ms() - 5_000);
-        h.check("a", &limits, 1).await;
-        h.advance(10_000);
+    // 20 ms before a window boundary (START is 400 ms into a 700 ms window).
+    h.advance(280);
+    let ahead = h.clock.now_ms();
+    let mut allowed = [0; 5];
+    for turn in 0..40 {
+        for (i, limit) in limits.iter().enumerate() {
+            let key = format!("replicas-{i}");
+            let limit = std::slice::from_ref(limit);
+            h.clock.set(ahead + turn);
+            allowed[i] += u32::from(h.check(&key, limit, 1).await.is_allowed());
+            h.clock.set(ahead + turn - 5);
+            h.check(&key, limit, 0).await;
+            allowed[i] += u32::from(h.check(&key, limit, 1).await.is_allowed());
+        }
     }
+
+    // Each spends its budget, then a clock 5 s behind asks (for 0, then 1), then the
+    // first clock again: nothing was handed back, neither behind nor back at now.
+    h.advance(10_000);
+    let now = h.clock.now_ms();
+    let mut granted = [0; 5];
+    for (i, limit) in limits.iter().enumerate() {
+        let key = format!("behind-{i}");
+        let limit = std::slice::from_ref(limit);
+        h.clock.set(now);
+        assert!(h.check(&key, limit, 3).await.is_allowed(), "{limit:?}");
+        h.clock.set(now - 5_000);
+        assert!(h.check(&key, limit, 0).await.is_allowed(), "{limit:?}");
+        granted[i] += u32::from(h.check(&key, limit, 1).await.is_allowed());
+        h.clock.set(now);
+        granted[i] += u32::from(h.check(&key, limit, 1).await.is_allowed());
+    }
+    assert_eq!(
+        (allowed, granted),
+        ([6, 3, 3, 3, 3], [0; 5]),
+        "fixed window, sliding window, sliding window counter, token bucket, GCRA"
+    );
 }
 
 /// Test certificates for a store over TLS with a client certificate.
@@ -326,7 +362,7 @@ conformance!(
     multi_limit_is_all_or_nothing,
     costs_are_weighed,
     keys_are_isolated,
-    a_clock_that_steps_back_never_panics,
+    a_clock_that_steps_back_grants_no_extra_budget,
 );
 
 /// A real cluster speaking only TLS (clients, bus, replication): a few scenarios, since each

@@ -108,7 +108,12 @@ async fn wait_until_redis_decides(app: &Router, within: Duration) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("limiting did not resume within {within:?}");
+    let last = send(app).await;
+    panic!(
+        "limiting did not resume within {within:?}: {:?} {:?}",
+        last.status(),
+        last.headers()
+    );
 }
 
 async fn pause() {
@@ -118,7 +123,7 @@ async fn pause() {
 /// Kills Redis with SIGKILL under load from 8 clients, answers one request while it is
 /// down, restarts it on the same port and waits until Redis decides again. Returns the
 /// answer given while it was down and every status the clients saw.
-async fn kill_9_and_restart_under_load(policy: FailurePolicy) -> (StatusCode, Vec<StatusCode>) {
+async fn kill_9_and_restart_under_load(policy: FailurePolicy) -> (Response<Body>, Vec<StatusCode>) {
     let mut server = RedisServer::start();
     let app = app(RedisStore::connect(&server.url()).await.unwrap(), policy);
     let load = Load::start(&app, 8);
@@ -130,13 +135,15 @@ async fn kill_9_and_restart_under_load(policy: FailurePolicy) -> (StatusCode, Ve
     wait_until_redis_decides(&app, Duration::from_secs(10)).await;
     let statuses = load.stop().await;
     assert!(statuses.len() > 50, "{}", statuses.len());
-    (down.status(), statuses)
+    (down, statuses)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restart_under_load_fail_open() {
     let (down, statuses) = kill_9_and_restart_under_load(FailurePolicy::Allow).await;
-    assert_eq!(down, StatusCode::OK);
+    assert_eq!(down.status(), StatusCode::OK);
+    // Passed by the failure policy, not decided by a Redis that was still there.
+    assert!(!decided_by_redis(&down), "{:?}", down.headers());
     assert!(
         statuses.iter().all(|s| *s == StatusCode::OK),
         "{statuses:?}"
@@ -147,7 +154,7 @@ async fn kill_9_and_restart_under_load_fail_open() {
 async fn kill_9_and_restart_under_load_fail_closed() {
     let (down, statuses) = kill_9_and_restart_under_load(FailurePolicy::Deny).await;
     // While Redis is down, requests are answered 503 (never 500).
-    assert_eq!(down, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(
         statuses
             .iter()
@@ -164,11 +171,18 @@ async fn script_flush_under_load_fails_nothing() {
     // A long timeout: this test is about NOSCRIPT, not about a busy machine's latency.
     let app = app_with_timeout(store, FailurePolicy::Deny, Duration::from_secs(2));
     let load = Load::start(&app, 8);
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     for _ in 0..5 {
         pause().await;
         assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
     }
+    pause().await;
     let statuses = load.stop().await;
+    // The flushes hit calls in flight: the store met NOSCRIPT and loaded the script again.
+    assert!(
+        server.calls("script|load") >= 1,
+        "the script was never reloaded"
+    );
     // NOSCRIPT reloads the script and retries: no request ever failed.
     assert!(statuses.len() > 50, "{}", statuses.len());
     assert!(
@@ -185,9 +199,15 @@ async fn client_kill_under_load_recovers() {
         FailurePolicy::Deny,
     );
     let load = Load::start(&app, 8);
-    for _ in 0..3 {
+    for round in 0..3 {
         pause().await;
-        server.cli(&["CLIENT", "KILL", "TYPE", "normal"]).unwrap();
+        let killed = server.cli(&["CLIENT", "KILL", "TYPE", "normal"]).unwrap();
+        // The first kill hits the store's connection under load. (Later ones may find
+        // none: with the circuit open, nothing reconnects until the next probe.)
+        let killed: u32 = killed.trim().parse().unwrap();
+        if round == 0 {
+            assert!(killed >= 1, "no connection was killed");
+        }
     }
     wait_until_redis_decides(&app, Duration::from_secs(10)).await;
     let statuses = load.stop().await;
@@ -200,6 +220,19 @@ async fn client_kill_under_load_recovers() {
     );
 }
 
+/// Makes Redis stall (`DEBUG SLEEP`) for `seconds`, from another thread; join the handle
+/// to wait until Redis answers again.
+fn stall(server: &RedisServer, seconds: u32) -> std::thread::JoinHandle<()> {
+    let port = server.port().to_string();
+    std::thread::spawn(move || {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", &seconds.to_string()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "DEBUG SLEEP failed: {out:?}");
+    })
+}
+
 /// DEBUG SLEEP makes Redis stall longer than the timeout: requests are answered by the
 /// policy at the timeout, and once the circuit opens, at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,19 +243,20 @@ async fn a_stalled_redis_costs_at_most_the_timeout() {
         FailurePolicy::Allow,
     );
     assert!(decided_by_redis(&send(&app).await));
-    let port = server.port().to_string();
-    let sleeper = std::thread::spawn(move || {
-        std::process::Command::new("redis-cli")
-            .args(["-p", &port, "DEBUG", "SLEEP", "3"])
-            .output()
-            .unwrap()
-    });
+    let sleeper = stall(&server, 3);
     pause().await;
-    let mut slow = 0;
+    let (mut slow, mut during_stall) = (0, 0);
     for _ in 0..30 {
         let started = Instant::now();
         let response = send(&app).await;
+        if sleeper.is_finished() {
+            // The stall is over (a very slow machine): what follows proves nothing.
+            break;
+        }
+        during_stall += 1;
         assert_eq!(response.status(), StatusCode::OK);
+        // Passed by the failure policy: Redis cannot have decided while it slept.
+        assert!(!decided_by_redis(&response), "{:?}", response.headers());
         // Far below the 3 s stall: each request waited at most about the timeout.
         assert!(
             started.elapsed() < Duration::from_secs(1),
@@ -233,11 +267,79 @@ async fn a_stalled_redis_costs_at_most_the_timeout() {
             slow += 1;
         }
     }
+    // The stall happened: requests were answered during it, and the first ones waited for
+    // the timeout before the circuit opened.
+    assert!(
+        during_stall >= 10,
+        "only {during_stall} requests during the stall"
+    );
+    assert!(
+        slow >= 1,
+        "no request waited for the timeout: was Redis stalled?"
+    );
     // Five failures open the circuit; then only the probes wait (without the breaker all
     // 30 would; the margin absorbs a busy machine).
     assert!(slow <= 15, "{slow} requests waited for the timeout");
     sleeper.join().unwrap();
     wait_until_redis_decides(&app, Duration::from_secs(10)).await;
+}
+
+/// The circuit opens while Redis stalls; the probe sent after the cooldown is abandoned by
+/// its client (its future dropped mid-check); Redis recovers. Limiting must resume: an
+/// abandoned probe once left the breaker "probing" forever, and every later request was
+/// passed unlimited by the failure policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_probe_does_not_disable_limiting() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    // 3 per hour, failing open, 200 ms timeout, the default breaker (5 failures, 500 ms).
+    let layer = RateLimitLayer::new(Limit::fixed_window(3, Duration::from_secs(3600)).unwrap())
+        .key(GlobalKey)
+        .store(store)
+        .timeout(Some(Duration::from_millis(200)))
+        .on_store_error(FailurePolicy::Allow);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let sleeper = stall(&server, 4);
+    pause().await;
+    // Fail until the circuit opens: an answer without waiting for the timeout.
+    let mut opened = false;
+    for _ in 0..20 {
+        let started = Instant::now();
+        let response = send(&app).await;
+        assert!(!decided_by_redis(&response));
+        if started.elapsed() < Duration::from_millis(100) {
+            opened = true;
+            break;
+        }
+    }
+    assert!(opened, "the circuit never opened");
+    // After the cooldown, the next request probes; its client hangs up after 50 ms.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let probe = Request::get("/").body(Body::empty()).unwrap();
+    let hung_up = timeout(Duration::from_millis(50), app.clone().oneshot(probe)).await;
+    assert!(
+        hung_up.is_err(),
+        "the probe did not wait for the stalled Redis"
+    );
+    assert!(
+        !sleeper.is_finished(),
+        "Redis woke up before the probe was abandoned"
+    );
+    sleeper.join().unwrap();
+    // Redis is back: within a cooldown or so (generous here), Redis decides again (its
+    // 429s carry the fields too)...
+    wait_until_redis_decides(&app, Duration::from_secs(5)).await;
+    // ...and the limit holds: 3 per hour, so some of these are 429.
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(send(&app).await.status());
+    }
+    assert!(
+        statuses.contains(&StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
 }
 
 /// With Redis paused, decisions queue up to the configured bound and no further: the

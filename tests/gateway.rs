@@ -794,11 +794,15 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
             &["store.prefix", "\"{tg}\""],
         ),
         (
+            "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"\"".into(),
+            &["store.prefix", "1 to 64"],
+        ),
+        (
             format!(
                 "listen = \"127.0.0.1:0\"\n[store]\nprefix = \"{}\"",
                 "p".repeat(65)
             ),
-            &["store.prefix", "at most 64"],
+            &["store.prefix", "1 to 64"],
         ),
         (
             "listen = \"127.0.0.1:0\"\n[server]\nheader_timeout = \"1s\"".into(),
@@ -1335,6 +1339,25 @@ mod redis {
         header_and_global_keys(&store(&redis, "keys")).await;
     }
 
+    /// Header keys are hashed by default, so API keys never appear in Redis key names;
+    /// `hash_header_keys = false` stores them as they are.
+    #[tokio::test]
+    async fn redis_header_keys_are_hashed_by_default() {
+        let redis = RedisServer::start();
+        header_and_global_keys(&store(&redis, "hashed")).await;
+        header_and_global_keys(&(store(&redis, "plain") + "hash_header_keys = false\n")).await;
+        let hashed = redis.cli(&["--scan", "--pattern", "hashed:*"]).unwrap();
+        assert!(hashed.contains("hashed:{header:x-api-key|#"), "{hashed}");
+        let plain = redis.cli(&["--scan", "--pattern", "plain:*"]).unwrap();
+        for key in ["k1", "k2"] {
+            assert!(!hashed.contains(&format!("|{key}}}")), "{hashed}");
+            assert!(
+                plain.contains(&format!("plain:{{header:x-api-key|{key}}}")),
+                "{plain}"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn redis_same_key_limits_are_all_or_nothing() {
         let redis = RedisServer::start();
@@ -1379,7 +1402,7 @@ mod redis {
         }
         // The keys are the config's: <prefix>:{<client>}:<limit name>...
         let keys = redis.cli(&["--scan", "--pattern", "shared:*"]).unwrap();
-        assert!(keys.contains("shared:{127.0.0.1}:r0-l0:"), "{keys}");
+        assert!(keys.contains("shared:{ip|127.0.0.1}:r0-l0:"), "{keys}");
         one.stop().await.unwrap();
         two.stop().await.unwrap();
     }
@@ -1401,6 +1424,103 @@ mod redis {
         assert_eq!(reply.retry_after(), Some(1));
         let reply = get(&client, &url(&allow, "/")).await;
         assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+        // Passed by the policy, not decided by Redis.
+        assert!(
+            !reply.headers.contains_key("ratelimit"),
+            "{:?}",
+            reply.headers
+        );
+    }
+
+    /// The circuit opens while Redis stalls; the client of the probe after the cooldown
+    /// hangs up (so the gateway drops the probe mid-check); Redis resumes. The limit must
+    /// be enforced again: an abandoned probe once disabled limiting for good, every later
+    /// request passing unlimited by `on_error = "allow"`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_hanging_up_on_the_probe_does_not_disable_limiting() {
+        let redis = RedisServer::start();
+        let upstream = Upstream::start().await;
+        let routes = route(
+            "/api",
+            Some(&upstream.url()),
+            Some(("ip", "fixed_window", 3, "1h")),
+        );
+        let store = store(&redis, "probe").replace(
+            "timeout_ms = 2000",
+            "timeout_ms = 200\non_error = \"allow\"",
+        );
+        let gateway = gateway(&store, &routes).await;
+        let client = client();
+        let api = url(&gateway, "/api");
+        // Redis stalls for 4 s.
+        let port = redis.port().to_string();
+        let sleeper = std::thread::spawn(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port, "DEBUG", "SLEEP", "4"])
+                .output()
+                .unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Failing open until the circuit opens: then answers come without the timeout.
+        let mut opened = false;
+        for _ in 0..20 {
+            let started = std::time::Instant::now();
+            let reply = get(&client, &api).await;
+            assert_eq!(reply.status, StatusCode::OK);
+            assert!(
+                !reply.headers.contains_key("ratelimit"),
+                "{:?}",
+                reply.headers
+            );
+            if started.elapsed() < Duration::from_millis(100) {
+                opened = true;
+                break;
+            }
+        }
+        assert!(opened, "the circuit never opened");
+        // After the cooldown (500 ms), the next request probes; its client hangs up.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let mut probe = tokio::net::TcpStream::connect(gateway.addr())
+            .await
+            .unwrap();
+        tokio::io::AsyncWriteExt::write_all(
+            &mut probe,
+            b"GET /api HTTP/1.1\r\nhost: gateway\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(probe);
+        assert!(
+            !sleeper.is_finished(),
+            "Redis woke up before the probe hung up"
+        );
+        sleeper.join().unwrap();
+        // Redis is back: limiting resumes (generous bound: about one cooldown)...
+        let started = std::time::Instant::now();
+        let mut statuses = Vec::new();
+        while started.elapsed() < Duration::from_secs(5) {
+            let reply = get(&client, &api).await;
+            statuses.push(reply.status);
+            if reply.status == StatusCode::TOO_MANY_REQUESTS {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // ...and 3 per hour holds again: 429s appear, and stay.
+        assert_eq!(
+            statuses.last(),
+            Some(&StatusCode::TOO_MANY_REQUESTS),
+            "{} requests passed unlimited after Redis resumed",
+            statuses.len()
+        );
+        for _ in 0..5 {
+            assert_eq!(
+                get(&client, &api).await.status,
+                StatusCode::TOO_MANY_REQUESTS
+            );
+        }
+        gateway.stop().await.unwrap();
     }
 
     /// Two gateways on one Redis Cluster share one budget, too; the keys spread over the
@@ -1466,11 +1586,27 @@ mod redis {
                 .unwrap();
             assert!(!keys.is_empty(), "no keys on node {master}");
         }
-        let keys = cluster
-            .cli(cluster.node_for_key("shared:{client-0}:x"), &["--scan"])
+        // Header keys are hashed by default: the tag is the digest of `client-0`.
+        use tollgate::key::KeyExtractor as _;
+        let tag = tollgate::key::HeaderKey::new("x-client")
+            .unwrap()
+            .hashed()
+            .extract(
+                &http::Request::get("/")
+                    .header("x-client", "client-0")
+                    .body(())
+                    .unwrap(),
+            )
             .unwrap();
-        assert!(keys.contains("shared:{client-0}:r0-l0:"), "{keys}");
-        assert!(keys.contains("shared:{client-0}:r0-l1:"), "{keys}");
+        let keys = cluster
+            .cli(
+                cluster.node_for_key(&format!("shared:{{{tag}}}:x")),
+                &["--scan"],
+            )
+            .unwrap();
+        assert!(keys.contains(&format!("shared:{{{tag}}}:r0-l0:")), "{keys}");
+        assert!(keys.contains(&format!("shared:{{{tag}}}:r0-l1:")), "{keys}");
+        assert!(!keys.contains("client-"), "{keys}");
         assert!(cluster.assert_every_key_expires() >= 2 * clients.len());
         one.stop().await.unwrap();
         two.stop().await.unwrap();
@@ -1501,6 +1637,8 @@ mod redis {
             .await
             .unwrap_err();
         assert!(error.to_string().contains("store.url"), "{error}");
+        // The cause is named, not only "unavailable".
+        assert!(error.to_string().contains("refused"), "{error}");
     }
 }
 

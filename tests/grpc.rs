@@ -281,7 +281,16 @@ async fn a_missing_api_key_can_be_unauthenticated_or_allowed() {
 async fn peer_ip_reads_tonics_connect_info() {
     use std::sync::Arc;
 
-    use tollgate::key::Key;
+    use tollgate::key::{Key, KeyExtractor, PeerIp};
+
+    // The key `PeerIp` gives a client at `ip`.
+    let peer_key = |ip: &str| -> Key {
+        let mut request = http::Request::new(());
+        request
+            .extensions_mut()
+            .insert(std::net::SocketAddr::new(ip.parse().unwrap(), 1));
+        PeerIp::new().extract(&request).unwrap()
+    };
 
     let store: Arc<dyn Store> = Arc::new(memory());
     // The default key: the TCP peer.
@@ -294,29 +303,28 @@ async fn peer_ip_reads_tonics_connect_info() {
     );
     // It was 127.0.0.1's budget that ran out.
     let decision = store
-        .check(&Key::new("127.0.0.1"), &[hourly(2)], 1)
+        .check(&peer_key("127.0.0.1"), &[hourly(2)], 1)
         .await
         .unwrap();
     assert!(!decision.is_allowed());
     assert!(
         store
-            .check(&Key::new("127.0.0.2"), &[hourly(2)], 1)
+            .check(&peer_key("127.0.0.2"), &[hourly(2)], 1)
             .await
             .unwrap()
             .is_allowed()
     );
 }
 
-/// Without the `tonic` feature the peer address is not found, and every call is refused as
-/// a call without a key.
+/// Without the `tonic` feature the peer address is not found, and every call is refused
+/// as a misconfigured server, with the fix in the message.
 #[cfg(not(feature = "tonic"))]
 #[tokio::test]
 async fn peer_ip_needs_the_tonic_feature() {
     let mut running = serve(RateLimitLayer::new(hourly(2)).store(memory())).await;
-    assert_eq!(
-        denied(&mut running, None).await.code(),
-        Code::InvalidArgument
-    );
+    let status = denied(&mut running, None).await;
+    assert_eq!(status.code(), Code::Internal);
+    assert!(status.message().contains("`tonic` feature"), "{status:?}");
 }
 
 /// The denied answer on the wire, as the raw HTTP/2 response a gRPC client receives.

@@ -7,8 +7,12 @@
 //! - `ClientIp`: any X-Forwarded-For / Forwarded values from any peer with any trusted set
 //!   give a valid IP key; an untrusted peer is its own key; what a client writes to the
 //!   left of the list changes nothing once an untrusted hop was found.
-//! - `HeaderKey`: one non-empty value is the key, whatever its bytes, size or the case of
-//!   its name; none, an empty one or a repeated one is no key.
+//! - `HeaderKey`: one non-empty value is the key (in the namespace `header:<name>`),
+//!   whatever its bytes, size or the case of its name; none, an empty one or a repeated
+//!   one is no key.
+//! - Namespaces: a header value, closure or extension that spells an IP, `global` or
+//!   another header's value never shares state with that other kind of key, on one shared
+//!   `MemoryStore` (`tests/redis.rs` and `tests/cluster.rs` run the same scenario).
 //! - The example gateway's config: arbitrary TOML never panics, and what it accepts is
 //!   normalised and in range.
 //! - The example gateway's path normaliser: never panics, idempotent, no `//`, `/./` or
@@ -24,6 +28,8 @@ mod config;
 #[path = "../examples/gateway/path.rs"]
 mod path;
 
+#[path = "support/kinds.rs"]
+mod kinds;
 mod oracles;
 
 use std::{
@@ -34,7 +40,8 @@ use std::{
 use http::{HeaderMap, HeaderName, HeaderValue, Request};
 use ipnet::IpNet;
 use oracles::{
-    POOL, TRUSTED, canonical, check_ip_key, check_key, check_normal, is_hashed, named, peer_key,
+    POOL, TRUSTED, canonical, check_header_key, check_ip_key, check_key, check_normal, is_hashed,
+    named, peer_key,
 };
 use proptest::{collection::vec, prelude::*};
 use tollgate::key::{ClientIp, ForwardedHeader, HeaderKey, KeyExtractor};
@@ -112,6 +119,14 @@ fn huge_keys_are_hashed_and_distinct() {
         assert!(is_hashed(&ka) && is_hashed(&kb));
         assert_ne!(ka, kb);
     }
+}
+
+/// Layers keyed by different extractors on one shared memory store keep separate budgets.
+#[tokio::test]
+async fn kinds_of_keys_never_share_state_in_memory() {
+    let store = tollgate::store::MemoryStore::new()
+        .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
+    kinds::kinds_never_share_state(std::sync::Arc::new(store)).await;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -306,9 +321,9 @@ fn forwarding_headers_of_8_kib_and_more() {
         let key = extractor.extract(&req).unwrap();
         check_ip_key(&key, 64);
         if value == list {
-            assert_eq!(key.as_str(), "203.0.113.9");
+            assert_eq!(key.as_str(), "ip|203.0.113.9");
         } else {
-            assert_eq!(key.as_str(), "10.0.0.1");
+            assert_eq!(key.as_str(), "ip|10.0.0.1");
         }
     }
 }
@@ -355,7 +370,7 @@ proptest! {
         match ours.as_slice() {
             [one] if !one.is_empty() => {
                 let key = result.unwrap();
-                prop_assert_eq!(&key, &check_key(one));
+                check_header_key(&key, ours_name.as_str(), one);
             }
             _ => prop_assert!(result.is_err(), "{} values gave a key", ours.len()),
         }
@@ -374,7 +389,7 @@ fn header_values_of_8_kib_and_more_are_distinct_bounded_keys() {
             req.headers_mut()
                 .insert("x-api-key", HeaderValue::from_bytes(&value).unwrap());
             let key = extractor.extract(&req).unwrap();
-            assert_eq!(key, check_key(&value));
+            check_header_key(&key, "x-api-key", &value);
             keys.push(key);
         }
     }
@@ -610,7 +625,7 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
         Ok(config) => config,
         Err(error) => {
             prop_assert!(!error.message.is_empty());
-            let _ = error.to_string();
+            prop_assert!(error.to_string().contains(&error.message), "{}", error);
             return Ok(());
         }
     };

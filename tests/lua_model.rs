@@ -56,22 +56,53 @@ fn limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
 #[derive(Debug, Clone, Copy)]
 enum Wait {
     Ms(u64),
+    /// The clock steps back (another replica's clock, behind this one's).
+    Back(u64),
     /// The previous decision's `retry_after` (or `reset_after` of its first limit), plus
     /// -1, 0 or +1 ms: the boundaries where off-by-one mistakes live.
     RetryAfter(i64),
     ResetAfter(i64),
 }
 
-/// (wait, cost, which of two keys).
+/// (wait, cost, which of two keys), with a clock that only moves forward.
+fn forward_steps_strategy() -> impl Strategy<Value = Vec<(Wait, u32, usize)>> {
+    steps_with(Just(Wait::Ms(0)))
+}
+
+/// (wait, cost, which of two keys), with a clock that sometimes steps back.
 fn steps_strategy() -> impl Strategy<Value = Vec<(Wait, u32, usize)>> {
+    steps_with(prop_oneof![
+        (1u64..10).prop_map(Wait::Back),
+        (1u64..3_000).prop_map(Wait::Back),
+    ])
+}
+
+fn steps_with(
+    back: impl Strategy<Value = Wait> + 'static,
+) -> impl Strategy<Value = Vec<(Wait, u32, usize)>> {
     let wait = prop_oneof![
-        Just(Wait::Ms(0)),
-        (0u64..50).prop_map(Wait::Ms),
-        (0u64..4_000).prop_map(Wait::Ms),
-        (-1i64..=1).prop_map(Wait::RetryAfter),
-        (-1i64..=1).prop_map(Wait::ResetAfter),
+        2 => Just(Wait::Ms(0)),
+        2 => (0u64..50).prop_map(Wait::Ms),
+        2 => (0u64..4_000).prop_map(Wait::Ms),
+        2 => (-1i64..=1).prop_map(Wait::RetryAfter),
+        2 => (-1i64..=1).prop_map(Wait::ResetAfter),
+        1 => back,
     ];
     prop::collection::vec((wait, 0u32..8, 0usize..2), 1..60)
+}
+
+/// The time of the next request.
+fn next_now(now: u64, wait: Wait, previous: Option<&Decision>) -> u64 {
+    let dt = match (wait, previous) {
+        (Wait::Ms(ms), _) => ms as i64,
+        (Wait::Back(ms), _) => return now - ms,
+        (Wait::RetryAfter(delta), Some(d)) => d.retry_after().as_millis() as i64 + delta,
+        (Wait::ResetAfter(delta), Some(d)) => {
+            d.limits()[0].reset_after().as_millis() as i64 + delta
+        }
+        (_, None) => 0,
+    };
+    now + dt.max(0) as u64
 }
 
 /// The model's decisions, with the time of each request.
@@ -83,15 +114,7 @@ fn model_run(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, D
     steps
         .iter()
         .map(|&(wait, cost, key)| {
-            let dt = match (wait, &previous) {
-                (Wait::Ms(ms), _) => ms as i64,
-                (Wait::RetryAfter(delta), Some(d)) => d.retry_after().as_millis() as i64 + delta,
-                (Wait::ResetAfter(delta), Some(d)) => {
-                    d.limits()[0].reset_after().as_millis() as i64 + delta
-                }
-                (_, None) => 0,
-            };
-            now += dt.max(0) as u64;
+            now = next_now(now, wait, previous.as_ref());
             let decision = algorithm::check(&mut states[key], limits, now, cost);
             previous = Some(decision.clone());
             (now, cost, decision)
@@ -122,7 +145,7 @@ proptest! {
     /// The block cache answers repeated denials locally: the same decisions and the same
     /// `retry_after` as Redis without it; `remaining` may lag behind, never ahead.
     #[test]
-    fn the_block_cache_changes_no_decision(limits in limits_strategy(), steps in steps_strategy()) {
+    fn the_block_cache_changes_no_decision(limits in limits_strategy(), steps in forward_steps_strategy()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let expected = model_run(&limits, &steps);
         runtime.block_on(async {
@@ -194,6 +217,61 @@ proptest! {
         })?;
     }
 
+    /// The sliding-window log with many weighted entries (larger limits and costs,
+    /// requests close together, the clock sometimes behind): the script finds the entry
+    /// a `retry_after` waits for by bisection over its numbered units; it must agree with
+    /// the model's walk through the entries.
+    #[test]
+    fn a_long_log_decides_like_the_model(
+        limit in 20u32..400,
+        window_ms in 50u64..2_000,
+        steps in prop::collection::vec(
+            (prop_oneof![4 => (0u64..15).prop_map(Wait::Ms), 1 => (1u64..30).prop_map(Wait::Back)], 1u32..40),
+            1..150,
+        ),
+    ) {
+        let limits = [Limit::sliding_window(limit, Duration::from_millis(window_ms)).unwrap()];
+        let steps: Vec<(Wait, u32, usize)> = steps.into_iter().map(|(w, c)| (w, c, 0)).collect();
+        let expected = model_run(&limits, &steps);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            for (i, (&(_, cost, _), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = store.check(&Key::new("a"), &limits, cost).await.unwrap();
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
+    /// `retry_after` is exact, also after the clock stepped back: the same request is
+    /// still denied one millisecond earlier, and allowed at it.
+    #[test]
+    fn retry_after_is_exact(limit in limit_strategy(), steps in steps_strategy()) {
+        let limits = std::slice::from_ref(&limit);
+        let mut states = [State::new(limit.algorithm())];
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        for &(wait, cost, _) in &steps {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check(&mut states, limits, now, cost);
+            if !decision.is_allowed() && cost <= limit.capacity() {
+                let retry = decision.limits()[0].retry_after_ms;
+                let at = |t: u64| algorithm::check(&mut states.clone(), limits, t, cost).is_allowed();
+                prop_assert!(retry > 0);
+                prop_assert!(!at(now + retry - 1), "{:?} at {}: early", limit, now);
+                prop_assert!(at(now + retry), "{:?} at {}: {} ms", limit, now, retry);
+            }
+            previous = Some(decision);
+        }
+    }
+
+    /// Every run of allowed requests, in the order they were decided, whose times span
+    /// `[lo, hi]`, stays within what the algorithm allows in that span, also when the
+    /// clock steps back (requests then come in any order of time): a step back never
+    /// grants more than a clock that only moved forward through the same span.
     #[test]
     fn the_model_keeps_each_guarantee(limit in limit_strategy(), steps in steps_strategy()) {
         let limits = [limit.clone()];
@@ -206,25 +284,70 @@ proptest! {
         let w = limit.window().as_millis() as u64;
         let l = u64::from(limit.limit());
         let b = u64::from(limit.burst());
-        for (i, &(t0, _)) in run.iter().enumerate() {
-            let mut used = 0;
-            for &(t1, cost) in &run[i..] {
-                used += cost;
+        for i in 0..run.len() {
+            let (mut lo, mut hi, mut used) = (u64::MAX, 0, 0);
+            for &(t, cost) in &run[i..] {
+                (lo, hi, used) = (lo.min(t), hi.max(t), used + cost);
                 let bound = match limit.algorithm() {
-                    // Same aligned window.
+                    // `limit` per aligned window the span touches.
                     Algorithm::FixedWindow | Algorithm::SlidingWindowCounter => {
-                        if t1 / w != t0 / w { break; }
-                        l
+                        (hi / w - lo / w + 1) * l
                     }
-                    // Any interval shorter than the window.
+                    // Any span shorter than the window.
                     Algorithm::SlidingWindow => {
-                        if t1 - t0 >= w { break; }
+                        if hi - lo >= w { break; }
                         l
                     }
-                    _ => b + (t1 - t0) * l / w,
+                    _ => b + (hi - lo) * l / w,
                 };
-                prop_assert!(used <= bound, "{} used in [{}, {}] > {} for {:?}", used, t0, t1, bound, limit);
+                prop_assert!(used <= bound, "{} used in [{}, {}] > {} for {:?}", used, lo, hi, bound, limit);
             }
+        }
+    }
+
+    /// `State::expires_at` (what the memory store forgets by, and the TTL the script
+    /// sets) is exact: from then on the state decides every later request exactly like a
+    /// missing key, and after a write, one millisecond earlier it still decides otherwise
+    /// (its `reset_after` says so). A shorter TTL would let a key vanish while its state
+    /// still matters; a longer one keeps memory for nothing.
+    #[test]
+    fn a_state_expires_exactly_when_it_stops_mattering(
+        limit in limit_strategy(),
+        steps in steps_strategy(),
+        tail in prop::collection::vec((0u64..300, 0u32..8), 1..12),
+    ) {
+        let limits = std::slice::from_ref(&limit);
+        let fresh = || [State::new(limit.algorithm())];
+        let run = |mut states: [State; 1], from: u64| -> Vec<Decision> {
+            let mut now = from;
+            tail.iter()
+                .map(|&(wait, cost)| {
+                    now += wait;
+                    algorithm::check(&mut states, limits, now, cost)
+                })
+                .collect()
+        };
+        let mut states = fresh();
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        for &(wait, cost, _) in &steps {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check(&mut states, limits, now, cost);
+            let expires_at = states[0].expires_at(&limit);
+            prop_assert_eq!(
+                run(states.clone(), expires_at.max(now)),
+                run(fresh(), expires_at.max(now)),
+                "after {:?} at {} for {:?}: expires at {}", states, now, limit, expires_at
+            );
+            if decision.is_allowed() && cost > 0 {
+                prop_assert!(expires_at > now);
+                prop_assert_eq!(decision.limits()[0].reset_after_ms, expires_at - now);
+                let early = |mut states: [State; 1]| {
+                    algorithm::check(&mut states, limits, expires_at - 1, 0)
+                };
+                prop_assert_ne!(early(states.clone()), early(fresh()), "{:?}", limit);
+            }
+            previous = Some(decision);
         }
     }
 }

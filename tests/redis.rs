@@ -5,10 +5,132 @@
 
 mod support;
 
-use std::time::Duration;
+use std::{convert::Infallible, sync::Arc, time::Duration};
 
-use support::RedisServer;
-use tollgate::{Limit, Store, key::Key, store::RedisStore};
+use http::{Request, Response, StatusCode};
+use support::{RedisServer, logs::Logs};
+use tollgate::{
+    FailurePolicy, Limit, RateLimitLayer, Store,
+    key::{HeaderKey, Key},
+    store::RedisStore,
+};
+use tower::{Layer, ServiceExt, service_fn};
+
+/// Layers keyed by different extractors on one Redis keep separate budgets.
+#[tokio::test]
+async fn kinds_of_keys_never_share_state_in_redis() {
+    let server = RedisServer::start();
+    let store = uncached(&server)
+        .await
+        .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
+    support::kinds::kinds_never_share_state(std::sync::Arc::new(store)).await;
+    // Each kind's keys carry its namespace.
+    let keys = server.cli(&["--scan"]).unwrap();
+    for namespace in [
+        "{ip|",
+        "{global|",
+        "{header:x-api-key|",
+        "{header:x-user|",
+        "{custom|",
+        "{ext:",
+    ] {
+        assert!(keys.contains(namespace), "no {namespace} in {keys}");
+    }
+}
+
+/// An API key as a client sends it.
+const API_KEY: &str = "sk_live_0123456789abcdef";
+
+/// The status of one request with `x-api-key: API_KEY` through a new layer keyed by `key`
+/// on `store`, 10 per hour under the limit name `name`.
+async fn with_api_key(store: &Arc<dyn Store>, key: HeaderKey, name: &str) -> StatusCode {
+    let limit = Limit::fixed_window(10, Duration::from_secs(3600))
+        .unwrap()
+        .named(name)
+        .unwrap();
+    let layer = RateLimitLayer::new(limit)
+        .shared_store(store.clone())
+        .key(key)
+        .on_store_error(FailurePolicy::Allow)
+        .timeout(Some(Duration::from_millis(500)));
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let request = Request::get("/")
+        .header("x-api-key", API_KEY)
+        .body(())
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), service.oneshot(request))
+        .await
+        .unwrap()
+        .unwrap()
+        .status()
+}
+
+/// The hash tag (`{...}`) of the one Redis key whose limit is named `name`.
+fn tag_of(keys: &str, name: &str) -> String {
+    let key = keys
+        .lines()
+        .find(|k| k.contains(&format!("}}:{name}:")))
+        .unwrap_or_else(|| panic!("no key for {name} in {keys}"));
+    let start = key.find('{').unwrap();
+    let end = key.find('}').unwrap();
+    key[start + 1..end].to_owned()
+}
+
+/// Hashed header keys never put the API key into Redis (checked on the server's own key
+/// names), stay in the header's namespace, and differ by secret.
+#[tokio::test]
+async fn hashed_api_keys_never_reach_redis_in_clear() {
+    let server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(uncached(&server).await);
+    let header = || HeaderKey::new("x-api-key").unwrap();
+    for (key, name) in [
+        (header(), "plain"),
+        (header().hashed(), "sha"),
+        (header().hashed_with("secret-one"), "one"),
+        (header().hashed_with("secret-two"), "two"),
+    ] {
+        assert_eq!(with_api_key(&store, key, name).await, StatusCode::OK);
+    }
+    let keys = server.cli(&["--scan"]).unwrap();
+    // The scan sees values: unhashed, the API key is in the key name.
+    assert_eq!(
+        tag_of(&keys, "plain"),
+        format!("header:x-api-key|{API_KEY}")
+    );
+    let hashed: Vec<String> = ["sha", "one", "two"]
+        .iter()
+        .map(|name| tag_of(&keys, name))
+        .collect();
+    for tag in &hashed {
+        assert!(tag.starts_with("header:x-api-key|#"), "{tag}");
+        assert_eq!(tag.len(), "header:x-api-key|#".len() + 32, "{tag}");
+    }
+    assert_eq!(keys.matches("sk_live").count(), 1, "{keys}");
+    assert!(hashed[0] != hashed[1] && hashed[1] != hashed[2] && hashed[0] != hashed[2]);
+}
+
+/// A store failure is logged at warn with the key's namespace and a short digest, never
+/// the key's value.
+#[tokio::test]
+async fn store_failures_never_log_the_key() {
+    let mut server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(uncached(&server).await);
+    server.kill();
+    let (logs, _guard) = Logs::capture();
+    let header = HeaderKey::new("x-api-key").unwrap();
+    // Failed open: the request passes, and the failure is logged.
+    assert_eq!(with_api_key(&store, header, "down").await, StatusCode::OK);
+    let text = logs.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("rate limit store failed"))
+        .unwrap_or_else(|| panic!("no warning in {text}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("header:x-api-key|sha256:"), "{line}");
+    assert!(!text.contains("sk_live"), "{text}");
+}
 
 fn hourly(limit: u32) -> [Limit; 1] {
     [Limit::fixed_window(limit, Duration::from_secs(3600)).unwrap()]
@@ -131,7 +253,10 @@ async fn keys_follow_the_documented_layout() {
     keys.sort();
     assert_eq!(
         keys,
-        ["app:{user:1}:burst:tb:5:1000:5", "app:{user:1}:fw:5:60000"]
+        [
+            "app:{custom|user:1}:burst:tb:5:1000:5",
+            "app:{custom|user:1}:fw:5:60000"
+        ]
     );
     assert_eq!(store.redis_key(&Key::new("user:1"), &limits[0]), keys[1]);
     // Both keys of one identity hash to one slot.
@@ -251,4 +376,320 @@ async fn a_bad_url_is_an_error_not_a_panic() {
             .await
             .is_err()
     );
+}
+
+/// One builder step of a [`RedisStore`].
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Clock,
+    QueueLimit,
+    Coalescing(bool),
+}
+
+fn apply(store: RedisStore, step: Step, clock: &tollgate::clock::ManualClock) -> RedisStore {
+    match step {
+        Step::Clock => store.with_clock(clock.clone()),
+        Step::QueueLimit => store.with_queue_limit(1),
+        Step::Coalescing(on) => store.with_coalescing(on),
+    }
+}
+
+fn permutations(steps: [Step; 3]) -> Vec<[Step; 3]> {
+    let [a, b, c] = steps;
+    vec![
+        [a, b, c],
+        [a, c, b],
+        [b, a, c],
+        [b, c, a],
+        [c, a, b],
+        [c, b, a],
+    ]
+}
+
+/// How a store behaves: whether decisions beyond a queue of 1 are refused at once
+/// (coalescing on, with the queue limit), and whether the time is the explicit clock's.
+async fn behaviour(store: &RedisStore, key: &str) -> (usize, bool) {
+    let limits = hourly(100);
+    // Submitted together, before the batching task (on this current-thread runtime) runs.
+    let checks: Vec<_> = (0..20)
+        .map(|i| store.check(&Key::new(format!("{key}-{i}")), &limits, 1))
+        .collect();
+    let refused = checks.iter().filter(|c| c.is_ready()).count();
+    // Let the queued ones through, so that the queue is empty again.
+    futures_util::future::join_all(checks.into_iter().filter(|c| !c.is_ready())).await;
+    let decision = store.check(&Key::new(key), &limits, 1).await.unwrap();
+    // The manual clock stands 1 s into an hour-long window; Redis's clock does not.
+    let on_the_clock = decision.limits()[0].reset_after_ms == 3_599_000;
+    (refused, on_the_clock)
+}
+
+/// `with_clock`, `with_queue_limit` and `with_coalescing` give the same store in any
+/// order: once, coalescing off after the others re-enabled it, and coalescing on reset an
+/// earlier queue limit.
+#[tokio::test]
+async fn builder_calls_give_the_same_store_in_any_order() {
+    let server = RedisServer::start();
+    let clock = tollgate::clock::ManualClock::new(3_600_000 * 500_000 + 1_000);
+    let connected = uncached(&server).await;
+    let cases = [
+        (Step::Coalescing(false), (0, true)),
+        (Step::Coalescing(true), (19, true)),
+    ];
+    for (coalescing, expected) in cases {
+        for (i, order) in permutations([Step::Clock, Step::QueueLimit, coalescing])
+            .into_iter()
+            .enumerate()
+        {
+            let store = order
+                .iter()
+                .fold(connected.clone(), |store, &step| apply(store, step, &clock));
+            let got = behaviour(&store, &format!("{coalescing:?}-{i}")).await;
+            assert_eq!(got, expected, "{order:?}");
+        }
+    }
+}
+
+/// A store first used in a runtime that then shuts down keeps working in the next one:
+/// the batching task is started again on the runtime that needs it.
+#[test]
+fn a_store_outlives_the_runtime_it_was_first_used_in() {
+    let server = RedisServer::start();
+    let limits = hourly(5);
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = first.block_on(async {
+        let store = uncached(&server).await;
+        let decision = store.check(&Key::new("k"), &limits, 1).await.unwrap();
+        assert!(decision.is_allowed());
+        store
+    });
+    drop(first);
+    for round in 0..2 {
+        let next = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        next.block_on(async {
+            let check = store.check(&Key::new("k"), &limits, 1);
+            let decision = tokio::time::timeout(Duration::from_secs(10), check)
+                .await
+                .expect("a decision hung")
+                .unwrap_or_else(|e| {
+                    panic!("round {round}: {e}: {:?}", std::error::Error::source(&e))
+                });
+            assert!(decision.is_allowed());
+            assert_eq!(decision.remaining(), Some(3 - round));
+        });
+    }
+}
+
+/// A plain connection for the test's own reads (faster than `redis-cli`, so that the
+/// moments read around a check are close together).
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Redis's clock, in ms.
+async fn redis_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    s * 1000 + us / 1000
+}
+
+/// The TTL margin the script adds when the caller sends its own clock (lua/prelude.lua):
+/// that clock may lag Redis's by up to this much.
+const EXPLICIT_CLOCK_MARGIN_MS: u64 = 5_000;
+
+/// Every algorithm's key lives exactly as long as its state matters, after every write:
+/// its expiry time (PEXPIRETIME, on Redis's clock) is the moment of the script plus the
+/// decision's `reset_after` (which `lua_model` holds equal to the model's, and the model
+/// holds equal to when its state stops mattering), plus the margin with an explicit
+/// clock. The moment of the script is only known to lie between two reads of Redis's
+/// clock, so each bound is widened by that bracket and no more: a key that could vanish
+/// earlier, by any amount beyond the bracket, fails the lower bound; one kept much longer
+/// fails the upper.
+async fn every_key_lives_as_long_as_its_state_matters(clock_behind_redis_ms: Option<u64>) {
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let clock = tollgate::clock::ManualClock::new(0);
+    let store = match clock_behind_redis_ms {
+        Some(_) => uncached(&server).await.with_clock(clock.clone()),
+        None => uncached(&server).await,
+    };
+    let margin = clock_behind_redis_ms.map_or(0, |_| EXPLICIT_CLOCK_MARGIN_MS);
+    let window = Duration::from_secs(1);
+    let limits = [
+        Limit::fixed_window(10, window).unwrap(),
+        Limit::sliding_window(10, window).unwrap(),
+        Limit::sliding_window_counter(10, window).unwrap(),
+        Limit::token_bucket(10, window).unwrap(),
+        Limit::gcra(10, window).unwrap(),
+    ];
+    // (pause before, cost): two windows and a bit, with several writes in each.
+    let schedule = [
+        (0, 1),
+        (0, 2),
+        (300, 1),
+        (0, 0),
+        (800, 1),
+        (10, 3),
+        (1_100, 1),
+    ];
+    let mut widest = 0;
+    for (step, (pause_ms, cost)) in schedule.into_iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        for limit in &limits {
+            let key = Key::new("k");
+            let before = redis_ms(&mut conn).await;
+            if let Some(behind) = clock_behind_redis_ms {
+                clock.set(before - behind);
+            }
+            let decision = store
+                .check(&key, std::slice::from_ref(limit), cost)
+                .await
+                .unwrap();
+            let after = redis_ms(&mut conn).await;
+            assert!(decision.is_allowed(), "step {step}: {limit:?}");
+            if cost == 0 {
+                continue;
+            }
+            widest = widest.max(after - before);
+            let redis_key = store.redis_key(&key, limit);
+            let expires: i64 = redis::cmd("PEXPIRETIME")
+                .arg(&redis_key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let lives = decision.limits()[0].reset_after_ms + margin;
+            // The fixed window keeps the TTL of the write that opened its window
+            // (KEEPTTL), so that write's bracket counts too: the widest so far. And 1 ms
+            // for Redis TIME's truncation to ms.
+            let (low, high) = (before + lives - widest - 1, after + lives + widest + 1);
+            assert!(
+                (low..=high).contains(&(expires as u64)),
+                "step {step}, {limit:?}: expires at {expires}, its state matters until \
+                 {before}..{after} + {lives} ms"
+            );
+        }
+    }
+    support::assert_every_key_expires(&server);
+}
+
+/// Item 9 of the hardening issue, with the script reading Redis TIME.
+#[tokio::test]
+async fn every_key_lives_as_long_as_its_state_matters_by_redis_time() {
+    every_key_lives_as_long_as_its_state_matters(None).await;
+}
+
+/// Item 9 of the hardening issue, with the caller's clock (2 s behind Redis's) sent as
+/// the script's `now`.
+#[tokio::test]
+async fn every_key_lives_as_long_as_its_state_matters_by_an_explicit_clock() {
+    every_key_lives_as_long_as_its_state_matters(Some(2_000)).await;
+}
+
+/// A sliding-window request of any cost writes one sorted-set member: the log holds
+/// weighted entries (one per millisecond with requests), so a decision's Redis work and
+/// the key's memory do not grow with the cost.
+#[tokio::test]
+async fn an_expensive_request_writes_one_log_entry() {
+    let server = RedisServer::start();
+    let clock = tollgate::clock::ManualClock::new(1_700_000_000_000);
+    let store = uncached(&server).await.with_clock(clock.clone());
+    let limits = [Limit::sliding_window(
+        tollgate::MAX_SLIDING_WINDOW_LIMIT,
+        Duration::from_secs(3600),
+    )
+    .unwrap()];
+    let key = Key::new("big");
+    let redis_key = store.redis_key(&key, &limits[0]);
+    store.check(&Key::new("warm-up"), &limits, 1).await.unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let d = store.check(&key, &limits, 99_990).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.limits()[0].remaining, 10);
+    let card = |server: &RedisServer| -> u64 {
+        server
+            .cli(&["ZCARD", &redis_key])
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(card(&server), 1);
+    assert_eq!(server.calls("zadd"), 1);
+    let bytes: u64 = server
+        .cli(&["MEMORY", "USAGE", &redis_key])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(bytes < 512, "{bytes} bytes for one entry");
+    // The same millisecond again: the entry grows, no new member.
+    assert!(store.check(&key, &limits, 4).await.unwrap().is_allowed());
+    assert_eq!(card(&server), 1);
+    // Later, a new entry; the limit holds, counted exactly across entries.
+    clock.advance(Duration::from_millis(5));
+    assert!(store.check(&key, &limits, 6).await.unwrap().is_allowed());
+    assert_eq!(card(&server), 2);
+    let denied = store.check(&key, &limits, 1).await.unwrap();
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.limits()[0].remaining, 0);
+    // The oldest unit is in the first entry: it leaves when that entry does.
+    assert_eq!(denied.retry_after(), Duration::from_millis(3_600_000 - 5));
+    // One more unit than the first entry's 99 994 needs the second one gone too.
+    clock.advance(Duration::from_millis(3_600_000 - 5));
+    assert!(
+        !store
+            .check(&key, &limits, 99_995)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        store
+            .check(&key, &limits, 99_994)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert_eq!(card(&server), 2);
+    support::assert_every_key_expires(&server);
+}
+
+/// Earlier builds kept the sliding-window log as one member per unit under limit id
+/// `sw`; the weighted log lives under `sw2`. During a rolling upgrade the old format is
+/// never read, so it cannot be misread: old keys keep their TTL and expire.
+#[tokio::test]
+async fn an_old_format_log_is_left_to_expire() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let limits = [Limit::sliding_window(3, Duration::from_secs(60)).unwrap()];
+    let key = Key::new("k");
+    let new_key = store.redis_key(&key, &limits[0]);
+    let old_key = new_key.replace(":sw2:", ":sw:");
+    assert_ne!(old_key, new_key);
+    let now = redis_ms(&mut raw(&server).await).await.to_string();
+    for n in ["1", "2"] {
+        server
+            .cli(&["ZADD", &old_key, &now, &format!("{now}:{n}")])
+            .unwrap();
+    }
+    server.cli(&["PEXPIRE", &old_key, "60000"]).unwrap();
+    assert_eq!(allowed(&store, "k", &limits, 5).await, 3);
+    assert_eq!(server.cli(&["ZCARD", &old_key]).unwrap().trim(), "2");
+    let ttl: i64 = server
+        .cli(&["PTTL", &old_key])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((1..=60_000).contains(&ttl), "{ttl}");
+    support::assert_every_key_expires(&server);
 }

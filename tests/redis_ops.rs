@@ -44,7 +44,7 @@ async fn rediss_without_the_tls_feature_names_the_feature() {
     let error = RedisStore::connect("rediss://127.0.0.1:1")
         .await
         .unwrap_err();
-    let message = error.to_string();
+    let message = support::chain(&error);
     assert!(message.contains("`tls` feature"), "{message}");
 }
 
@@ -71,7 +71,7 @@ async fn a_wrong_password_is_refused_at_connect() {
     let server = RedisServer::start();
     acl::least_privilege_user(&server, "tollgate");
     let url = format!("redis://tollgate:wrong@127.0.0.1:{}", server.port());
-    let error = RedisStore::connect(&url).await.unwrap_err().to_string();
+    let error = support::chain(&RedisStore::connect(&url).await.unwrap_err());
     assert!(
         error.to_lowercase().contains("authentication failed"),
         "{error}"
@@ -104,7 +104,7 @@ async fn a_narrower_acl_is_a_clear_noperm_answered_by_the_policy() {
     // The sliding window's log needs ZADD.
     let sliding = [Limit::sliding_window(5, HOUR).unwrap()];
     let error = store.check(&Key::new("a"), &sliding, 1).await.unwrap_err();
-    let message = error.to_string();
+    let message = support::chain(&error);
     assert!(
         message.contains("NOPERM") && message.contains("+zadd"),
         "{message}"
@@ -143,7 +143,7 @@ async fn a_prefix_outside_the_acl_key_pattern_is_a_clear_noperm() {
         .unwrap()
         .with_prefix("otherapp")
         .unwrap();
-    let error = decide_all(&store, "a").await.unwrap_err().to_string();
+    let error = support::chain(&decide_all(&store, "a").await.unwrap_err());
     assert!(
         error.contains("NOPERM") && error.contains("~tollgate:*"),
         "{error}"
@@ -218,16 +218,14 @@ mod tls {
         let wrong_ca = TlsConfig::new()
             .with_ca_pem(other.ca_pem.clone())
             .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
-        let error = RedisStore::connect_tls(&server.url(), &wrong_ca)
-            .await
-            .unwrap_err()
-            .to_string();
+        let error = support::chain(
+            &RedisStore::connect_tls(&server.url(), &wrong_ca)
+                .await
+                .unwrap_err(),
+        );
         assert!(error.to_lowercase().contains("certificate"), "{error}");
         // The system's roots do not know the test CA either.
-        let error = RedisStore::connect(&server.url())
-            .await
-            .unwrap_err()
-            .to_string();
+        let error = support::chain(&RedisStore::connect(&server.url()).await.unwrap_err());
         assert!(error.to_lowercase().contains("certificate"), "{error}");
     }
 
@@ -246,10 +244,11 @@ mod tls {
     #[tokio::test]
     async fn a_plain_url_given_to_connect_tls_is_refused() {
         let tls = TlsFiles::generate();
-        let error = RedisStore::connect_tls("redis://127.0.0.1:1", &config(&tls))
-            .await
-            .unwrap_err()
-            .to_string();
+        let error = support::chain(
+            &RedisStore::connect_tls("redis://127.0.0.1:1", &config(&tls))
+                .await
+                .unwrap_err(),
+        );
         assert!(error.contains("rediss://"), "{error}");
     }
 

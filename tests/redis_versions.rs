@@ -30,6 +30,9 @@ const COMMANDS: &[(&str, (u32, u32), &str)] = &[
     ("ZCARD", (1, 2), ""),
     ("ZCOUNT", (2, 0), ""),
     ("ZRANGE", (1, 2), ""),
+    ("ZRANGEBYSCORE", (2, 0), "with LIMIT"),
+    ("ZRANK", (2, 0), ""),
+    ("ZREM", (1, 2), ""),
     ("ZREMRANGEBYSCORE", (1, 2), ""),
 ];
 
@@ -57,36 +60,44 @@ fn every_command_the_script_calls_exists_in_the_oldest_supported_redis() {
         calls.len()
     );
     for line in calls {
-        let command = line
-            .split("redis.call('")
-            .nth(1)
-            .and_then(|rest| rest.split('\'').next())
-            .unwrap_or_else(|| panic!("a redis.call without a literal command: {line}"));
-        let (_, since, why) = COMMANDS
-            .iter()
-            .find(|(name, _, _)| *name == command)
-            .unwrap_or_else(|| {
-                panic!("{command} is not in the version table: look up when Redis added it")
-            });
-        assert!(
-            *since <= OLDEST,
-            "{command} needs Redis {since:?} ({why}), newer than the oldest supported {OLDEST:?}"
-        );
-        // Options: the quoted upper-case words after the command.
-        let after = line.split_once(&format!("'{command}'")).unwrap().1;
-        for option in after.split('\'').skip(1).step_by(2) {
-            if option.chars().all(|c| c.is_ascii_uppercase()) && !option.is_empty() {
-                let (_, since) = OPTIONS
-                    .iter()
-                    .find(|(name, _)| *name == option)
-                    .unwrap_or_else(|| {
-                        panic!("option {option} of {command} is not in the version table")
-                    });
-                assert!(*since <= OLDEST, "{command} {option} needs Redis {since:?}");
-            }
+        // Every call on the line: `redis.call('CMD', args...)`.
+        for call in line.split("redis.call(").skip(1) {
+            check_call(line, call);
         }
     }
     assert!(CLIENT_COMMANDS <= OLDEST);
+}
+
+/// `call` is the text after one `redis.call(` of `line`.
+fn check_call(line: &str, call: &str) {
+    let command = call
+        .strip_prefix('\'')
+        .and_then(|rest| rest.split('\'').next())
+        .unwrap_or_else(|| panic!("a redis.call without a literal command: {line}"));
+    let (_, since, why) = COMMANDS
+        .iter()
+        .find(|(name, _, _)| *name == command)
+        .unwrap_or_else(|| {
+            panic!("{command} is not in the version table: look up when Redis added it")
+        });
+    assert!(
+        *since <= OLDEST,
+        "{command} needs Redis {since:?} ({why}), newer than the oldest supported {OLDEST:?}"
+    );
+    // Options: the quoted upper-case words after the command, up to the call's end.
+    let arguments = call.split_once(')').map_or(call, |(inside, _)| inside);
+    let after = arguments.split_once(&format!("'{command}'")).unwrap().1;
+    for option in after.split('\'').skip(1).step_by(2) {
+        if !option.is_empty() && option.chars().all(|c| c.is_ascii_uppercase()) {
+            let (_, since) = OPTIONS
+                .iter()
+                .find(|(name, _)| *name == option)
+                .unwrap_or_else(|| {
+                    panic!("option {option} of {command} is not in the version table")
+                });
+            assert!(*since <= OLDEST, "{command} {option} needs Redis {since:?}");
+        }
+    }
 }
 
 /// Nothing of the newer scripting features: Functions (7.0), shebang flags (7.0).

@@ -100,10 +100,7 @@ async fn finds_the_master_and_decides() {
 
     // An unknown master name fails at connect, clearly.
     let wrong = SentinelConfig::new(&setup.sentinel_urls(), "no-such-master");
-    let error = RedisStore::connect_sentinel(&wrong)
-        .await
-        .unwrap_err()
-        .to_string();
+    let error = support::chain(&RedisStore::connect_sentinel(&wrong).await.unwrap_err());
     assert!(error.to_lowercase().contains("master"), "{error}");
 }
 

@@ -113,6 +113,29 @@ pub(crate) struct StoreConfig {
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
     pub(crate) on_error: OnError,
+    /// How `header:<name>` keys are stored.
+    pub(crate) header_keys: HeaderKeys,
+}
+
+/// How header values (API keys) appear in store keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HeaderKeys {
+    /// As they are (`hash_header_keys = false`): readable by anyone who can read Redis.
+    Plain,
+    /// SHA-256 (the default without `key_secret_env`).
+    Sha256,
+    /// HMAC-SHA256 under the secret in the environment variable `key_secret_env`.
+    Hmac(KeySecret),
+}
+
+/// The HMAC secret: never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct KeySecret(pub(crate) Vec<u8>);
+
+impl fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("KeySecret(..)")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -242,6 +265,8 @@ struct RawStore {
     prefix: Option<String>,
     timeout_ms: Option<u64>,
     on_error: Option<String>,
+    hash_header_keys: Option<bool>,
+    key_secret_env: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -487,12 +512,15 @@ impl RawStore {
                 ));
             }
         };
+        let header_keys =
+            header_key_hashing(self.hash_header_keys, self.key_secret_env.as_deref())?;
         Ok(StoreConfig {
             backend,
             tls,
             prefix,
             timeout,
             on_error,
+            header_keys,
         })
     }
 }
@@ -605,6 +633,31 @@ fn check_tls(backend: &Backend, tls: &StoreTls) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// `store.hash_header_keys` (default true) and `store.key_secret_env`: API keys are hashed
+/// before they become store keys, with an HMAC when a secret is given.
+fn header_key_hashing(
+    hash: Option<bool>,
+    secret_env: Option<&str>,
+) -> Result<HeaderKeys, ConfigError> {
+    match (hash.unwrap_or(true), secret_env) {
+        (false, None) => Ok(HeaderKeys::Plain),
+        (false, Some(_)) => Err(ConfigError::new(
+            "store.key_secret_env",
+            "needs hash_header_keys = true (it is false)",
+        )),
+        (true, None) => Ok(HeaderKeys::Sha256),
+        (true, Some(var)) => match std::env::var_os(var) {
+            Some(secret) if !secret.is_empty() => {
+                Ok(HeaderKeys::Hmac(KeySecret(secret.into_encoded_bytes())))
+            }
+            _ => Err(ConfigError::new(
+                "store.key_secret_env",
+                format!("the environment variable {var:?} is not set or is empty"),
+            )),
+        },
+    }
 }
 
 impl RawRoute {
@@ -764,6 +817,36 @@ fn check_redis_url(field: &str, value: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn header_keys(store: &str) -> Result<HeaderKeys, ConfigError> {
+        let text = format!("listen = \"127.0.0.1:0\"\n[store]\n{store}\n");
+        Config::parse(&text).map(|c| c.store.header_keys)
+    }
+
+    #[test]
+    fn header_keys_are_hashed_unless_turned_off() {
+        assert_eq!(header_keys(""), Ok(HeaderKeys::Sha256));
+        assert_eq!(
+            header_keys("hash_header_keys = false"),
+            Ok(HeaderKeys::Plain)
+        );
+        let path = std::env::var_os("PATH").unwrap().into_encoded_bytes();
+        assert_eq!(
+            header_keys(r#"key_secret_env = "PATH""#),
+            Ok(HeaderKeys::Hmac(KeySecret(path)))
+        );
+        let unset = header_keys(r#"key_secret_env = "TOLLGATE_TEST_UNSET_SECRET""#).unwrap_err();
+        assert_eq!(unset.field, "store.key_secret_env");
+        assert!(
+            unset.message.contains("TOLLGATE_TEST_UNSET_SECRET"),
+            "{unset}"
+        );
+        let both = header_keys("hash_header_keys = false\nkey_secret_env = \"PATH\"");
+        assert_eq!(both.unwrap_err().field, "store.key_secret_env");
+        // The secret never shows in Debug.
+        let debug = format!("{:?}", HeaderKeys::Hmac(KeySecret(b"hunter2".to_vec())));
+        assert!(!debug.contains("hunter2"), "{debug}");
+    }
 
     #[test]
     fn server_fields_are_read() {

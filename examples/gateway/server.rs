@@ -26,7 +26,10 @@ use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
-    config::{Backend, Config, KeySpec, OnError, Route, RouteLimit, SentinelBackend, StoreConfig},
+    config::{
+        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, SentinelBackend,
+        StoreConfig,
+    },
     path,
     proxy::{self, Proxy},
     serve::{ConnectionLimits, serve},
@@ -267,7 +270,13 @@ fn route_service(
                     .layer(service),
             ),
             KeySpec::Header(name) => {
-                BoxCloneSyncService::new(layer.key(HeaderKey::from(name)).layer(service))
+                let key = HeaderKey::from(name);
+                let key = match &config.store.header_keys {
+                    HeaderKeys::Plain => key,
+                    HeaderKeys::Sha256 => key.hashed(),
+                    HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
+                };
+                BoxCloneSyncService::new(layer.key(key).layer(service))
             }
             KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
         };
@@ -343,14 +352,25 @@ async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Arc<dyn Store>
     } else {
         tollgate::store::RedisStore::connect(url).await
     };
-    let store =
-        connecting.map_err(|e| format!("store.url: cannot connect to {:?}: {e}", redact(url)))?;
+    let store = connecting.map_err(|e| {
+        format!(
+            "store.url: cannot connect to {:?}: {e}{}",
+            redact(url),
+            cause(&e)
+        )
+    })?;
     tracing::info!(
         url = redact(url),
         prefix = config.prefix,
         "connected to redis"
     );
     with_prefix(store, &config.prefix)
+}
+
+/// `: <cause>` of a store error (its `Display` names only its own level).
+#[cfg(feature = "redis")]
+fn cause(error: &tollgate::StoreError) -> String {
+    std::error::Error::source(error).map_or_else(String::new, |cause| format!(": {cause}"))
 }
 
 #[cfg(not(feature = "redis"))]
@@ -375,8 +395,12 @@ async fn connect_redis_cluster(
         tollgate::store::RedisStore::connect_cluster(nodes).await
     };
     let nodes: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
-    let store = connecting
-        .map_err(|e| format!("store.nodes: cannot connect to the cluster at {nodes:?}: {e}"))?;
+    let store = connecting.map_err(|e| {
+        format!(
+            "store.nodes: cannot connect to the cluster at {nodes:?}: {e}{}",
+            cause(&e)
+        )
+    })?;
     tracing::info!(?nodes, prefix = config.prefix, "connected to redis cluster");
     with_prefix(store, &config.prefix)
 }
@@ -416,8 +440,9 @@ async fn connect_redis_sentinel(
         .await
         .map_err(|e| {
             format!(
-                "store.sentinels: cannot find master {:?} through {sentinels:?}: {e}",
-                sentinel.master_name
+                "store.sentinels: cannot find master {:?} through {sentinels:?}: {e}{}",
+                sentinel.master_name,
+                cause(&e)
             )
         })?;
     tracing::info!(

@@ -3,7 +3,8 @@ use crate::Limit;
 
 /// Fixed window: a counter for the current window. Windows are aligned to multiples of
 /// the window length since the Unix epoch (`start = now - now % window`), so every replica
-/// and the Redis script agree on where a window begins.
+/// and the Redis script agree on where a window begins. A request from before the
+/// counted window (a clock that stepped back) is counted into it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FixedWindow {
     start: u64,
@@ -13,7 +14,10 @@ pub struct FixedWindow {
 impl Model for FixedWindow {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let start = now - now % limit.window_ms();
-        if self.start != start {
+        // Only a later window starts afresh. A clock that stepped back into an earlier
+        // window keeps counting into the latest one: starting that earlier window again
+        // at zero would hand out its budget a second time.
+        if start > self.start {
             self.start = start;
             self.count = 0;
         }
@@ -68,6 +72,19 @@ mod tests {
         ];
         let allowed: Vec<bool> = run(&limit, &steps).iter().map(|d| d.allowed).collect();
         assert_eq!(allowed, [true, true, true, true, true, true, false]);
+    }
+
+    #[test]
+    fn a_clock_that_steps_back_counts_into_the_latest_window() {
+        let limit = Limit::fixed_window(2, Duration::from_secs(1)).unwrap();
+        let d = run(
+            &limit,
+            &[(999, 1), (1000, 1), (998, 1), (999, 1), (1500, 1)],
+        );
+        let allowed: Vec<bool> = d.iter().map(|d| d.allowed).collect();
+        assert_eq!(allowed, [true, true, true, false, false]);
+        // Denied at 999: the window counted into ends at 2000.
+        assert_eq!(d[3].retry_after_ms, 1001);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-use super::{Model, div_ceil};
+use super::Model;
 use crate::Limit;
 
 /// GCRA: one theoretical arrival time (TAT). A request of cost `c` fits when pushing the
@@ -42,11 +42,24 @@ impl Model for Gcra {
     }
 
     fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
-        let over = self.ahead(now, limit) + cost * limit.window_ms() - Self::tolerance(limit);
-        div_ceil(over, u64::from(limit.limit()))
+        // ceil(((tat - now) * limit + frac - room) / limit), split so that it stays exact
+        // (and needs no cap) when the TAT is more than the tolerance ahead, after the
+        // clock stepped back. The request does not fit, so the TAT is ahead of now.
+        let room = Self::tolerance(limit) - cost * limit.window_ms();
+        let ahead_ms = self.tat - now;
+        if self.frac > room {
+            ahead_ms + 1
+        } else {
+            ahead_ms - (room - self.frac) / u64::from(limit.limit())
+        }
     }
 
     fn commit(&mut self, now: u64, limit: &Limit, cost: u64) {
+        // Nothing to add. (Writing `now + ahead` back would move the TAT back when the
+        // clock stepped back: `ahead` is capped at the tolerance.)
+        if cost == 0 {
+            return;
+        }
         let ahead = self.ahead(now, limit) + cost * limit.window_ms();
         self.tat = now + ahead / u64::from(limit.limit());
         self.frac = ahead % u64::from(limit.limit());
@@ -56,8 +69,13 @@ impl Model for Gcra {
         (Self::tolerance(limit) - self.ahead(now, limit)) / limit.window_ms()
     }
 
-    fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
-        div_ceil(self.ahead(now, limit), u64::from(limit.limit()))
+    fn reset_after(&self, now: u64, _limit: &Limit) -> u64 {
+        // ceil(((tat - now) * limit + frac) / limit), exact also beyond the tolerance.
+        if self.tat < now {
+            0
+        } else {
+            self.tat - now + u64::from(self.frac > 0)
+        }
     }
 
     fn expires_at(&self, _limit: &Limit) -> u64 {
@@ -82,5 +100,15 @@ mod tests {
         assert!(!d[1].allowed);
         assert_eq!(d[1].retry_after_ms, 50);
         assert!(d[2].allowed);
+    }
+
+    #[test]
+    fn a_request_of_cost_zero_never_moves_the_arrival_time_back() {
+        let limit = Limit::gcra(1, Duration::from_secs(1)).unwrap();
+        // Full at 1000; a cost-0 request from a clock 500 ms behind, then 1000 again.
+        let d = run(&limit, &[(1000, 1), (500, 0), (1000, 1)]);
+        assert!(d[1].allowed);
+        assert!(!d[2].allowed);
+        assert_eq!(d[2].retry_after_ms, 1000);
     }
 }

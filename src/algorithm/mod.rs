@@ -13,6 +13,14 @@
 //! *fits*, and only when all of them say yes is it *committed* to each. Denied requests
 //! consume nothing.
 //!
+//! `now` may step back: replicas whose clocks differ by a few milliseconds share one
+//! Redis, and a clock given with `with_clock` may be adjusted. A step back never grants
+//! budget: a window that has started stays the one counted into, a bucket does not
+//! refill, an arrival time never moves back, and a log entry is never written before
+//! the newest one. And a state changes only when a request is allowed (the script writes
+//! a key only then), so that a denied request from a clock ahead leaves nothing behind
+//! that a clock behind would read differently.
+//!
 //! ```
 //! use std::time::Duration;
 //! use tollgate::{Limit, algorithm::{self, State}};
@@ -39,6 +47,8 @@ pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;
 pub use token_bucket::TokenBucket;
 
+use smallvec::SmallVec;
+
 use crate::{Algorithm, Decision, Limit, LimitDecision, decision::LimitDecisions};
 
 /// The state one algorithm keeps for one key and limit. `State::new` is the state of a key
@@ -57,8 +67,8 @@ pub enum State {
 /// The questions the driver asks each algorithm. `now` is in milliseconds, `cost` in
 /// requests; all of them assume [`normalize`](Model::normalize) ran first at `now`.
 pub(crate) trait Model {
-    /// Brings the state to `now` without changing any decision it will make (drops
-    /// expired entries, refills, rolls windows).
+    /// Brings the state to `now` without changing any decision at `now` or later
+    /// (refills, rolls windows). [`check`] undoes it when the request is denied.
     fn normalize(&mut self, now: u64, limit: &Limit);
     /// Whether `cost` fits now.
     fn fits(&self, now: u64, limit: &Limit, cost: u64) -> bool;
@@ -117,6 +127,18 @@ impl State {
     pub fn expires_at(&self, limit: &Limit) -> u64 {
         Model::expires_at(self, limit)
     }
+
+    /// What a denied request must leave behind: the state before [`Model::normalize`]
+    /// (`None`: normalizing changes nothing). The script writes a key only when a request
+    /// is allowed, so a window rolled or a bucket refilled for a denied request is not
+    /// kept there: a clock that then steps back must find the same state here. (The log
+    /// does not normalize at all, and is never copied.)
+    fn kept_on_denial(&self) -> Option<Self> {
+        match self {
+            Self::SlidingWindow(_) | Self::Gcra(_) => None,
+            other => Some(other.clone()),
+        }
+    }
 }
 
 /// [`Model`] by a `match` on the variant rather than through a trait object, so that each
@@ -169,12 +191,14 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
     assert_eq!(states.len(), limits.len(), "one state per limit");
     let cost = u64::from(cost);
     let mut decisions = LimitDecisions::new();
+    let mut before: SmallVec<[Option<State>; 2]> = SmallVec::new();
     for (state, limit) in states.iter_mut().zip(limits) {
         assert_eq!(
             state.algorithm(),
             limit.algorithm(),
             "state of another algorithm"
         );
+        before.push(state.kept_on_denial());
         state.normalize(now, limit);
         let fits = cost <= u64::from(limit.capacity()) && state.fits(now, limit, cost);
         let retry_after_ms = if fits {
@@ -200,6 +224,13 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
         }
         decision.remaining = state.remaining(now, limit);
         decision.reset_after_ms = state.reset_after(now, limit);
+    }
+    if !all_fit {
+        for (state, before) in states.iter_mut().zip(before) {
+            if let Some(before) = before {
+                *state = before;
+            }
+        }
     }
     Decision::from_limits(decisions)
 }

@@ -16,8 +16,19 @@ pub struct SlidingWindowCounter {
 
 impl SlidingWindowCounter {
     fn estimate(&self, now: u64, window: u64) -> u64 {
-        let elapsed = now - self.start;
+        let elapsed = self.elapsed(now);
         u64::from(self.previous) * (window - elapsed) + u64::from(self.current) * window
+    }
+
+    /// Milliseconds into the counted window (0 before it: the clock stepped back).
+    fn elapsed(&self, now: u64) -> u64 {
+        now.saturating_sub(self.start)
+    }
+
+    /// Milliseconds until the counted window starts (the clock stepped back behind it):
+    /// until then the state stays as it is at the window's start.
+    fn lag(&self, now: u64) -> u64 {
+        self.start.saturating_sub(now)
     }
 }
 
@@ -25,7 +36,10 @@ impl Model for SlidingWindowCounter {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let window = limit.window_ms();
         let start = now - now % window;
-        if self.start == start {
+        // Only a later window rolls. A clock that stepped back into an earlier window
+        // keeps counting into the latest one: starting that earlier window again would
+        // hand out its budget a second time.
+        if start <= self.start {
             return;
         }
         self.previous = if self.start + window == start {
@@ -46,20 +60,21 @@ impl Model for SlidingWindowCounter {
         let window = limit.window_ms();
         let limit = u64::from(limit.limit());
         let (current, previous) = (u64::from(self.current), u64::from(self.previous));
-        let left_in_window = window - (now - self.start);
+        let left_in_window = window - self.elapsed(now);
+        let lag = self.lag(now);
         // Later in this window, as the previous window's weight shrinks?
         if previous > 0 && current + cost <= limit {
             let room = (limit - cost - current) * window / previous;
             if room >= 1 {
-                return left_in_window - room;
+                return lag + left_in_window - room;
             }
         }
         // In the next window, where this window's count becomes the weighted one.
         if current == 0 {
-            return left_in_window;
+            return lag + left_in_window;
         }
         let room = ((limit - cost) * window / current).min(window);
-        left_in_window + (window - room)
+        lag + left_in_window + (window - room)
     }
 
     fn commit(&mut self, _now: u64, _limit: &Limit, cost: u64) {
@@ -73,7 +88,7 @@ impl Model for SlidingWindowCounter {
     }
 
     fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
-        let left_in_window = limit.window_ms() - (now - self.start);
+        let left_in_window = self.lag(now) + limit.window_ms() - self.elapsed(now);
         if self.current > 0 {
             left_in_window + limit.window_ms()
         } else if self.previous > 0 {
@@ -117,5 +132,18 @@ mod tests {
         // Next window: previous = 2, need 2 * (100 - e) <= 100 -> e >= 50, at 150.
         assert_eq!(d[2].retry_after_ms, 80);
         assert_eq!(d[1].reset_after_ms, 140);
+    }
+
+    #[test]
+    fn a_clock_that_steps_back_counts_into_the_latest_window() {
+        let limit = Limit::sliding_window_counter(3, Duration::from_millis(100)).unwrap();
+        // Two at 99, one at 100 (the two weigh fully: full), then a clock 5 ms behind:
+        // still the window from 100, still full.
+        let d = run(&limit, &[(99, 1), (99, 1), (100, 1), (95, 1), (95, 0)]);
+        let allowed: Vec<bool> = d.iter().map(|d| d.allowed).collect();
+        assert_eq!(allowed, [true, true, true, false, true]);
+        // At 95, as at 100: 2 * (100 - e) + 100 + 100 <= 300 -> e >= 50, at 150.
+        assert_eq!(d[3].retry_after_ms, 55);
+        assert_eq!(d[4].reset_after_ms, 205);
     }
 }

@@ -2,13 +2,15 @@ use std::{fmt, marker::PhantomData};
 
 use http::Request;
 
-use super::{Key, KeyError, KeyExtractor};
+use super::{Key, KeyError, KeyExtractor, Namespace};
 
 /// A value of type `T` that an earlier layer (typically authentication) put into the
 /// request extensions: rate limits per authenticated user or tenant.
 ///
-/// The key is `T`'s `Display` form. Requests without a `T` have no key, so put this layer
-/// *after* (inside) the auth layer.
+/// The key is `T`'s `Display` form, in the namespace `ext:<T's type name>` (so two
+/// extension types never share a budget). The name is [`std::any::type_name`]: renaming or
+/// moving `T` (or, rarely, a compiler that spells it differently) starts fresh budgets.
+/// Requests without a `T` have no key, so put this layer *after* (inside) the auth layer.
 ///
 /// ```
 /// use http::Request;
@@ -25,9 +27,11 @@ use super::{Key, KeyError, KeyExtractor};
 /// let mut req = Request::get("/").body(()).unwrap();
 /// req.extensions_mut().insert(UserId(7));
 /// let key = ExtensionKey::<UserId>::new().extract(&req).unwrap();
-/// assert_eq!(key.as_str(), "user-7");
+/// assert!(key.namespace().starts_with("ext:") && key.namespace().ends_with("::UserId"));
+/// assert!(key.as_str().ends_with("UserId|user-7"));
 /// ```
 pub struct ExtensionKey<T> {
+    namespace: Namespace,
     _marker: PhantomData<fn() -> T>,
 }
 
@@ -35,6 +39,7 @@ impl<T> ExtensionKey<T> {
     /// Keys requests by their `T` extension.
     pub fn new() -> Self {
         Self {
+            namespace: Namespace::named("ext", std::any::type_name::<T>().as_bytes()),
             _marker: PhantomData,
         }
     }
@@ -48,7 +53,10 @@ impl<T> Default for ExtensionKey<T> {
 
 impl<T> Clone for ExtensionKey<T> {
     fn clone(&self) -> Self {
-        Self::new()
+        Self {
+            namespace: self.namespace.clone(),
+            _marker: PhantomData,
+        }
     }
 }
 
@@ -68,7 +76,7 @@ where
         request
             .extensions()
             .get::<T>()
-            .map(|value| Key::new(value.to_string()))
+            .map(|value| self.namespace.key(value.to_string()))
             .ok_or_else(|| {
                 KeyError::new(format!(
                     "no {} in the request extensions",

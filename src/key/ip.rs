@@ -1,4 +1,10 @@
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::{
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
 
 use compact_str::format_compact;
 use http::{HeaderMap, Request};
@@ -25,9 +31,14 @@ pub const DEFAULT_IPV6_PREFIX: u8 = 64;
 /// tonic's TLS transport wraps the address in `TlsConnectInfo<TcpConnectInfo>`, which this
 /// extractor does not read: key such servers with a closure that reads it, or insert the
 /// `SocketAddr` in a layer in front of this one.
-#[derive(Debug, Clone, Copy)]
+///
+/// Without an address (a server not set up as above) every request has no key: the
+/// default rejection answers 500 with a body naming the fix, and the extractor logs one
+/// warning (once per extractor and its clones, so once per layer).
+#[derive(Debug, Clone)]
 pub struct PeerIp {
     ipv6_prefix: u8,
+    no_peer: NoPeerWarning,
 }
 
 impl PeerIp {
@@ -35,6 +46,7 @@ impl PeerIp {
     pub fn new() -> Self {
         Self {
             ipv6_prefix: DEFAULT_IPV6_PREFIX,
+            no_peer: NoPeerWarning::default(),
         }
     }
 
@@ -54,7 +66,7 @@ impl Default for PeerIp {
 
 impl<B> KeyExtractor<B> for PeerIp {
     fn extract(&self, request: &Request<B>) -> Result<Key, KeyError> {
-        let peer = peer_addr(request).ok_or_else(no_peer)?;
+        let peer = peer_addr(request).ok_or_else(|| self.no_peer.error())?;
         Ok(ip_key(peer, self.ipv6_prefix))
     }
 }
@@ -81,6 +93,9 @@ pub enum ForwardedHeader {
 /// Only one header is read (X-Forwarded-For by default): make sure your proxies set that
 /// one. A malformed entry stops the walk at the last address a trusted proxy vouched for.
 ///
+/// The TCP peer is read as [`PeerIp`] reads it, and a missing one is answered and logged
+/// the same way. Both extractors put keys in the `ip` namespace: they name the same thing.
+///
 /// ```
 /// use std::net::SocketAddr;
 /// use http::Request;
@@ -91,7 +106,7 @@ pub enum ForwardedHeader {
 ///     .header("x-forwarded-for", "6.6.6.6, 203.0.113.9, 10.0.0.2")
 ///     .body(())?;
 /// req.extensions_mut().insert("10.0.0.1:4000".parse::<SocketAddr>()?);
-/// assert_eq!(key.extract(&req)?.as_str(), "203.0.113.9");
+/// assert_eq!(key.extract(&req)?.as_str(), "ip|203.0.113.9");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -99,6 +114,7 @@ pub struct ClientIp {
     trusted: Vec<IpNet>,
     header: ForwardedHeader,
     ipv6_prefix: u8,
+    no_peer: NoPeerWarning,
 }
 
 impl ClientIp {
@@ -108,6 +124,7 @@ impl ClientIp {
             trusted: trusted.into_iter().map(|net| net.trunc()).collect(),
             header: ForwardedHeader::default(),
             ipv6_prefix: DEFAULT_IPV6_PREFIX,
+            no_peer: NoPeerWarning::default(),
         }
     }
 
@@ -157,7 +174,7 @@ impl ClientIp {
 
 impl<B> KeyExtractor<B> for ClientIp {
     fn extract(&self, request: &Request<B>) -> Result<Key, KeyError> {
-        let peer = peer_addr(request).ok_or_else(no_peer)?;
+        let peer = peer_addr(request).ok_or_else(|| self.no_peer.error())?;
         Ok(ip_key(
             self.client_ip(peer, request.headers()),
             self.ipv6_prefix,
@@ -165,12 +182,26 @@ impl<B> KeyExtractor<B> for ClientIp {
     }
 }
 
-fn no_peer() -> KeyError {
-    KeyError::new(
-        "no peer address in the request extensions (axum: serve with \
-         into_make_service_with_connect_info::<SocketAddr>(); tonic: enable tollgate's \
-         `tonic` feature; or insert a SocketAddr)",
-    )
+/// What a server without peer addresses is told: the fix, in the rejection's body.
+const NO_PEER: &str = "tollgate: no client address: serve with \
+    into_make_service_with_connect_info::<SocketAddr>() (axum), enable tollgate's `tonic` \
+    feature (tonic), insert a SocketAddr extension, or choose another key";
+
+/// Warns once (per extractor and its clones) that requests carry no peer address: the
+/// server is set up wrong and every request is rejected (or, with `MissingKey::Allow`,
+/// unlimited), which a debug line per request would hide.
+#[derive(Debug, Clone, Default)]
+struct NoPeerWarning {
+    warned: Arc<AtomicBool>,
+}
+
+impl NoPeerWarning {
+    fn error(&self) -> KeyError {
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!("{NO_PEER}");
+        }
+        KeyError::misconfigured(NO_PEER)
+    }
 }
 
 fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
@@ -206,14 +237,14 @@ fn canonical(ip: IpAddr) -> IpAddr {
 
 fn ip_key(ip: IpAddr, ipv6_prefix: u8) -> Key {
     // Addresses print as digits, hex letters, `.`, `:` and `/`: key-safe, no escaping,
-    // and short enough to stay inline.
+    // and an IPv4 key (`ip|` and at most 15 bytes) is short enough to stay inline.
     Key::from_safe(match canonical(ip) {
-        IpAddr::V4(v4) => format_compact!("{v4}"),
-        IpAddr::V6(v6) if ipv6_prefix >= 128 => format_compact!("{v6}"),
+        IpAddr::V4(v4) => format_compact!("ip|{v4}"),
+        IpAddr::V6(v6) if ipv6_prefix >= 128 => format_compact!("ip|{v6}"),
         IpAddr::V6(v6) => {
             let mask = u128::MAX << (128 - u32::from(ipv6_prefix));
             let network = Ipv6Addr::from(u128::from(v6) & mask);
-            format_compact!("{network}/{ipv6_prefix}")
+            format_compact!("ip|{network}/{ipv6_prefix}")
         }
     })
 }
@@ -282,7 +313,8 @@ mod tests {
         let mut req = req.body(()).unwrap();
         req.extensions_mut()
             .insert(peer.parse::<SocketAddr>().unwrap());
-        key.extract(&req).unwrap().as_str().to_owned()
+        let key = key.extract(&req).unwrap();
+        key.as_str().strip_prefix("ip|").unwrap().to_owned()
     }
 
     #[test]
@@ -342,17 +374,17 @@ mod tests {
             .unwrap();
         req.extensions_mut()
             .insert("10.0.0.1:1".parse::<SocketAddr>().unwrap());
-        assert_eq!(key.extract(&req).unwrap().as_str(), "2001:db8:cafe::/64");
+        assert_eq!(key.extract(&req).unwrap().as_str(), "ip|2001:db8:cafe::/64");
     }
 
     #[test]
     fn ipv6_grouping_and_mapped_ipv4() {
         let v6: IpAddr = "2001:db8:1:2:3:4:5:6".parse().unwrap();
-        assert_eq!(ip_key(v6, 64).as_str(), "2001:db8:1:2::/64");
-        assert_eq!(ip_key(v6, 56).as_str(), "2001:db8:1::/56");
-        assert_eq!(ip_key(v6, 128).as_str(), "2001:db8:1:2:3:4:5:6");
+        assert_eq!(ip_key(v6, 64).as_str(), "ip|2001:db8:1:2::/64");
+        assert_eq!(ip_key(v6, 56).as_str(), "ip|2001:db8:1::/56");
+        assert_eq!(ip_key(v6, 128).as_str(), "ip|2001:db8:1:2:3:4:5:6");
         let mapped: IpAddr = "::ffff:1.2.3.4".parse().unwrap();
-        assert_eq!(ip_key(mapped, 64).as_str(), "1.2.3.4");
+        assert_eq!(ip_key(mapped, 64).as_str(), "ip|1.2.3.4");
     }
 
     #[cfg(feature = "tonic")]
@@ -375,16 +407,39 @@ mod tests {
         });
         let mut req = Request::get("/").body(()).unwrap();
         req.extensions_mut().insert(info);
-        assert_eq!(PeerIp::new().extract(&req).unwrap().as_str(), "127.0.0.1");
+        assert_eq!(
+            PeerIp::new().extract(&req).unwrap().as_str(),
+            "ip|127.0.0.1"
+        );
         assert_eq!(
             ClientIp::new([]).extract(&req).unwrap().as_str(),
-            "127.0.0.1"
+            "ip|127.0.0.1"
         );
     }
 
     #[test]
     fn missing_peer_is_an_error_not_a_panic() {
         let req = Request::get("/").body(()).unwrap();
-        assert!(PeerIp::new().extract(&req).is_err());
+        let error = PeerIp::new().extract(&req).unwrap_err();
+        assert!(error.is_misconfigured());
+        assert!(
+            error
+                .to_string()
+                .contains("into_make_service_with_connect_info")
+        );
+        assert!(
+            ClientIp::new([])
+                .extract(&req)
+                .unwrap_err()
+                .is_misconfigured()
+        );
+    }
+
+    #[test]
+    fn ip_keys_are_in_the_ip_namespace_and_inline() {
+        let widest: IpAddr = "255.255.255.255".parse().unwrap();
+        let key = ip_key(widest, 64);
+        assert_eq!(key.namespace(), "ip");
+        assert!(!key.0.is_heap_allocated(), "{key}");
     }
 }

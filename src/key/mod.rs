@@ -6,19 +6,37 @@
 //! ([`ExtensionKey`]), one shared [`GlobalKey`], or any closure
 //! `Fn(&Request<B>) -> Option<impl Into<Key>>`.
 //!
+//! # Keys of different kinds never meet
+//!
+//! A key is `<namespace>|<value>`: the [`Namespace`] names the kind of extractor (`ip`,
+//! `header:<name>`, `ext:<type>`, `global`, `custom` for [`Key::new`] and closures, or
+//! `custom:<name>` for your own), so a header value that spells an IP address, `global`,
+//! or another header's value is still its own client: layers with different extractors
+//! keep separate budgets even on one shared store. [`PeerIp`] and [`ClientIp`] share `ip`,
+//! as both name a client address (a service that moves behind a proxy keeps its budgets).
+//!
+//! A closure may return a key another extractor made (say, `PeerIp`'s when there is no
+//! API key): that key keeps its namespace and shares that extractor's budget.
+//!
 //! # Keys are safe in Redis
 //!
 //! A [`Key`] is made from untrusted bytes, so it is encoded before it becomes part of a
 //! store key `<prefix>:{<key>}:<limit>`: bytes outside `A-Z a-z 0-9 - . _ : / @ + =` are
-//! percent-encoded (so `{`, `}`, newlines and non-UTF-8 can neither end the hash tag nor
-//! make two keys equal), and a key whose encoding is longer than 128 bytes is replaced by
-//! `#` and the first 128 bits of its SHA-256, in hex. Different inputs give different keys,
-//! short keys stay readable in `redis-cli`, and no key is longer than 128 bytes.
+//! percent-encoded (so `{`, `}`, `|`, newlines and non-UTF-8 can neither end the hash tag
+//! or the namespace nor make two keys equal), and a value whose key would be longer than
+//! 128 bytes is replaced by `#` and the first 128 bits of its SHA-256, in hex. Different
+//! inputs give different keys, short keys stay readable in `redis-cli`, and no key is
+//! longer than 128 bytes.
+//!
+//! Readable also means that API keys are visible to anyone who can read the store (Redis
+//! `MONITOR`, `SLOWLOG`, RDB files): [`HeaderKey::hashed_with`] stores an HMAC of the value
+//! instead. Logs show only [`Key::redacted`].
 
 mod extension;
 mod global;
 mod header;
 mod ip;
+mod namespace;
 
 use std::{fmt, net::IpAddr};
 
@@ -30,64 +48,99 @@ pub use extension::ExtensionKey;
 pub use global::GlobalKey;
 pub use header::HeaderKey;
 pub use ip::{ClientIp, DEFAULT_IPV6_PREFIX, ForwardedHeader, PeerIp};
+pub use namespace::Namespace;
 
-/// The longest encoded key; longer ones are hashed.
+/// The longest key, namespace included; longer values are hashed.
 pub const MAX_KEY_LEN: usize = 128;
 
-/// An encoded, bounded identity: see the [module docs](crate::key).
+/// An encoded, bounded identity in its [`Namespace`]: see the [module docs](crate::key).
 ///
-/// Keys up to 24 bytes (every IP address) live inline, without an allocation.
+/// Keys up to 24 bytes (every IPv4 address with its namespace) live inline, without an
+/// allocation.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Key(CompactString);
 
 impl Key {
-    /// Encodes `bytes` (any bytes at all) into a key.
+    /// Encodes `bytes` (any bytes at all) into a key in the `custom` namespace: the one
+    /// of closures and your own extractors, which no built-in extractor produces.
     ///
     /// ```
     /// use tollgate::key::Key;
     ///
-    /// assert_eq!(Key::new("api-key-1").as_str(), "api-key-1");
-    /// assert_eq!(Key::new("a}b{c").as_str(), "a%7Db%7Bc");
-    /// assert_eq!(Key::new([0xff, b'\n']).as_str(), "%FF%0A");
-    /// assert_eq!(Key::new("x".repeat(10_000)).as_str().len(), 33);
+    /// assert_eq!(Key::new("api-key-1").as_str(), "custom|api-key-1");
+    /// assert_eq!(Key::new("a}b{c|").as_str(), "custom|a%7Db%7Bc%7C");
+    /// assert_eq!(Key::new([0xff, b'\n']).as_str(), "custom|%FF%0A");
+    /// assert_eq!(Key::new("x".repeat(10_000)).as_str().len(), 40);
     /// ```
     pub fn new(bytes: impl AsRef<[u8]>) -> Self {
-        let bytes = bytes.as_ref();
-        if bytes.is_empty() {
-            // An empty hash tag `{}` would not be a tag: Redis Cluster would hash each
-            // limit's whole key, and one key's limits could land in different slots.
-            // `~` is escaped everywhere else, so it stands for "empty" alone.
-            return Self(CompactString::const_new("~"));
-        }
-        let mut encoded = CompactString::with_capacity(bytes.len());
-        escape_into(bytes, &mut encoded);
-        if encoded.len() <= MAX_KEY_LEN {
-            return Self(encoded);
-        }
-        // `#` is always escaped above, so a hashed key never equals an encoded one.
-        let digest = Sha256::digest(bytes);
-        let mut hashed = CompactString::with_capacity(33);
-        hashed.push('#');
-        for byte in &digest[..16] {
-            hashed.push(HEX[usize::from(byte >> 4)] as char);
-            hashed.push(HEX[usize::from(byte & 0xf)] as char);
-        }
-        Self(hashed)
+        custom().key(bytes)
     }
 
-    /// A key from text known to be key-safe (IP addresses), without escaping it again.
+    /// A key from text known to be key-safe and namespaced (IP addresses), as is.
     pub(crate) fn from_safe(text: CompactString) -> Self {
         debug_assert!(
-            text.bytes().all(is_safe) && text.len() <= MAX_KEY_LEN,
+            text.len() <= MAX_KEY_LEN
+                && text
+                    .split_once(namespace::SEPARATOR)
+                    .is_some_and(|(ns, value)| {
+                        !ns.is_empty() && !value.is_empty() && value.bytes().all(is_safe)
+                    }),
             "{text}"
         );
         Self(text)
+    }
+
+    /// [`Key::from_safe`] for a constant.
+    pub(crate) const fn from_safe_static(text: &'static str) -> Self {
+        Self(CompactString::const_new(text))
     }
 
     /// The encoded key, as it appears in store keys.
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The key's namespace: `ip`, `header:x-api-key`, `custom`, ...
+    pub fn namespace(&self) -> &str {
+        self.0
+            .split_once(namespace::SEPARATOR)
+            .map_or(self.as_str(), |(namespace, _)| namespace)
+    }
+
+    /// A form for logs that never shows the value: the namespace and the first 32 bits
+    /// of the key's SHA-256, enough to tell keys apart in one incident
+    /// (`header:x-api-key|sha256:5F1C03A2`).
+    pub fn redacted(&self) -> Redacted<'_> {
+        Redacted(self)
+    }
+}
+
+/// A [`Key`] for logs: see [`Key::redacted`].
+#[derive(Clone, Copy)]
+pub struct Redacted<'a>(&'a Key);
+
+// By hand: a derived `Debug` would show the key (`?key.redacted()` in a log line).
+impl fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Hashed only when the log line is written.
+        let digest = Sha256::digest(self.0.as_str().as_bytes());
+        let mut hex = CompactString::with_capacity(8);
+        push_hex(&digest[..4], &mut hex);
+        write!(f, "{}|sha256:{hex}", self.0.namespace())
+    }
+}
+
+/// The `custom` namespace, made once.
+fn custom() -> &'static Namespace {
+    static CUSTOM: std::sync::LazyLock<Namespace> =
+        std::sync::LazyLock::new(|| Namespace::kind(Namespace::CUSTOM));
+    &CUSTOM
 }
 
 impl fmt::Debug for Key {
@@ -120,6 +173,8 @@ impl From<&[u8]> for Key {
     }
 }
 
+/// An address a closure returned is a `custom` key, not an `ip` one: a closure may read it
+/// from anywhere (a header), so it must not share [`PeerIp`]'s budgets.
 impl From<IpAddr> for Key {
     fn from(value: IpAddr) -> Self {
         Self::new(value.to_string())
@@ -130,7 +185,7 @@ macro_rules! key_from_int {
     ($($t:ty),*) => {$(
         impl From<$t> for Key {
             fn from(value: $t) -> Self {
-                Self(CompactString::new(itoa::Buffer::new().format(value)))
+                Self::new(itoa::Buffer::new().format(value))
             }
         }
     )*};
@@ -138,6 +193,14 @@ macro_rules! key_from_int {
 key_from_int!(u32, u64, i32, i64, u128);
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+/// Appends `bytes` in upper-case hex.
+fn push_hex(bytes: &[u8], out: &mut CompactString) {
+    for byte in bytes {
+        out.push(HEX[usize::from(byte >> 4)] as char);
+        out.push(HEX[usize::from(byte & 0xf)] as char);
+    }
+}
 
 fn is_safe(byte: u8) -> bool {
     byte.is_ascii_alphanumeric()
@@ -158,8 +221,7 @@ fn escape_into(mut bytes: &[u8], out: &mut CompactString) {
             return;
         };
         out.push('%');
-        out.push(HEX[usize::from(byte >> 4)] as char);
-        out.push(HEX[usize::from(byte & 0xf)] as char);
+        push_hex(&[byte], out);
         bytes = rest;
     }
 }
@@ -168,14 +230,32 @@ fn escape_into(mut bytes: &[u8], out: &mut CompactString) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyError {
     message: String,
+    misconfigured: bool,
 }
 
 impl KeyError {
-    /// A key error with a message for logs (never sent to the client).
+    /// A key error with a message for logs (never sent to the client): the request lacks
+    /// what the key is made of.
     pub fn new(message: impl Into<String>) -> Self {
         Self {
             message: message.into(),
+            misconfigured: false,
         }
+    }
+
+    /// The server, not the request, is at fault (no peer address because the server was
+    /// not set up to record it): the default rejection answers 500 and shows `message`,
+    /// which should name the fix, in the body.
+    pub fn misconfigured(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            misconfigured: true,
+        }
+    }
+
+    /// Whether the server is at fault; see [`KeyError::misconfigured`].
+    pub fn is_misconfigured(&self) -> bool {
+        self.misconfigured
     }
 }
 
@@ -190,7 +270,9 @@ impl std::error::Error for KeyError {}
 /// Extracts the [`Key`] a request is counted against.
 ///
 /// Implemented by the shipped extractors and by every closure
-/// `Fn(&Request<B>) -> Option<K>` where `K: Into<Key>` (`None` means "no key").
+/// `Fn(&Request<B>) -> Option<K>` where `K: Into<Key>` (`None` means "no key"). A
+/// closure's values are in the `custom` namespace (through [`Key::new`]); give a kind of
+/// key its own with a [`Namespace`].
 ///
 /// ```
 /// use http::Request;
@@ -200,7 +282,7 @@ impl std::error::Error for KeyError {}
 ///     req.uri().path().split('/').nth(2).map(|t| Key::new(t))
 /// };
 /// let req = Request::get("/tenants/acme/items").body(()).unwrap();
-/// assert_eq!(tenant.extract(&req).unwrap().as_str(), "acme");
+/// assert_eq!(tenant.extract(&req).unwrap().as_str(), "custom|acme");
 /// ```
 pub trait KeyExtractor<B>: Send + Sync + 'static {
     /// The key of `request`, or why there is none.
@@ -245,18 +327,40 @@ mod tests {
             b"x".repeat(201),
             b"".to_vec(),
             b"\0".to_vec(),
+            b"|".to_vec(),
+            b"%7C".to_vec(),
+            b"custom|a".to_vec(),
         ];
         let keys: HashSet<Key> = inputs.iter().map(Key::new).collect();
         assert_eq!(keys.len(), inputs.len());
         for key in &keys {
             assert!(key.as_str().len() <= MAX_KEY_LEN);
             assert!(!key.as_str().contains(['{', '}', '\n', '\0', ' ']));
+            // One separator: nothing in a value can start another namespace.
+            assert_eq!(key.as_str().matches('|').count(), 1, "{key}");
+            assert_eq!(key.namespace(), "custom");
         }
     }
 
     #[test]
+    fn redacted_keys_show_the_namespace_and_a_short_digest_only() {
+        let key = Namespace::named("header", b"x-api-key").key("secret-api-key-123");
+        let shown = key.redacted().to_string();
+        assert!(shown.starts_with("header:x-api-key|sha256:"), "{shown}");
+        assert_eq!(shown.len(), "header:x-api-key|sha256:".len() + 8);
+        assert!(!shown.contains("secret"), "{shown}");
+        assert_eq!(format!("{:?}", key.redacted()), shown);
+        let other = Namespace::named("header", b"x-api-key").key("secret-api-key-124");
+        assert_ne!(other.redacted().to_string(), shown);
+    }
+
+    #[test]
     fn integers_and_ips_are_readable() {
-        assert_eq!(Key::from(42u64).as_str(), "42");
-        assert_eq!(Key::from("::1".parse::<IpAddr>().unwrap()).as_str(), "::1");
+        assert_eq!(Key::from(42u64).as_str(), "custom|42");
+        // A closure's address is a custom key, never PeerIp's.
+        assert_eq!(
+            Key::from("::1".parse::<IpAddr>().unwrap()).as_str(),
+            "custom|::1"
+        );
     }
 }

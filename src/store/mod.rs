@@ -5,6 +5,7 @@
 //!   of a service shares one budget.
 
 mod check;
+mod guarded;
 mod memory;
 mod prefix;
 #[cfg(feature = "redis")]
@@ -13,6 +14,7 @@ pub(crate) mod redis;
 use std::{fmt, sync::Arc};
 
 pub use check::Check;
+pub(crate) use guarded::Guarded;
 pub use memory::MemoryStore;
 pub use prefix::validate_prefix;
 #[cfg(feature = "sentinel")]

@@ -3,8 +3,8 @@
 
 use crate::ConfigError;
 
-/// Checks `prefix` by the rule `RedisStore::with_prefix` applies: at most 64
-/// bytes of ASCII letters, digits and `-_.:/`.
+/// Checks `prefix` by the rule `RedisStore::with_prefix` applies: 1 to 64 bytes of
+/// ASCII letters, digits and `-_.:/`.
 ///
 /// Braces would change a key's hash tag (its Redis Cluster slot) and spaces or control
 /// bytes would make keys hard to read back, so they are refused. Call it when loading a
@@ -19,7 +19,8 @@ use crate::ConfigError;
 /// assert!(tollgate::store::validate_prefix("{myapp}").is_err());
 /// ```
 pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
-    let valid = prefix.len() <= 64
+    // Empty would leave keys starting with `:`, under no prefix of their own.
+    let valid = (1..=64).contains(&prefix.len())
         && prefix
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'/'));
@@ -28,7 +29,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
     } else {
         Err(ConfigError::new(
             "prefix",
-            format!("must be at most 64 of A-Z a-z 0-9 - _ . : / (got {prefix:?})"),
+            format!("must be 1 to 64 of A-Z a-z 0-9 - _ . : / (got {prefix:?})"),
         ))
     }
 }
@@ -39,10 +40,11 @@ mod tests {
 
     #[test]
     fn letters_digits_and_separators_up_to_64_bytes() {
-        for ok in ["", "tollgate", "my-app_v2.prod:eu/1", &"p".repeat(64)] {
+        for ok in ["tollgate", "my-app_v2.prod:eu/1", &"p".repeat(64)] {
             assert!(validate_prefix(ok).is_ok(), "{ok:?}");
         }
         for bad in [
+            "",
             "{tg}",
             "a}",
             "a b",

@@ -41,15 +41,15 @@ pub const POOL: &[&str] = &[
     "::",
 ];
 
-/// The bytes a key that was not hashed stands for (`~` is the empty key).
-pub fn decode(key: &str) -> Option<Vec<u8>> {
-    if key.starts_with('#') {
+/// The bytes a key's value that was not hashed stands for (`~` is the empty value).
+pub fn decode(value: &str) -> Option<Vec<u8>> {
+    if value.starts_with('#') {
         return None;
     }
-    if key == "~" {
+    if value == "~" {
         return Some(Vec::new());
     }
-    let bytes = key.as_bytes();
+    let bytes = value.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
@@ -65,41 +65,71 @@ pub fn decode(key: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `Key::new(input)`, checked: bounded, key-safe, deterministic, and readable keys decode
-/// back to their input (so two inputs never share a key unless both were hashed).
+/// `Key::new(input)`, checked with [`check_encoded`] in the `custom` namespace.
 #[track_caller]
 pub fn check_key(input: &[u8]) -> Key {
     let key = Key::new(input);
+    check_encoded(&key, "custom", input);
+    // Deterministic.
+    assert_eq!(Key::new(input), key);
+    key
+}
+
+/// `key` is `input` in `namespace`: bounded, key-safe, one `|` ending the namespace, and
+/// a readable value decodes back to its input (so two inputs never share a key unless
+/// both were hashed).
+#[track_caller]
+pub fn check_encoded(key: &Key, namespace: &str, input: &[u8]) {
     let s = key.as_str();
-    assert!(!s.is_empty());
     assert!(s.len() <= MAX_KEY_LEN, "{} bytes: {s:?}", s.len());
     assert!(
         s.bytes()
             .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}'),
         "unsafe byte in {s:?}"
     );
-    match decode(s) {
+    let (ns, value) = s
+        .split_once('|')
+        .unwrap_or_else(|| panic!("no namespace: {s:?}"));
+    assert_eq!(ns, namespace, "{s:?}");
+    assert_eq!(key.namespace(), namespace);
+    assert!(!value.is_empty() && !value.contains('|'), "{s:?}");
+    match decode(value) {
         // Readable keys decode back to the input: that is what makes them injective.
         Some(decoded) => assert_eq!(decoded, input, "{s:?}"),
         None => {
-            assert_eq!(s.len(), 33, "{s:?}");
-            assert!(s[1..].bytes().all(|b| b.is_ascii_hexdigit()), "{s:?}");
+            assert_eq!(value.len(), 33, "{s:?}");
+            assert!(value[1..].bytes().all(|b| b.is_ascii_hexdigit()), "{s:?}");
             // Hashed only when the readable form would be too long.
             assert!(
-                input.len() * 3 > MAX_KEY_LEN,
+                ns.len() + 1 + input.len() * 3 > MAX_KEY_LEN,
                 "{} input bytes hashed",
                 input.len()
             );
         }
     }
-    // Deterministic.
-    assert_eq!(Key::new(input), key);
-    key
 }
 
-/// Whether `key` is a hashed (long) key.
+/// `key` is `input` sent in the header `name`: in the namespace `header:<name>`, the name
+/// encoded like a value (or hashed, when the namespace would exceed 64 bytes).
+#[track_caller]
+pub fn check_header_key(key: &Key, name: &str, input: &[u8]) {
+    let encoded = Key::new(name);
+    let encoded = encoded.as_str().strip_prefix("custom|").unwrap();
+    let namespace = format!("header:{encoded}");
+    if namespace.len() <= 64 {
+        check_encoded(key, &namespace, input);
+    } else {
+        let hashed = key.namespace().strip_prefix("header:#").unwrap();
+        assert_eq!(hashed.len(), 32, "{key:?}");
+        check_encoded(key, key.namespace(), input);
+    }
+}
+
+/// Whether `key`'s value is hashed (a long one).
 pub fn is_hashed(key: &Key) -> bool {
-    key.as_str().starts_with('#')
+    key.as_str()
+        .split_once('|')
+        .is_some_and(|(_, value)| value.starts_with('#'))
 }
 
 pub fn canonical(ip: IpAddr) -> IpAddr {
@@ -138,10 +168,14 @@ pub fn peer_key(ip: IpAddr, prefix: u8) -> Key {
     PeerIp::new().ipv6_prefix(prefix).extract(&req).unwrap()
 }
 
-/// An IPv4 address, an IPv6 address (prefix 128) or an IPv6 network of `prefix` bits.
+/// An IPv4 address, an IPv6 address (prefix 128) or an IPv6 network of `prefix` bits, in
+/// the `ip` namespace.
 #[track_caller]
 pub fn check_ip_key(key: &Key, prefix: u8) {
-    let s = key.as_str();
+    let s = key
+        .as_str()
+        .strip_prefix("ip|")
+        .unwrap_or_else(|| panic!("not in the ip namespace: {key:?}"));
     let prefix = prefix.clamp(1, 128);
     match s.split_once('/') {
         Some((net, bits)) => {

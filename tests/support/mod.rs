@@ -8,6 +8,8 @@
 
 pub mod acl;
 pub mod cluster;
+pub mod kinds;
+pub mod logs;
 pub mod sentinel;
 pub mod tls;
 
@@ -23,6 +25,19 @@ use std::{
 /// The `redis-server` binary: `$REDIS_SERVER`, or the one on `PATH`.
 pub fn redis_server_bin() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
+/// An error with its causes (`StoreError`'s `Display` names only its own level), as the
+/// layer logs it.
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut out = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
 }
 
 /// The major version of [`redis_server_bin`].

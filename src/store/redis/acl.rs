@@ -59,6 +59,12 @@ fn quoted_command(text: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// The explanation, below the store error's own `Display`.
+    fn explained(error: &RedisError) -> String {
+        let error = explain(error).unwrap();
+        std::error::Error::source(&error).unwrap().to_string()
+    }
+
     fn server_error(code: &str, detail: &str) -> RedisError {
         let kind = match code {
             "NOPERM" => ErrorKind::Server(ServerErrorKind::NoPerm),
@@ -78,25 +84,21 @@ mod tests {
             "The user executing the script can't run this command or subcommand script: \
              6a1a, on @user_script:{line}."
         );
-        let error = explain(&server_error("ERR", &detail)).unwrap().to_string();
+        let error = explained(&server_error("ERR", &detail));
         assert!(error.contains("run ZADD (add +zadd to its ACL)"), "{error}");
     }
 
     #[test]
     fn a_denied_command_and_keys_are_named() {
-        let error = explain(&server_error(
+        let error = explained(&server_error(
             "NOPERM",
             "this user has no permissions to run the 'evalsha' command",
-        ))
-        .unwrap()
-        .to_string();
+        ));
         assert!(error.contains("+evalsha"), "{error}");
-        let error = explain(&server_error(
+        let error = explained(&server_error(
             "NOPERM",
             "this user has no permissions to access one of the keys used as arguments",
-        ))
-        .unwrap()
-        .to_string();
+        ));
         assert!(error.contains("~tollgate:*"), "{error}");
     }
 

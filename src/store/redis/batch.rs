@@ -1,13 +1,11 @@
 //! Coalescing: the decisions waiting at the same moment go to Redis as one script call.
 
-use std::{
-    mem,
-    sync::{Arc, OnceLock},
-};
+use std::{mem, sync::Arc};
 
+use parking_lot::RwLock;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use super::{Connection, Encoded, invoke, parse, script_call};
+use super::{Connection, Encoded, invoke, parse, ping, script_call};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
 /// How the batching task behaves.
@@ -44,12 +42,18 @@ pub(crate) enum Submitted {
     NoRuntime(Encoded),
 }
 
+type Queue = mpsc::Sender<(Encoded, Reply)>;
+
 /// The sending half of the batching task, started on first use (it needs a runtime).
+///
+/// The task lives on the runtime of the decision that started it. When that runtime
+/// shuts down, the task goes with it and its queue closes; the next decision starts a new
+/// task on its own runtime, so a store outlives the runtime it was first used on.
 pub(crate) struct Coalescer {
     config: CoalescerConfig,
     connection: Connection,
     clock: Option<Arc<dyn Clock>>,
-    sender: OnceLock<Option<mpsc::Sender<(Encoded, Reply)>>>,
+    sender: RwLock<Option<Queue>>,
 }
 
 impl Coalescer {
@@ -62,55 +66,76 @@ impl Coalescer {
             config,
             connection,
             clock,
-            sender: OnceLock::new(),
+            sender: RwLock::new(None),
         }
     }
 
-    pub(crate) fn config(&self) -> CoalescerConfig {
-        self.config
-    }
-
-    /// Queues `request` for the batching task.
+    /// Queues `request` for the batching task, starting the task if there is none (or its
+    /// runtime is gone).
     pub(crate) fn submit(&self, request: Encoded) -> Submitted {
-        let sender = self
-            .sender
-            .get_or_init(|| {
-                let runtime = tokio::runtime::Handle::try_current().ok()?;
-                let (sender, receiver) = mpsc::channel(self.config.queue);
-                runtime.spawn(run(
-                    receiver,
-                    self.connection.clone(),
-                    self.clock.clone(),
-                    self.config,
-                ));
-                Some(sender)
-            })
-            .as_ref();
-        let Some(sender) = sender else {
-            return Submitted::NoRuntime(request);
-        };
         let (reply, receiver) = oneshot::channel();
-        match sender.try_send((request, reply)) {
+        let mut item = (request, reply);
+        if let Some(sender) = &*self.sender.read() {
+            match sender.try_send(item) {
+                Ok(()) => return Submitted::Queued(receiver),
+                Err(mpsc::error::TrySendError::Full(_)) => return self.overloaded(),
+                Err(mpsc::error::TrySendError::Closed(back)) => item = back,
+            }
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Submitted::NoRuntime(item.0);
+        };
+        let mut sender = self.sender.write();
+        // Another decision may have started a task meanwhile; else start one.
+        let mut restart = false;
+        if sender.as_ref().is_some_and(mpsc::Sender::is_closed) {
+            *sender = None;
+            restart = true;
+        }
+        let queue = sender.get_or_insert_with(|| {
+            let (queue, tasks) = mpsc::channel(self.config.queue);
+            runtime.spawn(run(
+                tasks,
+                self.connection.clone(),
+                self.clock.clone(),
+                self.config,
+                restart,
+            ));
+            queue
+        });
+        match queue.try_send(item) {
             Ok(()) => Submitted::Queued(receiver),
-            Err(mpsc::error::TrySendError::Full(_)) => Submitted::Refused(StoreError::new(
-                StoreErrorKind::Overloaded,
-                format!("{} decisions already wait for Redis", self.config.queue),
-            )),
+            Err(mpsc::error::TrySendError::Full(_)) => self.overloaded(),
             Err(mpsc::error::TrySendError::Closed(_)) => Submitted::Refused(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the batch task stopped",
             )),
         }
     }
+
+    fn overloaded(&self) -> Submitted {
+        Submitted::Refused(StoreError::new(
+            StoreErrorKind::Overloaded,
+            format!("{} decisions already wait for Redis", self.config.queue),
+        ))
+    }
 }
 
 /// The batching task: ends when every store clone is gone.
+///
+/// A task that replaces one whose runtime shut down first pings Redis: the connection's
+/// own task most likely died with that runtime, and the failed ping makes the connection
+/// reconnect on this runtime before the first batch goes out, rather than fail it.
 async fn run(
     mut receiver: mpsc::Receiver<(Encoded, Reply)>,
     connection: Connection,
     clock: Option<Arc<dyn Clock>>,
     config: CoalescerConfig,
+    restart: bool,
 ) {
+    if restart {
+        ping(connection.clone()).await;
+    }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let mut waiting = Vec::new();
     while let Some(first) = receiver.recv().await {

@@ -218,7 +218,8 @@ mod tests {
         if cfg!(feature = "tls") {
             assert!(result.is_ok());
         } else {
-            let message = result.unwrap_err().to_string();
+            let error = result.unwrap_err();
+            let message = std::error::Error::source(&error).unwrap().to_string();
             assert!(message.contains("`tls` feature"), "{message}");
         }
         assert!(check_scheme("redis://127.0.0.1:6379").is_ok());

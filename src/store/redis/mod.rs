@@ -2,7 +2,7 @@
 
 use std::{
     fmt,
-    sync::{Arc, LazyLock},
+    sync::{Arc, LazyLock, OnceLock},
 };
 
 mod acl;
@@ -87,7 +87,13 @@ pub struct RedisStore {
     connection: Connection,
     prefix: Arc<str>,
     clock: Option<Arc<dyn Clock>>,
-    coalescer: Option<Arc<Coalescer>>,
+    /// Whether decisions are coalesced, and how many may wait: plain settings, so that
+    /// the builder methods can be called in any order.
+    coalescing: bool,
+    coalescer_config: CoalescerConfig,
+    /// Built from the settings on first use; a builder call replaces it with a new, empty
+    /// cell. Clones share it.
+    coalescer: Arc<OnceLock<Coalescer>>,
     block_cache: Option<Arc<BlockCache>>,
 }
 
@@ -127,7 +133,8 @@ impl fmt::Debug for RedisStore {
             .field("connection", &connection)
             .field("prefix", &self.prefix)
             .field("clock", &self.clock)
-            .field("coalescing", &self.coalescer.is_some())
+            .field("coalescing", &self.coalescing)
+            .field("queue_limit", &self.coalescer_config.queue)
             .field("block_cache", &self.block_cache.is_some())
             .finish()
     }
@@ -184,12 +191,13 @@ impl RedisStore {
         // The block cache's clock: its first read calibrates it, here rather than in a
         // request.
         MonotonicClock.now_ms();
-        let coalescer = Coalescer::new(connection.clone(), None, CoalescerConfig::default());
         Self {
             connection,
             prefix: DEFAULT_PREFIX.into(),
             clock: None,
-            coalescer: Some(Arc::new(coalescer)),
+            coalescing: true,
+            coalescer_config: CoalescerConfig::default(),
+            coalescer: Arc::default(),
             block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
         }
     }
@@ -199,8 +207,8 @@ impl RedisStore {
     ///
     /// # Errors
     ///
-    /// When `prefix` is longer than 64 bytes or has characters other than ASCII letters,
-    /// digits and `-_.:/` (braces would change the hash tag).
+    /// When `prefix` is empty, longer than 64 bytes or has characters other than ASCII
+    /// letters, digits and `-_.:/` (braces would change the hash tag).
     pub fn with_prefix(mut self, prefix: &str) -> Result<Self, ConfigError> {
         super::validate_prefix(prefix)?;
         self.prefix = prefix.into();
@@ -213,9 +221,8 @@ impl RedisStore {
     /// Redis's never finds state gone that it still counts. The block cache reads the
     /// same clock.
     pub fn with_clock(mut self, clock: impl Clock) -> Self {
-        let clock: Arc<dyn Clock> = Arc::new(clock);
-        self.clock = Some(clock.clone());
-        self.rebuild_coalescer(|config| config);
+        self.clock = Some(Arc::new(clock));
+        self.settings_changed();
         self
     }
 
@@ -226,25 +233,22 @@ impl RedisStore {
     /// one `EVALSHA` (per hash slot on a cluster), so Redis runs one script per batch
     /// instead of one per request; a lone request is sent at once, without waiting for
     /// company. Off, each decision is its own `EVALSHA`.
+    ///
+    /// The task runs on the Tokio runtime of the first decision after it is needed; if
+    /// that runtime shuts down, the next decision starts a new task on its own runtime.
     pub fn with_coalescing(mut self, on: bool) -> Self {
-        if on {
-            self.coalescer = None;
-            self.rebuild_coalescer(|config| config);
-        } else {
-            self.coalescer = None;
-        }
+        self.coalescing = on;
+        self.settings_changed();
         self
     }
 
     /// At most `max` decisions wait for Redis at once (4096 by default); beyond that a
     /// decision fails at once with [`StoreErrorKind::Overloaded`] and the layer's failure
     /// policy answers it, so a slow Redis never grows an unbounded queue in memory.
-    /// Applies with coalescing on.
+    /// Applies with coalescing on, whichever of the two is set first.
     pub fn with_queue_limit(mut self, max: usize) -> Self {
-        self.rebuild_coalescer(|config| CoalescerConfig {
-            queue: max.max(1),
-            ..config
-        });
+        self.coalescer_config.queue = max.max(1);
+        self.settings_changed();
         self
     }
 
@@ -262,16 +266,24 @@ impl RedisStore {
         self
     }
 
-    fn rebuild_coalescer(&mut self, config: impl FnOnce(CoalescerConfig) -> CoalescerConfig) {
-        let current = self
-            .coalescer
-            .as_ref()
-            .map_or_else(CoalescerConfig::default, |c| c.config());
-        self.coalescer = Some(Arc::new(Coalescer::new(
-            self.connection.clone(),
-            self.clock.clone(),
-            config(current),
-        )));
+    /// The batching machinery follows the settings: built anew, from all of them, on first
+    /// use.
+    fn settings_changed(&mut self) {
+        self.coalescer = Arc::default();
+    }
+
+    /// The coalescer, when coalescing is on.
+    fn coalescer(&self) -> Option<&Coalescer> {
+        if !self.coalescing {
+            return None;
+        }
+        Some(self.coalescer.get_or_init(|| {
+            Coalescer::new(
+                self.connection.clone(),
+                self.clock.clone(),
+                self.coalescer_config,
+            )
+        }))
     }
 
     /// The Redis key that holds `limit`'s state for `key`.
@@ -333,7 +345,7 @@ impl Store for RedisStore {
         };
         let encoded = self.encode(key, limits, cost);
         // Queued for the batching task, or (no runtime to run it on) sent directly.
-        let call = match &self.coalescer {
+        let call = match self.coalescer() {
             Some(coalescer) => match coalescer.submit(encoded) {
                 Submitted::Queued(reply) => Call::Queued(reply),
                 Submitted::Refused(error) => return Check::ready(Err(error)),
@@ -476,6 +488,23 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
         Connection::Sentinel(sentinel) => return sentinel.evalsha(&call).await,
     }
     .map_err(store_error)
+}
+
+/// `PING`, for its side effect only: a connection that finds itself broken reconnects.
+pub(crate) async fn ping(connection: Connection) {
+    let ping = redis::cmd("PING");
+    let _: RedisResult<()> = match connection {
+        Connection::Manager(mut manager) => ping.query_async(&mut manager).await,
+        #[cfg(feature = "cluster")]
+        Connection::Cluster(mut cluster) => ping.query_async(&mut cluster).await,
+        #[cfg(feature = "bb8")]
+        Connection::Pool(_) => Ok(()),
+        #[cfg(feature = "sentinel")]
+        Connection::Sentinel(sentinel) => {
+            sentinel.ping().await;
+            Ok(())
+        }
+    };
 }
 
 /// `EVALSHA`, and on `NOSCRIPT` (Redis restarted, failed over or flushed its scripts)

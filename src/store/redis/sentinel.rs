@@ -307,6 +307,20 @@ impl SentinelConnection {
         }
     }
 
+    /// `PING`s the master: a connection found broken is dropped, and the next call finds the
+    /// master again.
+    pub(super) async fn ping(&self) {
+        if let Ok((generation, mut connection)) = self.connection().await {
+            let result: Result<(), RedisError> =
+                redis::cmd("PING").query_async(&mut connection).await;
+            if let Err(error) = &result
+                && lost_master(error)
+            {
+                self.forget(generation);
+            }
+        }
+    }
+
     /// Runs a script call on the master.
     pub(super) async fn evalsha(&self, call: &Cmd) -> Result<Vec<i64>, StoreError> {
         let (generation, mut connection) = self.connection().await?;

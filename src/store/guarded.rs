@@ -1,0 +1,206 @@
+//! [`Guarded`]: the store-call policy, in one place. A decorator that bounds every call to
+//! the store by the layer's timeout and keeps a failing store from being asked (the
+//! circuit breaker), feeding the breaker with each call's outcome.
+//!
+//! A call the store decides at once (the memory store, a block-cache hit, an open
+//! circuit) stays ready: no timer, no allocation. Only a call that waits gets the timeout,
+//! and the breaker's [`Feedback`] travels inside it, so that a call dropped before it
+//! answers (its client hung up) still frees the breaker's probe slot.
+
+use std::{sync::Arc, time::Duration};
+
+use super::{Check, Store};
+use crate::{
+    Decision, Limit, StoreError,
+    breaker::{Admission, Breaker, Feedback},
+    key::Key,
+};
+
+/// `store`, called under a timeout and a circuit breaker.
+#[derive(Debug, Clone)]
+pub(crate) struct Guarded {
+    store: Arc<dyn Store>,
+    timeout: Option<Duration>,
+    breaker: Option<Arc<Breaker>>,
+}
+
+impl Guarded {
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        timeout: Option<Duration>,
+        breaker: Option<Arc<Breaker>>,
+    ) -> Self {
+        Self {
+            store,
+            timeout,
+            breaker,
+        }
+    }
+}
+
+impl Guarded {
+    /// The decision if it was made at once, else the check to wait for: what
+    /// [`check`](Store::check) returns, without wrapping a ready answer into a [`Check`]
+    /// only for the caller to unwrap it again.
+    #[inline]
+    pub(crate) fn check_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+    ) -> Result<Result<Decision, StoreError>, Check> {
+        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
+        if admission == Admission::Skip {
+            return Ok(Err(StoreError::circuit_open()));
+        }
+        let check = match self.store.check(key, limits, cost).into_ready() {
+            Ok(result) => {
+                if let Some(breaker) = &self.breaker {
+                    breaker.record(admission, result.is_ok());
+                }
+                return Ok(result);
+            }
+            Err(check) => check,
+        };
+        Err(self.wait(check, admission))
+    }
+
+    /// `check` under the timeout, reporting to the breaker. Kept out of line: the ready
+    /// path above is the hot one.
+    #[inline(never)]
+    fn wait(&self, check: Check, admission: Admission) -> Check {
+        if self.timeout.is_none() && self.breaker.is_none() {
+            return check;
+        }
+        let feedback = self
+            .breaker
+            .as_ref()
+            .map(|breaker| Feedback::new(breaker.clone(), admission));
+        Check::pending(guard(check, self.timeout, feedback))
+    }
+}
+
+impl Store for Guarded {
+    fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        match self.check_now(key, limits, cost) {
+            Ok(result) => Check::ready(result),
+            Err(check) => check,
+        }
+    }
+}
+
+/// Waits for `check` at most `timeout`, then reports to the breaker. Dropped before that,
+/// `feedback` frees the probe slot it may hold.
+async fn guard(
+    check: Check,
+    timeout: Option<Duration>,
+    feedback: Option<Feedback>,
+) -> Result<Decision, StoreError> {
+    let result = match timeout {
+        // A call that timed out is not retried: it may have counted.
+        Some(timeout) => tokio::time::timeout(timeout, check)
+            .await
+            .unwrap_or_else(|_| Err(StoreError::timeout())),
+        None => check.await,
+    };
+    if let Some(feedback) = feedback {
+        feedback.report(result.is_ok());
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        future::Future,
+        pin::Pin,
+        sync::atomic::{AtomicBool, Ordering},
+        task::{Context, Poll},
+    };
+
+    use super::*;
+    use crate::{StoreErrorKind, breaker::CircuitBreaker, clock::ManualClock, store::MemoryStore};
+
+    /// A store that decides with a memory store while `up`, and otherwise never answers
+    /// (a stalled Redis).
+    #[derive(Debug, Default)]
+    struct Stalling {
+        stalled: AtomicBool,
+        memory: MemoryStore,
+    }
+
+    impl Store for Arc<Stalling> {
+        fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+            if self.stalled.load(Ordering::SeqCst) {
+                Check::pending(std::future::pending())
+            } else {
+                // Pending like a network store, decided on the first poll.
+                let decision = self.memory.decide(key, limits, cost);
+                Check::pending(async move { Ok(decision) })
+            }
+        }
+    }
+
+    fn poll_once(check: &mut Check) -> Poll<Result<Decision, StoreError>> {
+        let waker = futures_util::task::noop_waker();
+        Pin::new(check).poll(&mut Context::from_waker(&waker))
+    }
+
+    /// The circuit opens on timeouts, the probe after the cooldown is abandoned (its
+    /// future dropped) while the store still stalls, then the store recovers: the very
+    /// next request after one more cooldown is decided by the store again.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_probe_does_not_keep_the_circuit_open() {
+        let cooldown = Duration::from_millis(500);
+        let clock = ManualClock::new(1_000_000);
+        let breaker =
+            Breaker::with_clock(CircuitBreaker::new(2, cooldown), Arc::new(clock.clone()));
+        let store = Arc::new(Stalling::default());
+        let guarded = Guarded::new(
+            Arc::new(store.clone()),
+            Some(Duration::from_millis(100)),
+            Some(Arc::new(breaker)),
+        );
+        let key = Key::new("k");
+        let limits = [Limit::fixed_window(3, Duration::from_secs(3600)).unwrap()];
+        store.stalled.store(true, Ordering::SeqCst);
+        for _ in 0..2 {
+            let error = guarded.check(&key, &limits, 1).await.unwrap_err();
+            assert_eq!(error.kind(), StoreErrorKind::Timeout);
+        }
+        // Open: answered at once, without asking the store.
+        let skipped = guarded.check(&key, &limits, 1);
+        assert!(skipped.is_ready());
+        assert!(skipped.await.unwrap_err().is_circuit_open());
+        clock.advance(cooldown);
+        // The probe: its client hangs up while the store still stalls.
+        let mut probe = guarded.check(&key, &limits, 1);
+        assert!(poll_once(&mut probe).is_pending());
+        drop(probe);
+        store.stalled.store(false, Ordering::SeqCst);
+        clock.advance(cooldown);
+        // Within one cooldown plus one request, the store decides again, and limits.
+        let mut decisions = Vec::new();
+        for _ in 0..5 {
+            let decision = guarded.check(&key, &limits, 1).await;
+            decisions.push(decision.expect("decided by the store").is_allowed());
+        }
+        assert_eq!(decisions, [true, true, true, false, false]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_call_times_out_and_a_ready_one_stays_ready() {
+        let store = Arc::new(Stalling::default());
+        store.stalled.store(true, Ordering::SeqCst);
+        let guarded = Guarded::new(Arc::new(store), Some(Duration::from_millis(100)), None);
+        let limits = [Limit::fixed_window(3, Duration::from_secs(3600)).unwrap()];
+        let error = guarded.check(&Key::new("k"), &limits, 1).await.unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Timeout);
+        let memory = Guarded::new(
+            Arc::new(MemoryStore::new()),
+            Some(Duration::from_millis(100)),
+            None,
+        );
+        assert!(memory.check(&Key::new("k"), &limits, 1).is_ready());
+    }
+}
