@@ -128,6 +128,32 @@ async fn logs_in_to_the_master_as_an_acl_user() {
     assert!(RedisStore::connect_sentinel(&wrong).await.is_err());
 }
 
+/// Everything over TLS: `rediss://` sentinels, and the master reached over TLS with the
+/// test CA and a client certificate.
+#[cfg(feature = "tls")]
+#[tokio::test]
+async fn finds_the_master_over_tls() {
+    let tls = Arc::new(support::tls::TlsFiles::generate());
+    let setup = SentinelSetup::start_tls(&tls);
+    let urls = setup.sentinel_urls();
+    assert!(urls.iter().all(|u| u.starts_with("rediss://")), "{urls:?}");
+    let certificates = tollgate::store::TlsConfig::new()
+        .with_ca_pem(tls.ca_pem.clone())
+        .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
+    let config = SentinelConfig::new(&urls, MASTER_NAME).with_tls(certificates);
+    let store = RedisStore::connect_sentinel(&config).await.unwrap();
+    let limit = [Limit::fixed_window(2, HOUR).unwrap()];
+    let key = Key::new("a");
+    for _ in 0..2 {
+        assert!(check(&store, &key, &limit).await.unwrap().is_allowed());
+    }
+    assert!(!check(&store, &key, &limit).await.unwrap().is_allowed());
+    assert!(
+        setup.servers[0].calls("evalsha") > 0,
+        "not decided on the master"
+    );
+}
+
 enum Trigger {
     /// SIGKILL the master: the sentinels see it down and promote the replica.
     Kill,

@@ -8,7 +8,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{RedisServer, free_port, redis_server_bin};
+use std::sync::Arc;
+
+use super::{RedisServer, free_port, redis_server_bin, tls::TlsFiles};
 
 /// The master's name in the sentinels' `sentinel monitor`.
 pub const MASTER_NAME: &str = "tollgate-master";
@@ -22,19 +24,34 @@ pub struct SentinelProcess {
     child: Child,
     port: u16,
     dir: PathBuf,
+    /// Speaking only TLS, to clients and to the Redis servers.
+    tls: Option<Arc<TlsFiles>>,
 }
 
 impl SentinelProcess {
-    fn start(master_port: u16, quorum: u32) -> Self {
+    fn start(master_port: u16, quorum: u32, tls: Option<&Arc<TlsFiles>>) -> Self {
         let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("tollgate-sentinel-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create the sentinel directory");
         let config = dir.join("sentinel.conf");
+        let listen = match tls {
+            Some(tls) => format!(
+                "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                 tls-client-cert-file {}\ntls-client-key-file {}\ntls-ca-cert-file {}\n\
+                 tls-auth-clients optional\ntls-replication yes\n",
+                tls.path("server.crt"),
+                tls.path("server.key"),
+                tls.path("client.crt"),
+                tls.path("client.key"),
+                tls.path("ca.crt"),
+            ),
+            None => format!("port {port}\n"),
+        };
         std::fs::write(
             &config,
             format!(
-                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                "{listen}bind 127.0.0.1\ndir {dir}\n\
                  sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {quorum}\n\
                  sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n\
                  sentinel failover-timeout {MASTER_NAME} 10000\n\
@@ -53,7 +70,12 @@ impl SentinelProcess {
         if let Some(stdout) = child.stdout.take() {
             std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
         }
-        let sentinel = Self { child, port, dir };
+        let sentinel = Self {
+            child,
+            port,
+            dir,
+            tls: tls.cloned(),
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
         while sentinel.cli(&["PING"]).is_none_or(|o| o.trim() != "PONG") {
             assert!(Instant::now() < deadline, "sentinel {port} did not start");
@@ -62,15 +84,22 @@ impl SentinelProcess {
         sentinel
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>` (`rediss://` over TLS).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// `redis-cli -p <port> <args>`.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
+        let tls = self.tls.as_ref().map(|t| t.cli_args()).unwrap_or_default();
         let out = Command::new("redis-cli")
             .args(["-p", &self.port.to_string()])
+            .args(tls)
             .args(args)
             .stderr(Stdio::null())
             .output()
@@ -99,17 +128,30 @@ impl SentinelSetup {
     /// Starts everything and waits until the replica is in sync and every sentinel knows
     /// the replica and the two other sentinels.
     pub fn start() -> Self {
-        let master = RedisServer::start_with(&["--repl-diskless-sync-delay", "0"]);
+        Self::start_with_tls(None)
+    }
+
+    /// [`start`](Self::start) with everything speaking only TLS: clients, replication and
+    /// the sentinels.
+    pub fn start_tls(tls: &Arc<TlsFiles>) -> Self {
+        Self::start_with_tls(Some(tls))
+    }
+
+    fn start_with_tls(tls: Option<&Arc<TlsFiles>>) -> Self {
+        let replication: &[&str] = if tls.is_some() {
+            &["--tls-replication", "yes"]
+        } else {
+            &[]
+        };
+        let start = |args: &[&str]| {
+            let args = [args, replication, &["--repl-diskless-sync-delay", "0"]].concat();
+            RedisServer::start_on_with_tls(free_port(), &args, tls.cloned())
+        };
+        let master = start(&[]);
         let master_port = master.port().to_string();
-        let replica = RedisServer::start_with(&[
-            "--replicaof",
-            "127.0.0.1",
-            &master_port,
-            "--repl-diskless-sync-delay",
-            "0",
-        ]);
+        let replica = start(&["--replicaof", "127.0.0.1", &master_port]);
         let sentinels = (0..3)
-            .map(|_| SentinelProcess::start(master.port(), 2))
+            .map(|_| SentinelProcess::start(master.port(), 2, tls))
             .collect();
         let setup = Self {
             servers: vec![master, replica],
