@@ -14,7 +14,13 @@
 #                                   certificates made with the openssl CLI)
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour); also
 #                                   clients: nothing rejected, a key per client, wrk sending
-#                                   one of 10 000 x-client headers (bench/clients.lua)
+#                                   one of 10 000 x-client headers (bench/clients.lua);
+#                                   and flood: the same with a never-seen x-client in
+#                                   every request (bench/flood.lua), against recurring
+#                                   clients: SCENARIOS="clients flood" MODES=memory
+#   MAX_KEYS=                       the memory modes' MemoryStore bound (--max-keys), to
+#                                   flood it several times over in a short run; empty:
+#                                   MemoryStore's default (917 504 keys)
 #   FEATURES=redis,bb8,cluster      crate features for the server (add metrics to measure
 #                                   the metrics facade without a recorder)
 #   OUT=bench/results.csv CHART=bench/chart.svg
@@ -25,6 +31,9 @@
 # the order rotated each round), stops everything it started (also on Ctrl-C or an error),
 # writes every run to $OUT and prints the medians over rounds, with each mode's throughput
 # and p99 relative to plain's from the same round and scenario.
+#
+# Each run also records the server's resident memory at its end (rss_kib, VmRSS): bounded
+# under a flood when the store is.
 #
 # Besides wrk's numbers, each run records the CPU time the server and Redis used per
 # request (from /proc/<pid>/stat: steadier than req/s on a shared machine) and Redis calls
@@ -41,6 +50,7 @@ CONNECTIONS=${CONNECTIONS:-64}
 THREADS=${THREADS:-1}
 MODES=${MODES:-plain memory memory-noheaders redis redis-nocoalesce redis-pool redis-cluster governor handwritten}
 SCENARIOS=${SCENARIOS:-allow reject}
+MAX_KEYS=${MAX_KEYS:-}
 FEATURES=${FEATURES:-redis,bb8,cluster}
 OUT=${OUT:-bench/results.csv}
 CHART=${CHART:-bench/chart.svg}
@@ -55,9 +65,11 @@ for var in ROUNDS DURATION CONNECTIONS THREADS; do
   [[ ${!var} =~ ^[1-9][0-9]*$ ]] || die "$var must be a positive integer (got '${!var}')"
 done
 [[ $WARMUP =~ ^[0-9]+$ ]] || die "WARMUP must be a non-negative integer (got '$WARMUP')"
+[[ -z $MAX_KEYS || $MAX_KEYS =~ ^[1-9][0-9]*$ ]] ||
+  die "MAX_KEYS must be empty or a positive integer (got '$MAX_KEYS')"
 for scenario in $SCENARIOS; do
-  [[ $scenario == allow || $scenario == reject || $scenario == clients ]] ||
-    die "unknown scenario '$scenario' (allow, reject or clients)"
+  [[ $scenario == allow || $scenario == reject || $scenario == clients || $scenario == flood ]] ||
+    die "unknown scenario '$scenario' (allow, reject, clients or flood)"
 done
 KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-pool redis-cluster redis-tls governor handwritten "
 for mode in $MODES; do
@@ -316,6 +328,7 @@ start_server() {
   [[ -n $REDIS_URL ]] && args+=(--redis "$REDIS_URL")
   [[ -n $CLUSTER_URLS ]] && args+=(--cluster "$CLUSTER_URLS")
   [[ -n $REDIS_TLS_URL ]] && args+=(--redis-tls "$REDIS_TLS_URL" --tls-ca "$WORK/tls/ca.crt")
+  [[ -n $MAX_KEYS && $mode == memory* ]] && args+=(--max-keys "$MAX_KEYS")
   "$SERVER_BIN" "${args[@]}" >"$log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 300); do
@@ -343,6 +356,7 @@ run_one() {
   # Every mode, plain included, gets the same requests: with a client header or without.
   local script=()
   [[ $scenario == clients ]] && script=(-s bench/clients.lua)
+  [[ $scenario == flood ]] && script=(-s bench/flood.lua)
   if [[ $WARMUP -gt 0 ]]; then
     wrk -t"$THREADS" -c"$CONNECTIONS" -d"${WARMUP}s" "${script[@]}" "$url" >/dev/null ||
       die "wrk failed (warm-up, $mode $scenario)"
@@ -366,6 +380,9 @@ run_one() {
     redis_after=$(cpu_ticks $redis_pids)
     commands_after=$(redis_commands $redis_ports)
   }
+  local rss
+  rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$SERVER_PID/status" 2>/dev/null) ||
+    die "the server ended during the run ($mode $scenario)"
   stop_server
   local statuses
   statuses=$(sed -n 's/^statuses: 200=\([0-9]*\) 429=\([0-9]*\) other=\([0-9]*\)$/\1 \2 \3/p' \
@@ -408,11 +425,11 @@ run_one() {
   elif [[ $mode != plain && $scenario == reject ]] && [[ $ok -gt 1 ]]; then
     valid=0 why="$ok allowed in a scenario that allows at most one"
   fi
-  echo "$round,$scenario,$mode,$rps,$p50,$p99,$requests,$non2xx,$errors,$ok,$too_many,$other,$server_cpu,$redis_cpu,$commands,$valid" >>"$OUT"
-  printf '  round %s/%s  %-6s  %-16s %7.0f req/s  p50 %5.2f ms  p99 %6.2f ms  CPU/req %5.2f + %5.2f us  Redis calls/req %5.3f%s\n' \
+  echo "$round,$scenario,$mode,$rps,$p50,$p99,$requests,$non2xx,$errors,$ok,$too_many,$other,$server_cpu,$redis_cpu,$commands,$valid,$rss" >>"$OUT"
+  printf '  round %s/%s  %-7s %-16s %7.0f req/s  p50 %5.2f ms  p99 %6.2f ms  CPU/req %5.2f + %5.2f us  Redis calls/req %5.3f  RSS %4.0f MiB%s\n' \
     "$round" "$ROUNDS" "$scenario" "$mode" "$rps" "$(awk -v v="$p50" 'BEGIN {print v / 1000}')" \
     "$(awk -v v="$p99" 'BEGIN {print v / 1000}')" "$server_cpu" "$redis_cpu" "$commands" \
-    "${why:+  INVALID: $why}"
+    "$(awk -v v="$rss" 'BEGIN {print v / 1024}')" "${why:+  INVALID: $why}"
   if [[ $valid == 0 ]]; then
     # What the server said about it (tollgate logs each store failure).
     grep -v -e '^listening on' -e '^statuses:' "$SERVER_LOG" | sort | uniq -c | sort -rn |
@@ -429,7 +446,7 @@ echo "runs: $ROUNDS rounds x ${#scenarios[@]} scenarios x ${#modes[@]} modes = $
 [[ -n $REDIS_URL ]] && echo "redis: $REDIS_URL${CLUSTER_URLS:+; cluster: $CLUSTER_URLS}"
 
 mkdir -p "$(dirname "$OUT")"
-echo "round,scenario,mode,rps,p50_us,p99_us,requests,non2xx,socket_errors,status_200,status_429,status_other,server_cpu_us,redis_cpu_us,redis_calls_per_req,valid" >"$OUT"
+echo "round,scenario,mode,rps,p50_us,p99_us,requests,non2xx,socket_errors,status_200,status_429,status_other,server_cpu_us,redis_cpu_us,redis_calls_per_req,valid,rss_kib" >"$OUT"
 for round in $(seq "$ROUNDS"); do
   # Rotate the order every round, so that no mode always runs first or last.
   shift_by=$(((round - 1) % ${#modes[@]}))

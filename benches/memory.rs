@@ -1,12 +1,20 @@
 //! MemoryStore next to governor's keyed limiter on the same workloads, 2 threads
 //! (`BENCH_THREADS` to change): one hot key, and keys spread over 1M IPv4 addresses.
 //! Memory per key is measured by `benches/memory_per_key.rs`.
+//!
+//! `memory/tollgate/flood`: a key never seen before in every decision, on a store kept
+//! at its bound (`FLOOD_BOUND` keys, 100 000 by default; one-hour windows, so that every
+//! new key evicts a live one): what a client rotating API keys or IPv6 addresses costs.
+//! Each key is made in the timed loop (a few ns).
 
 use std::{
     hint::black_box,
     net::{IpAddr, Ipv4Addr},
     num::NonZeroU32,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     thread,
     time::{Duration, Instant},
 };
@@ -23,6 +31,13 @@ fn threads() -> u64 {
         .unwrap_or(2)
 }
 const KEYS: u32 = 1_000_000;
+/// The bound of the store the flood runs against: `FLOOD_BOUND` or 100 000.
+fn flood_bound() -> usize {
+    std::env::var("FLOOD_BOUND")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000)
+}
 
 fn ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
@@ -89,5 +104,24 @@ pub(crate) fn bench_all(c: &mut Criterion) {
             });
         });
     }
+    let bound = flood_bound();
+    let store = MemoryStore::new().with_max_keys(bound);
+    let hour = [Limit::fixed_window(1, Duration::from_secs(3_600)).unwrap()];
+    for i in 0..bound as u64 {
+        store.decide(&Key::from(i), &hour, 1);
+    }
+    let next = Arc::new(AtomicU64::new(bound as u64));
+    group.bench_function(BenchmarkId::new("tollgate", "flood"), |b| {
+        b.iter_custom(|iters| {
+            let (store, hour) = (store.clone(), hour.clone());
+            let first = next.fetch_add(iters, Ordering::Relaxed);
+            let threads = threads();
+            on_threads(iters, move |t, i| {
+                let key = Key::from(first + i * threads + t);
+                black_box(store.decide(&key, &hour, 1));
+            })
+        });
+    });
+    assert!(store.len() <= bound, "{}", store.len());
     group.finish();
 }

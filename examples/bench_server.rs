@@ -24,7 +24,13 @@
 //! per hour on one key shared by every request, so everything after the first is
 //! rejected: the one-key flood), both on one global key; and `clients`, the `allow` limit
 //! per client, keyed by the `x-client` header (which `bench/clients.lua` makes wrk send,
-//! one of 10 000 values per request). Every limiter is a fixed window.
+//! one of 10 000 values per request); and `flood`, a limit of a million per hour and
+//! client that nothing reaches, with a client never seen before in every request
+//! (`bench/flood.lua`): a client rotating API keys or IPv6 addresses, whose keys stay
+//! live, so that a memory store fills to its bound and then evicts a key per request.
+//! `--max-keys <n>` bounds the memory modes' store (`MemoryStore::with_max_keys`; the
+//! default bound otherwise), so that a short run can flood it several times over. Every
+//! limiter is a fixed window.
 //!
 //! Prints `listening on 127.0.0.1:<port>` once it serves (Redis connected, scripts
 //! loaded). On SIGTERM or Ctrl-C it stops and prints `statuses: 200=<n> 429=<n>
@@ -51,7 +57,7 @@ use axum::{
     routing::get,
 };
 use tollgate::{
-    FailurePolicy, HeaderStyle, Limit, RateLimitLayer,
+    FailurePolicy, HeaderStyle, Limit, MemoryStore, RateLimitLayer,
     key::{GlobalKey, Key, KeyError, KeyExtractor},
     store::RedisStore,
 };
@@ -66,6 +72,10 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 /// The allowed scenario: a fixed window of this many requests per second.
 const ALLOW_LIMIT: u32 = 1_000_000_000;
 const ALLOW_WINDOW: Duration = Duration::from_secs(1);
+/// The flood scenario: a million requests per hour and key, so that keys stay live for
+/// the whole run (each is used once).
+const FLOOD_LIMIT: u32 = 1_000_000;
+const FLOOD_WINDOW: Duration = Duration::from_secs(3600);
 /// The rejecting scenario: one request per hour.
 const REJECT_LIMIT: u32 = 1;
 const REJECT_WINDOW: Duration = Duration::from_secs(3600);
@@ -135,6 +145,7 @@ enum Scenario {
     Allow,
     Reject,
     Clients,
+    Flood,
 }
 
 /// The header that names the client in the `clients` scenario.
@@ -149,11 +160,13 @@ struct Args {
     /// `redis-tls`: a `rediss://` URL and the PEM CA its certificate is signed by.
     redis_tls: Option<(String, String)>,
     port: u16,
+    /// The memory modes' bound (`None`: `MemoryStore`'s default).
+    max_keys: Option<usize>,
 }
 
-const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients] \
-                     [--redis <url>] [--cluster <url,url,..>] \
-                     [--redis-tls <rediss-url> --tls-ca <ca.pem>] [--port <port>]";
+const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients|flood] \
+                     [--redis <url>] [--cluster <url,url,..>] [--port <port>] \
+                     [--max-keys <n>] [--redis-tls <rediss-url> --tls-ca <ca.pem>]";
 
 fn parse_args() -> Result<Args, Error> {
     let mut mode = None;
@@ -162,6 +175,7 @@ fn parse_args() -> Result<Args, Error> {
     let mut cluster = Vec::new();
     let (mut redis_tls, mut tls_ca) = (None, None);
     let mut port = 0;
+    let mut max_keys = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || {
@@ -175,6 +189,7 @@ fn parse_args() -> Result<Args, Error> {
                     "allow" => Scenario::Allow,
                     "reject" => Scenario::Reject,
                     "clients" => Scenario::Clients,
+                    "flood" => Scenario::Flood,
                     other => return Err(format!("unknown scenario {other:?}\n{USAGE}").into()),
                 }
             }
@@ -189,6 +204,7 @@ fn parse_args() -> Result<Args, Error> {
             "--redis-tls" => redis_tls = Some(value()?),
             "--tls-ca" => tls_ca = Some(value()?),
             "--port" => port = value()?.parse()?,
+            "--max-keys" => max_keys = Some(value()?.parse()?),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}").into()),
         }
@@ -201,6 +217,7 @@ fn parse_args() -> Result<Args, Error> {
         cluster,
         redis_tls: redis_tls.zip(tls_ca),
         port,
+        max_keys,
     })
 }
 
@@ -289,11 +306,11 @@ async fn hello() -> &'static str {
 async fn app(args: &Args) -> Result<Router, Error> {
     let router = Router::new().route("/", get(hello));
     let reject = args.scenario == Scenario::Reject;
-    let per_client = args.scenario == Scenario::Clients;
-    let (limit, window) = if reject {
-        (REJECT_LIMIT, REJECT_WINDOW)
-    } else {
-        (ALLOW_LIMIT, ALLOW_WINDOW)
+    let per_client = matches!(args.scenario, Scenario::Clients | Scenario::Flood);
+    let (limit, window) = match args.scenario {
+        Scenario::Reject => (REJECT_LIMIT, REJECT_WINDOW),
+        Scenario::Flood => (FLOOD_LIMIT, FLOOD_WINDOW),
+        Scenario::Allow | Scenario::Clients => (ALLOW_LIMIT, ALLOW_WINDOW),
     };
     // A store failure is answered 503, so that it shows in the status counts instead of
     // passing as an allowed request.
@@ -305,10 +322,14 @@ async fn app(args: &Args) -> Result<Router, Error> {
             .as_deref()
             .ok_or_else(|| Error::from("this mode needs --redis <url>"))
     };
+    let memory = || match args.max_keys {
+        Some(max_keys) => MemoryStore::new().with_max_keys(max_keys),
+        None => MemoryStore::new(),
+    };
     Ok(match args.mode {
         Mode::Plain => router,
-        Mode::Memory => router.layer(layer),
-        Mode::MemoryNoHeaders => router.layer(layer.headers(HeaderStyle::NONE)),
+        Mode::Memory => router.layer(layer.store(memory())),
+        Mode::MemoryNoHeaders => router.layer(layer.store(memory()).headers(HeaderStyle::NONE)),
         Mode::Redis => router.layer(layer.store(RedisStore::connect(redis_url()?).await?)),
         Mode::RedisNoCoalesce => router.layer(
             layer.store(
@@ -454,6 +475,10 @@ async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
 }
 
 #[cfg(not(feature = "tls"))]
-async fn connect_tls(_args: &Args) -> Result<RedisStore, Error> {
-    Err("mode redis-tls needs the tls feature (FEATURES=redis,bb8,cluster,tls)".into())
+async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
+    let url = args.redis_tls.as_ref().map_or("", |(url, _)| url.as_str());
+    Err(
+        format!("mode redis-tls ({url}) needs the tls feature (FEATURES=redis,bb8,cluster,tls)")
+            .into(),
+    )
 }

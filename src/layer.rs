@@ -23,8 +23,9 @@ pub const DEFAULT_NAME: &str = "default";
 
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate) for an example.
 ///
-/// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`]; every other
-/// part is set with a builder method. **Clones of the layer, and every service it makes,
+/// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`] (bounded: at
+/// most [`MemoryStore::DEFAULT_MAX_KEYS`] keys); every other part is set with a builder
+/// method. **Clones of the layer, and every service it makes,
 /// share one budget** (one store), so `Router::layer` applies one limit across all
 /// routes. A second layer with its own store has its own budgets; layers on one store
 /// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
@@ -216,5 +217,18 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
         };
         RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_store_is_bounded() {
+        let layer = RateLimitLayer::new(Limit::fixed_window(1, Duration::from_secs(1)).unwrap());
+        let shown = format!("{layer:?}");
+        let bound = format!("max_keys: {}", MemoryStore::DEFAULT_MAX_KEYS);
+        assert!(shown.contains(&bound), "{shown}");
     }
 }

@@ -56,7 +56,8 @@
 //!
 //! # Stores
 //!
-//! - [`MemoryStore`]: in-process, the default. Each process has its own budget.
+//! - [`MemoryStore`]: in-process, the default. Each process has its own budget; it tracks
+//!   at most [`MemoryStore::DEFAULT_MAX_KEYS`] keys unless told otherwise.
 //! - `RedisStore` (feature `redis`): one atomic Lua script per decision on Redis 6.0+
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.

@@ -25,9 +25,10 @@ pub enum FailurePolicy {
 }
 
 impl FailurePolicy {
-    /// [`Local`](Self::Local) with a new bounded [`MemoryStore`].
+    /// [`Local`](Self::Local) with a new [`MemoryStore`], bounded by
+    /// [`MemoryStore::DEFAULT_MAX_KEYS`].
     pub fn local() -> Self {
-        Self::Local(MemoryStore::new().with_max_keys(1_000_000))
+        Self::Local(MemoryStore::new())
     }
 
     /// The config name: `allow`, `deny` or `local`.

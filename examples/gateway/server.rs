@@ -41,9 +41,6 @@ pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 /// One route's service: its rate-limit layers around the proxy (or the `ok` answer).
 type RouteService = BoxCloneSyncService<Request, Response, Infallible>;
 
-/// How many keys the in-memory store tracks at most (see `MemoryStore::with_max_keys`).
-const MEMORY_MAX_KEYS: usize = 1_000_000;
-
 /// Bucket bounds of `tollgate_decision_seconds`: 50 us to 1 s.
 const DECISION_BUCKETS: &[f64] = &[
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -308,7 +305,7 @@ async fn connect_store(config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
         "connecting the store"
     );
     match &config.backend {
-        Backend::Memory => Ok(Arc::new(MemoryStore::new().with_max_keys(MEMORY_MAX_KEYS))),
+        Backend::Memory => Ok(Arc::new(MemoryStore::new())),
         Backend::Redis { url } => connect_redis(url, config).await,
         Backend::RedisCluster { nodes } => connect_redis_cluster(nodes, config).await,
         Backend::RedisSentinel(sentinel) => connect_redis_sentinel(sentinel, config).await,
