@@ -9,7 +9,9 @@
 #   ROUNDS=3 DURATION=10 WARMUP=2   rounds; seconds measured and warmed up per run
 #   CONNECTIONS=64 THREADS=1        wrk -c / -t
 #   MODES="plain memory redis ..."  which servers (plain is always measured: ratios need it);
-#                                   the default set, plus redis-nocache (block cache off)
+#                                   the default set, plus redis-nocache (block cache off) and
+#                                   redis-tls (the redis mode over TLS: adds the tls feature,
+#                                   certificates made with the openssl CLI)
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour); also
 #                                   clients: nothing rejected, a key per client, wrk sending
 #                                   one of 10 000 x-client headers (bench/clients.lua);
@@ -69,11 +71,14 @@ for scenario in $SCENARIOS; do
   [[ $scenario == allow || $scenario == reject || $scenario == clients || $scenario == flood ]] ||
     die "unknown scenario '$scenario' (allow, reject, clients or flood)"
 done
-KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-pool redis-cluster governor handwritten "
+KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-pool redis-cluster redis-tls governor handwritten "
 for mode in $MODES; do
   [[ $KNOWN_MODES == *" $mode "* ]] || die "unknown mode '$mode'; one of:$KNOWN_MODES"
 done
 [[ " $MODES " == *" plain "* ]] || MODES="plain $MODES"
+if [[ " $MODES " == *" redis-tls "* && ",$FEATURES," != *",tls,"* ]]; then
+  FEATURES="$FEATURES,tls"
+fi
 
 # --- everything started here is stopped on exit -----------------------------------------
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tollgate-bench.XXXXXX")
@@ -191,6 +196,44 @@ if [[ $needs_redis == yes ]]; then
   REDIS_PORTS=$FREE_PORT
 fi
 
+# redis-tls: a second redis-server that speaks only TLS, with a CA and a server certificate
+# for 127.0.0.1 made here (clients need no certificate).
+REDIS_TLS_URL=
+REDIS_TLS_PIDS=
+REDIS_TLS_PORTS=
+TLS_CLI=()
+if [[ " $MODES " == *" redis-tls "* ]]; then
+  command -v openssl >/dev/null || apt_install openssl
+  tls=$WORK/tls
+  mkdir -p "$tls"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=bench CA" \
+    -keyout "$tls/ca.key" -out "$tls/ca.crt" >/dev/null 2>&1 || die "openssl: CA"
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" \
+    -keyout "$tls/server.key" -out "$tls/server.csr" >/dev/null 2>&1 || die "openssl: key"
+  printf 'subjectAltName=IP:127.0.0.1\n' >"$tls/san.ext"
+  openssl x509 -req -in "$tls/server.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" \
+    -CAcreateserial -days 2 -extfile "$tls/san.ext" -out "$tls/server.crt" >/dev/null 2>&1 ||
+    die "openssl: server certificate"
+  free_port
+  TLS_CLI=(--tls --cacert "$tls/ca.crt")
+  dir=$WORK/redis-tls
+  mkdir -p "$dir"
+  redis-server --port 0 --tls-port "$FREE_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+    --tls-cert-file "$tls/server.crt" --tls-key-file "$tls/server.key" \
+    --tls-ca-cert-file "$tls/ca.crt" --tls-auth-clients no \
+    --dir "$dir" --logfile "$dir/log" &
+  PIDS+=($!)
+  for _ in $(seq 200); do
+    [[ $(redis-cli "${TLS_CLI[@]}" -p "$FREE_PORT" PING 2>/dev/null) == PONG ]] && break
+    sleep 0.05
+  done
+  [[ $(redis-cli "${TLS_CLI[@]}" -p "$FREE_PORT" PING 2>/dev/null) == PONG ]] ||
+    { cat "$dir/log" >&2; die "the TLS redis-server did not answer PING"; }
+  REDIS_TLS_URL=rediss://127.0.0.1:$FREE_PORT
+  REDIS_TLS_PIDS=${PIDS[-1]}
+  REDIS_TLS_PORTS=$FREE_PORT
+fi
+
 # A cluster of three masters without replicas (replication would only take CPU from the
 # other processes on this machine). Skipped with a note when it cannot be formed.
 CLUSTER_URLS=
@@ -252,7 +295,9 @@ redis_commands() {
   for port in "$@"; do
     # Top-level script calls and PINGs (a pool's checkout test); the commands that
     # scripts run inside are not counted.
-    n=$(redis-cli -p "$port" INFO commandstats | tr -d '\r' |
+    local tls=()
+    [[ $port == "$REDIS_TLS_PORTS" ]] && tls=("${TLS_CLI[@]}")
+    n=$(redis-cli "${tls[@]}" -p "$port" INFO commandstats | tr -d '\r' |
       awk -F'[:=,]' '/^cmdstat_(evalsha|eval|ping):/ { n += $3 } END { print n + 0 }')
     [[ -n $n ]] || die "redis-cli -p $port INFO commandstats failed"
     total=$((total + n))
@@ -282,6 +327,7 @@ start_server() {
   local args=(--mode "$mode" --scenario "$scenario" --port 0)
   [[ -n $REDIS_URL ]] && args+=(--redis "$REDIS_URL")
   [[ -n $CLUSTER_URLS ]] && args+=(--cluster "$CLUSTER_URLS")
+  [[ -n $REDIS_TLS_URL ]] && args+=(--redis-tls "$REDIS_TLS_URL" --tls-ca "$WORK/tls/ca.crt")
   [[ -n $MAX_KEYS && $mode == memory* ]] && args+=(--max-keys "$MAX_KEYS")
   "$SERVER_BIN" "${args[@]}" >"$log" 2>&1 &
   SERVER_PID=$!
@@ -319,6 +365,7 @@ run_one() {
   local redis_pids='' redis_ports=''
   case $mode in
     redis-cluster) redis_pids=$CLUSTER_PIDS redis_ports=$CLUSTER_PORTS ;;
+    redis-tls) redis_pids=$REDIS_TLS_PIDS redis_ports=$REDIS_TLS_PORTS ;;
     redis* | handwritten) redis_pids=$REDIS_PIDS redis_ports=$REDIS_PORTS ;;
   esac
   local server_before redis_before commands_before server_after redis_after commands_after

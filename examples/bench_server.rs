@@ -108,12 +108,13 @@ enum Mode {
     RedisNoCache,
     RedisPool,
     RedisCluster,
+    RedisTls,
     Governor,
     Handwritten,
 }
 
 impl Mode {
-    const ALL: [(&'static str, Mode); 10] = [
+    const ALL: [(&'static str, Mode); 11] = [
         ("plain", Mode::Plain),
         ("memory", Mode::Memory),
         ("memory-noheaders", Mode::MemoryNoHeaders),
@@ -122,6 +123,7 @@ impl Mode {
         ("redis-nocache", Mode::RedisNoCache),
         ("redis-pool", Mode::RedisPool),
         ("redis-cluster", Mode::RedisCluster),
+        ("redis-tls", Mode::RedisTls),
         ("governor", Mode::Governor),
         ("handwritten", Mode::Handwritten),
     ];
@@ -155,6 +157,8 @@ struct Args {
     scenario: Scenario,
     redis: Option<String>,
     cluster: Vec<String>,
+    /// `redis-tls`: a `rediss://` URL and the PEM CA its certificate is signed by.
+    redis_tls: Option<(String, String)>,
     port: u16,
     /// The memory modes' bound (`None`: `MemoryStore`'s default).
     max_keys: Option<usize>,
@@ -162,13 +166,14 @@ struct Args {
 
 const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients|flood] \
                      [--redis <url>] [--cluster <url,url,..>] [--port <port>] \
-                     [--max-keys <n>]";
+                     [--max-keys <n>] [--redis-tls <rediss-url> --tls-ca <ca.pem>]";
 
 fn parse_args() -> Result<Args, Error> {
     let mut mode = None;
     let mut scenario = Scenario::Allow;
     let mut redis = None;
     let mut cluster = Vec::new();
+    let (mut redis_tls, mut tls_ca) = (None, None);
     let mut port = 0;
     let mut max_keys = None;
     let mut args = std::env::args().skip(1);
@@ -196,6 +201,8 @@ fn parse_args() -> Result<Args, Error> {
                     .map(str::to_owned)
                     .collect();
             }
+            "--redis-tls" => redis_tls = Some(value()?),
+            "--tls-ca" => tls_ca = Some(value()?),
             "--port" => port = value()?.parse()?,
             "--max-keys" => max_keys = Some(value()?.parse()?),
             "-h" | "--help" => return Err(USAGE.into()),
@@ -208,6 +215,7 @@ fn parse_args() -> Result<Args, Error> {
         scenario,
         redis,
         cluster,
+        redis_tls: redis_tls.zip(tls_ca),
         port,
         max_keys,
     })
@@ -347,6 +355,7 @@ async fn app(args: &Args) -> Result<Router, Error> {
             }
             router.layer(layer.store(RedisStore::connect_cluster(&args.cluster).await?))
         }
+        Mode::RedisTls => router.layer(layer.store(connect_tls(args).await?)),
         Mode::Governor => {
             let mut config = GovernorConfigBuilder::default();
             if reject {
@@ -452,4 +461,24 @@ async fn handwritten(State(state): State<Handwritten>, request: Request, next: N
         Ok(_) => StatusCode::TOO_MANY_REQUESTS.into_response(),
         Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
     }
+}
+
+/// `redis-tls`: the default store over TLS (feature `tls`), trusting the given CA.
+#[cfg(feature = "tls")]
+async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
+    let (url, ca) = args
+        .redis_tls
+        .as_ref()
+        .ok_or("mode redis-tls needs --redis-tls <rediss-url> --tls-ca <ca.pem>")?;
+    let tls = tollgate::store::TlsConfig::new().with_ca_pem(std::fs::read(ca)?);
+    Ok(RedisStore::connect_tls(url, &tls).await?)
+}
+
+#[cfg(not(feature = "tls"))]
+async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
+    let url = args.redis_tls.as_ref().map_or("", |(url, _)| url.as_str());
+    Err(
+        format!("mode redis-tls ({url}) needs the tls feature (FEATURES=redis,bb8,cluster,tls)")
+            .into(),
+    )
 }

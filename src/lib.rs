@@ -58,7 +58,7 @@
 //!
 //! - [`MemoryStore`]: in-process, the default. Each process has its own budget; it tracks
 //!   at most [`MemoryStore::DEFAULT_MAX_KEYS`] keys unless told otherwise.
-//! - `RedisStore` (feature `redis`): one atomic Lua script per decision on Redis 6.2+
+//! - `RedisStore` (feature `redis`): one atomic Lua script per decision on Redis 6.0+
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
 //!
@@ -74,6 +74,9 @@
 //! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
 //! - `bb8`: build a `RedisStore` from a bb8-redis pool.
 //! - `cluster`: `RedisStore::connect_cluster` for Redis Cluster.
+//! - `tls`: `rediss://` (one node, cluster, Sentinel) over rustls with the ring provider (no
+//!   system OpenSSL); `store::TlsConfig` for a private CA and client certificates.
+//! - `sentinel`: `RedisStore::connect_sentinel` follows the master Redis Sentinel names.
 //! - `metrics`: request counters and decision latency per layer through the `metrics`
 //!   facade; see [`metrics`].
 //! - `tonic`: [`PeerIp`](key::PeerIp) and [`ClientIp`](key::ClientIp) read tonic's

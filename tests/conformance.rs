@@ -351,6 +351,14 @@ async fn a_new_window_is_new_state(h: Harness) {
     assert_eq!(h.allowed("a", &limit(secs(7200)), 5).await, 3);
 }
 
+/// Test certificates for a store over TLS with a client certificate.
+#[cfg(feature = "tls")]
+fn tls_config(tls: &support::tls::TlsFiles) -> tollgate::store::TlsConfig {
+    tollgate::store::TlsConfig::new()
+        .with_ca_pem(tls.ca_pem.clone())
+        .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone())
+}
+
 macro_rules! conformance {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -378,6 +386,45 @@ macro_rules! conformance {
                         .with_clock(clock.clone());
                     super::$scenario(Harness { store: Box::new(store), clock }).await;
                     support::assert_every_key_expires(&server);
+                }
+            )*
+        }
+
+        /// One node that speaks only TLS and requires a client certificate.
+        #[cfg(feature = "tls")]
+        mod redis_tls {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
+                    let server = RedisServer::start_tls(&tls);
+                    let clock = ManualClock::new(START);
+                    let store = RedisStore::connect_tls(&server.url(), &tls_config(&tls))
+                        .await
+                        .unwrap()
+                        .with_clock(clock.clone());
+                    super::$scenario(Harness { store: Box::new(store), clock }).await;
+                    assert!(support::assert_every_key_expires(&server) > 0, "no keys");
+                }
+            )*
+        }
+
+        /// As the least-privileged ACL user the README documents.
+        mod redis_acl {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let server = RedisServer::start();
+                    let url = support::acl::least_privilege_user(&server, "tollgate");
+                    let clock = ManualClock::new(START);
+                    let store = RedisStore::connect(&url)
+                        .await
+                        .unwrap()
+                        .with_clock(clock.clone());
+                    super::$scenario(Harness { store: Box::new(store), clock }).await;
+                    assert!(support::assert_every_key_expires(&server) > 0, "no keys");
                 }
             )*
         }
@@ -423,3 +470,36 @@ conformance!(
     a_carried_over_gcra_keeps_its_arrival_time,
     a_new_window_is_new_state,
 );
+
+/// A real cluster speaking only TLS (clients, bus, replication): a few scenarios, since each
+/// starts six nodes.
+#[cfg(all(feature = "cluster", feature = "tls"))]
+mod cluster_tls {
+    use super::*;
+    use support::cluster::RedisCluster;
+
+    macro_rules! over_tls_cluster {
+        ($($scenario:ident),* $(,)?) => {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
+                    let cluster = RedisCluster::start_tls(&tls);
+                    let clock = ManualClock::new(START);
+                    let store = RedisStore::connect_cluster_tls(&cluster.urls(), &tls_config(&tls))
+                        .await
+                        .unwrap()
+                        .with_clock(clock.clone());
+                    super::$scenario(Harness { store: Box::new(store), clock }).await;
+                    assert!(cluster.assert_every_key_expires() > 0, "no keys on any master");
+                }
+            )*
+        };
+    }
+
+    over_tls_cluster!(
+        retry_after_is_exact,
+        multi_limit_is_all_or_nothing,
+        keys_are_isolated
+    );
+}

@@ -1648,3 +1648,215 @@ mod redis {
         assert!(error.to_string().contains("refused"), "{error}");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Redis as it is run: TLS, ACL users, Sentinel
+
+/// One example config per kind of Redis (examples/stores/), valid as documented.
+#[cfg(all(feature = "tls", feature = "sentinel", feature = "cluster"))]
+#[test]
+fn the_example_store_configs_are_valid() {
+    use config::Backend;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/stores");
+    let load = |name: &str| {
+        Config::load(&root.join(name)).unwrap_or_else(|e| panic!("examples/stores/{name}: {e}"))
+    };
+    let tls = load("tls.toml");
+    assert!(matches!(&tls.store.backend, Backend::Redis { url } if url.starts_with("rediss://")));
+    assert!(tls.store.tls.ca_file.is_some() && tls.store.tls.key_file.is_some());
+    let acl = load("acl.toml");
+    assert!(matches!(&acl.store.backend, Backend::Redis { url } if url.contains("tollgate:")));
+    let sentinel = load("sentinel.toml");
+    assert!(matches!(&sentinel.store.backend, Backend::RedisSentinel(s) if s.sentinels.len() == 3));
+    let cluster = load("cluster.toml");
+    assert!(matches!(&cluster.store.backend, Backend::RedisCluster { nodes } if nodes.len() == 2));
+}
+
+#[test]
+fn invalid_store_connection_fields_are_rejected_naming_the_field() {
+    let store = |fields: &str| format!("listen = \"127.0.0.1:0\"\n[store]\n{fields}\n");
+    let cases: Vec<(String, &[&str])> = vec![
+        (
+            store("backend = \"redis-sentinel\"\nmaster_name = \"m\""),
+            &["store.sentinels", "at least one"],
+        ),
+        (
+            store("backend = \"redis-sentinel\"\nsentinels = [\"redis://127.0.0.1:26379\"]"),
+            &["store.master_name", "required"],
+        ),
+        (
+            store(
+                "backend = \"redis-sentinel\"\nsentinels = [\"127.0.0.1:26379\"]\n\
+                 master_name = \"m\"",
+            ),
+            &["store.sentinels[0]", "\"127.0.0.1:26379\""],
+        ),
+        (
+            store(
+                "backend = \"redis-sentinel\"\nsentinels = [\"redis://127.0.0.1:26379\"]\n\
+                 master_name = \"m\"\nmaster_username = \"u\"",
+            ),
+            &["store.master_password", "master_username"],
+        ),
+        (
+            store("backend = \"memory\"\ntls_cert_file = \"c.crt\""),
+            &["store.tls_key_file", "required"],
+        ),
+        (
+            store("backend = \"memory\"\ntls_key_file = \"c.key\""),
+            &["store.tls_cert_file", "required"],
+        ),
+        (
+            store("backend = \"memory\"\ntls_ca_file = \"\""),
+            &["store.tls_ca_file", "file path"],
+        ),
+        (
+            store("backend = \"nope\""),
+            &["store.backend", "redis-sentinel", "\"nope\""],
+        ),
+    ];
+    #[cfg(feature = "redis")]
+    let cases = {
+        let mut cases = cases;
+        cases.push((
+            store(
+                "backend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n\
+                 tls_ca_file = \"ca.crt\"",
+            ),
+            &["store.url", "must be rediss://"],
+        ));
+        cases
+    };
+    for (text, expected) in cases {
+        let error = Config::parse(&text).unwrap_err().to_string();
+        for part in expected {
+            assert!(
+                error.contains(part),
+                "{text}\n-> {error}\n(expected {part:?})"
+            );
+        }
+    }
+}
+
+#[cfg(all(feature = "redis", not(feature = "tls")))]
+#[test]
+fn rediss_without_the_tls_feature_is_a_clear_config_error() {
+    let text = "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\n\
+                url = \"rediss://127.0.0.1:6380\"";
+    let error = Config::parse(text).unwrap_err().to_string();
+    assert!(
+        error.contains("store.url") && error.contains("tls feature"),
+        "{error}"
+    );
+}
+
+#[cfg(not(feature = "sentinel"))]
+#[test]
+fn redis_sentinel_backend_without_the_feature_is_a_clear_error() {
+    let text = "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis-sentinel\"\n\
+                sentinels = [\"redis://127.0.0.1:26379\"]\nmaster_name = \"m\"";
+    let error = Config::parse(text).unwrap_err().to_string();
+    assert!(
+        error.contains("store.backend") && error.contains("sentinel feature"),
+        "{error}"
+    );
+}
+
+#[cfg(feature = "redis")]
+mod redis_as_run {
+    use super::*;
+    use support::{RedisServer, acl};
+
+    #[tokio::test]
+    async fn as_the_documented_acl_user() {
+        let redis = RedisServer::start();
+        let url = acl::least_privilege_user(&redis, "tollgate");
+        per_route_limits(&format!(
+            "[store]\nbackend = \"redis\"\nurl = {url:?}\ntimeout_ms = 2000\n"
+        ))
+        .await;
+    }
+
+    /// The password never reaches the logs or the startup error.
+    #[tokio::test]
+    async fn a_wrong_password_fails_at_startup_without_showing_it() {
+        let redis = RedisServer::start();
+        acl::least_privilege_user(&redis, "tollgate");
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\n\
+             url = \"redis://tollgate:not-the-password@127.0.0.1:{}\"",
+            redis.port()
+        );
+        let error = server::start(Config::parse(&text).unwrap())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("store.url"), "{error}");
+        assert!(!error.contains("not-the-password"), "{error}");
+    }
+
+    #[cfg(feature = "tls")]
+    #[tokio::test]
+    async fn over_tls_with_a_private_ca_and_a_client_certificate() {
+        let tls = Arc::new(support::tls::TlsFiles::generate());
+        let redis = RedisServer::start_tls(&tls);
+        per_route_limits(&format!(
+            "[store]\nbackend = \"redis\"\nurl = {:?}\ntimeout_ms = 2000\n\
+             tls_ca_file = {:?}\ntls_cert_file = {:?}\ntls_key_file = {:?}\n",
+            redis.url(),
+            tls.path("ca.crt"),
+            tls.path("client.crt"),
+            tls.path("client.key"),
+        ))
+        .await;
+    }
+
+    #[cfg(feature = "tls")]
+    #[tokio::test]
+    async fn a_missing_certificate_file_fails_at_startup_naming_the_field() {
+        let tls = Arc::new(support::tls::TlsFiles::generate());
+        let redis = RedisServer::start_tls(&tls);
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = {:?}\n\
+             tls_ca_file = \"/nonexistent/ca.crt\"",
+            redis.url()
+        );
+        let error = server::start(Config::parse(&text).unwrap())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("store.tls_ca_file") && error.contains("/nonexistent/ca.crt"),
+            "{error}"
+        );
+    }
+
+    #[cfg(all(feature = "tls", feature = "cluster"))]
+    #[tokio::test]
+    async fn on_a_tls_cluster() {
+        let tls = Arc::new(support::tls::TlsFiles::generate());
+        let cluster = support::cluster::RedisCluster::start_tls(&tls);
+        per_route_limits(&format!(
+            "[store]\nbackend = \"redis-cluster\"\nnodes = {:?}\ntimeout_ms = 2000\n\
+             tls_ca_file = {:?}\ntls_cert_file = {:?}\ntls_key_file = {:?}\n",
+            cluster.urls(),
+            tls.path("ca.crt"),
+            tls.path("client.crt"),
+            tls.path("client.key"),
+        ))
+        .await;
+    }
+
+    #[cfg(feature = "sentinel")]
+    #[tokio::test]
+    async fn through_sentinel() {
+        let setup = support::sentinel::SentinelSetup::start();
+        per_route_limits(&format!(
+            "[store]\nbackend = \"redis-sentinel\"\nsentinels = {:?}\nmaster_name = {:?}\n\
+             timeout_ms = 2000\n",
+            setup.sentinel_urls(),
+            support::sentinel::MASTER_NAME,
+        ))
+        .await;
+    }
+}

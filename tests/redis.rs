@@ -215,10 +215,16 @@ async fn script_flush_between_requests_keeps_decisions_correct() {
     }
     // Five allowed (or more only if the hour turned over, at most ten).
     assert!(allowed_total >= 5, "{allowed_total}");
-    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
-    assert!(
-        stats.contains("cmdstat_script|load:calls=10,"),
-        "the script was reloaded after each flush: {stats}"
+    // SCRIPT FLUSH counts as SCRIPT before Redis 7: 10 flushes besides.
+    let flushes = if support::redis_server_major_version() < 7 {
+        10
+    } else {
+        0
+    };
+    assert_eq!(
+        server.calls("script|load"),
+        10 + flushes,
+        "the script was reloaded after each flush"
     );
 }
 

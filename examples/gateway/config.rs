@@ -110,6 +110,8 @@ const MAX_CONNECTIONS: u64 = 1_000_000;
 #[derive(Debug, Clone)]
 pub(crate) struct StoreConfig {
     pub(crate) backend: Backend,
+    /// Certificates for `rediss://` beyond the system's roots.
+    pub(crate) tls: StoreTls,
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
     pub(crate) on_error: OnError,
@@ -143,6 +145,31 @@ pub(crate) enum Backend {
     Memory,
     Redis { url: String },
     RedisCluster { nodes: Vec<String> },
+    RedisSentinel(SentinelBackend),
+}
+
+/// `backend = "redis-sentinel"`: the master the sentinels name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SentinelBackend {
+    pub(crate) sentinels: Vec<String>,
+    pub(crate) master_name: String,
+    pub(crate) username: Option<String>,
+    pub(crate) password: Option<String>,
+}
+
+/// PEM files for TLS to Redis: a private CA, and a client certificate with its key.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct StoreTls {
+    pub(crate) ca_file: Option<String>,
+    pub(crate) cert_file: Option<String>,
+    pub(crate) key_file: Option<String>,
+}
+
+impl StoreTls {
+    /// Whether any file is given.
+    pub(crate) fn is_set(&self) -> bool {
+        self.ca_file.is_some() || self.cert_file.is_some()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,6 +259,13 @@ struct RawStore {
     backend: Option<String>,
     url: Option<String>,
     nodes: Option<Vec<String>>,
+    sentinels: Option<Vec<String>>,
+    master_name: Option<String>,
+    master_username: Option<String>,
+    master_password: Option<String>,
+    tls_ca_file: Option<String>,
+    tls_cert_file: Option<String>,
+    tls_key_file: Option<String>,
     prefix: Option<String>,
     timeout_ms: Option<u64>,
     on_error: Option<String>,
@@ -487,6 +521,10 @@ impl RawStore {
         for (i, node) in self.nodes.iter().flatten().enumerate() {
             check_redis_url(&format!("store.nodes[{i}]"), node)?;
         }
+        for (i, sentinel) in self.sentinels.iter().flatten().enumerate() {
+            check_redis_url(&format!("store.sentinels[{i}]"), sentinel)?;
+        }
+        let tls = self.tls()?;
         let backend = match self.backend.as_deref().unwrap_or("memory") {
             "memory" => Backend::Memory,
             "redis" => {
@@ -522,13 +560,17 @@ impl RawStore {
                 }
                 Backend::RedisCluster { nodes }
             }
+            "redis-sentinel" => Backend::RedisSentinel(self.sentinel()?),
             other => {
                 return Err(ConfigError::new(
                     "store.backend",
-                    format!("must be memory, redis or redis-cluster (got {other:?})"),
+                    format!(
+                        "must be memory, redis, redis-cluster or redis-sentinel (got {other:?})"
+                    ),
                 ));
             }
         };
+        check_tls(&backend, &tls)?;
         let prefix = self.prefix.unwrap_or_else(|| "tollgate".to_owned());
         // The rule `RedisStore::with_prefix` applies, checked here so that a bad prefix
         // fails at load and not after connecting; the memory store has no prefix, but a
@@ -560,12 +602,123 @@ impl RawStore {
             header_key_hashing(self.hash_header_keys, self.key_secret_env.as_deref())?;
         Ok(StoreConfig {
             backend,
+            tls,
             prefix,
             timeout,
             on_error,
             header_keys,
         })
     }
+}
+
+impl RawStore {
+    fn tls(&self) -> Result<StoreTls, ConfigError> {
+        let tls = StoreTls {
+            ca_file: self.tls_ca_file.clone(),
+            cert_file: self.tls_cert_file.clone(),
+            key_file: self.tls_key_file.clone(),
+        };
+        for (field, value) in [
+            ("store.tls_ca_file", &tls.ca_file),
+            ("store.tls_cert_file", &tls.cert_file),
+            ("store.tls_key_file", &tls.key_file),
+        ] {
+            if value.as_deref() == Some("") {
+                return Err(ConfigError::new(field, "must be a file path (got \"\")"));
+            }
+        }
+        match (&tls.cert_file, &tls.key_file) {
+            (Some(_), None) => Err(ConfigError::new(
+                "store.tls_key_file",
+                "is required with store.tls_cert_file (the client certificate's key)",
+            )),
+            (None, Some(_)) => Err(ConfigError::new(
+                "store.tls_cert_file",
+                "is required with store.tls_key_file (the client certificate)",
+            )),
+            _ => Ok(tls),
+        }
+    }
+
+    fn sentinel(&self) -> Result<SentinelBackend, ConfigError> {
+        let sentinels = self.sentinels.clone().unwrap_or_default();
+        if sentinels.is_empty() {
+            return Err(ConfigError::new(
+                "store.sentinels",
+                "needs at least one sentinel with backend = \"redis-sentinel\"",
+            ));
+        }
+        let master_name = match self.master_name.as_deref() {
+            Some(name) if !name.is_empty() => name.to_owned(),
+            _ => {
+                return Err(ConfigError::new(
+                    "store.master_name",
+                    "is required with backend = \"redis-sentinel\" (the name in `sentinel monitor`)",
+                ));
+            }
+        };
+        if self.master_username.is_some() && self.master_password.is_none() {
+            return Err(ConfigError::new(
+                "store.master_password",
+                "is required with store.master_username",
+            ));
+        }
+        if !cfg!(feature = "sentinel") {
+            return Err(ConfigError::new(
+                "store.backend",
+                "\"redis-sentinel\" needs the gateway built with the sentinel feature \
+                 (cargo run --example gateway --features sentinel -- ...)",
+            ));
+        }
+        Ok(SentinelBackend {
+            sentinels,
+            master_name,
+            username: self.master_username.clone(),
+            password: self.master_password.clone(),
+        })
+    }
+}
+
+/// TLS is used exactly where the backend's URLs say `rediss://`: a build without the `tls`
+/// feature refuses them, and certificate files need them.
+fn check_tls(backend: &Backend, tls: &StoreTls) -> Result<(), ConfigError> {
+    let urls: Vec<(String, &str)> = match backend {
+        Backend::Memory => return Ok(()),
+        Backend::Redis { url } => vec![("store.url".to_owned(), url.as_str())],
+        Backend::RedisCluster { nodes } => nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (format!("store.nodes[{i}]"), n.as_str()))
+            .collect(),
+        Backend::RedisSentinel(sentinel) => sentinel
+            .sentinels
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (format!("store.sentinels[{i}]"), n.as_str()))
+            .collect(),
+    };
+    let is_tls = |url: &str| {
+        url.get(..9)
+            .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"))
+    };
+    for (field, url) in &urls {
+        if is_tls(url) && !cfg!(feature = "tls") {
+            return Err(ConfigError::new(
+                field.clone(),
+                format!(
+                    "{url:?} is rediss:// (TLS): build the gateway with the tls feature \
+                     (cargo run --example gateway --features tls -- ...)"
+                ),
+            ));
+        }
+        if tls.is_set() && !is_tls(url) {
+            return Err(ConfigError::new(
+                field.clone(),
+                format!("must be rediss:// with store.tls_*_file (got {url:?})"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `store.hash_header_keys` (default true) and `store.key_secret_env`: API keys are hashed

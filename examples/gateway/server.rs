@@ -31,7 +31,10 @@ use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
-    config::{Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, StoreConfig},
+    config::{
+        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, SentinelBackend,
+        StoreConfig,
+    },
     path,
     proxy::{self, Proxy},
     reload::{self, Watcher},
@@ -535,22 +538,69 @@ fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<tollgate::Limit>)> {
 }
 
 async fn connect_store(config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
+    tracing::debug!(
+        prefix = config.prefix,
+        tls_files = config.tls.is_set(),
+        "connecting the store"
+    );
     match &config.backend {
         Backend::Memory => Ok(Arc::new(MemoryStore::new())),
-        Backend::Redis { url } => connect_redis(url, &config.prefix).await,
-        Backend::RedisCluster { nodes } => connect_redis_cluster(nodes, &config.prefix).await,
+        Backend::Redis { url } => connect_redis(url, config).await,
+        Backend::RedisCluster { nodes } => connect_redis_cluster(nodes, config).await,
+        Backend::RedisSentinel(sentinel) => connect_redis_sentinel(sentinel, config).await,
     }
 }
 
+/// The `tollgate::store::TlsConfig` of `store.tls_*_file`, the files read now.
+#[cfg(feature = "tls")]
+fn tls_config(tls: &crate::config::StoreTls) -> Result<tollgate::store::TlsConfig, Error> {
+    let read = |field: &str, path: &str| {
+        std::fs::read(path).map_err(|e| format!("store.{field}: cannot read {path:?}: {e}"))
+    };
+    let mut config = tollgate::store::TlsConfig::new();
+    if let Some(path) = &tls.ca_file {
+        config = config.with_ca_pem(read("tls_ca_file", path)?);
+    }
+    if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+        config =
+            config.with_client_cert_pem(read("tls_cert_file", cert)?, read("tls_key_file", key)?);
+    }
+    Ok(config)
+}
+
 #[cfg(feature = "redis")]
-async fn connect_redis(url: &str, prefix: &str) -> Result<Arc<dyn Store>, Error> {
-    let store = tollgate::store::RedisStore::connect(url)
-        .await
-        .map_err(|e| format!("store.url: cannot connect to {url:?}: {e}{}", cause(&e)))?
+fn with_prefix(store: tollgate::store::RedisStore, prefix: &str) -> Result<Arc<dyn Store>, Error> {
+    let store = store
         .with_prefix(prefix)
         .map_err(|e| format!("store.prefix: {e}"))?;
-    tracing::info!(url, prefix, "connected to redis");
     Ok(Arc::new(store))
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
+    let connecting = if config.tls.is_set() {
+        #[cfg(feature = "tls")]
+        {
+            tollgate::store::RedisStore::connect_tls(url, &tls_config(&config.tls)?).await
+        }
+        #[cfg(not(feature = "tls"))]
+        return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
+    } else {
+        tollgate::store::RedisStore::connect(url).await
+    };
+    let store = connecting.map_err(|e| {
+        format!(
+            "store.url: cannot connect to {:?}: {e}{}",
+            redact(url),
+            cause(&e)
+        )
+    })?;
+    tracing::info!(
+        url = redact(url),
+        prefix = config.prefix,
+        "connected to redis"
+    );
+    with_prefix(store, &config.prefix)
 }
 
 /// `: <cause>` of a store error (its `Display` names only its own level).
@@ -560,31 +610,110 @@ fn cause(error: &tollgate::StoreError) -> String {
 }
 
 #[cfg(not(feature = "redis"))]
-async fn connect_redis(_url: &str, _prefix: &str) -> Result<Arc<dyn Store>, Error> {
+async fn connect_redis(_url: &str, _config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
 }
 
 #[cfg(feature = "cluster")]
-async fn connect_redis_cluster(nodes: &[String], prefix: &str) -> Result<Arc<dyn Store>, Error> {
-    let store = tollgate::store::RedisStore::connect_cluster(nodes)
-        .await
-        .map_err(|e| {
-            format!(
-                "store.nodes: cannot connect to the cluster at {nodes:?}: {e}{}",
-                cause(&e)
-            )
-        })?
-        .with_prefix(prefix)
-        .map_err(|e| format!("store.prefix: {e}"))?;
-    tracing::info!(?nodes, prefix, "connected to redis cluster");
-    Ok(Arc::new(store))
+async fn connect_redis_cluster(
+    nodes: &[String],
+    config: &StoreConfig,
+) -> Result<Arc<dyn Store>, Error> {
+    let connecting = if config.tls.is_set() {
+        #[cfg(feature = "tls")]
+        {
+            tollgate::store::RedisStore::connect_cluster_tls(nodes, &tls_config(&config.tls)?).await
+        }
+        #[cfg(not(feature = "tls"))]
+        return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
+    } else {
+        tollgate::store::RedisStore::connect_cluster(nodes).await
+    };
+    let nodes: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+    let store = connecting.map_err(|e| {
+        format!(
+            "store.nodes: cannot connect to the cluster at {nodes:?}: {e}{}",
+            cause(&e)
+        )
+    })?;
+    tracing::info!(?nodes, prefix = config.prefix, "connected to redis cluster");
+    with_prefix(store, &config.prefix)
 }
 
 #[cfg(not(feature = "cluster"))]
-async fn connect_redis_cluster(_nodes: &[String], _prefix: &str) -> Result<Arc<dyn Store>, Error> {
+async fn connect_redis_cluster(
+    _nodes: &[String],
+    _config: &StoreConfig,
+) -> Result<Arc<dyn Store>, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis-cluster\" needs the gateway built with the cluster feature".into())
+}
+
+#[cfg(feature = "sentinel")]
+async fn connect_redis_sentinel(
+    sentinel: &SentinelBackend,
+    config: &StoreConfig,
+) -> Result<Arc<dyn Store>, Error> {
+    let mut library =
+        tollgate::store::SentinelConfig::new(&sentinel.sentinels, &sentinel.master_name);
+    if let Some(password) = &sentinel.password {
+        library = library.with_master_user(sentinel.username.as_deref(), password);
+    }
+    // TLS to the master when the sentinels are reached over TLS.
+    if sentinel
+        .sentinels
+        .iter()
+        .any(|s| s.starts_with("rediss://"))
+    {
+        #[cfg(feature = "tls")]
+        {
+            library = library.with_tls(tls_config(&config.tls)?);
+        }
+    }
+    let sentinels: Vec<String> = sentinel.sentinels.iter().map(|n| redact(n)).collect();
+    let store = tollgate::store::RedisStore::connect_sentinel(&library)
+        .await
+        .map_err(|e| {
+            format!(
+                "store.sentinels: cannot find master {:?} through {sentinels:?}: {e}{}",
+                sentinel.master_name,
+                cause(&e)
+            )
+        })?;
+    tracing::info!(
+        ?sentinels,
+        master = sentinel.master_name,
+        prefix = config.prefix,
+        "connected to redis through sentinel"
+    );
+    with_prefix(store, &config.prefix)
+}
+
+#[cfg(not(feature = "sentinel"))]
+async fn connect_redis_sentinel(
+    _sentinel: &SentinelBackend,
+    _config: &StoreConfig,
+) -> Result<Arc<dyn Store>, Error> {
+    // Config validation already refused this; kept for a clear message all the same.
+    Err(
+        "store.backend: \"redis-sentinel\" needs the gateway built with the sentinel feature"
+            .into(),
+    )
+}
+
+/// `url` without its password, for logs and errors.
+#[cfg(feature = "redis")]
+fn redact(url: &str) -> String {
+    match url.parse::<http::Uri>() {
+        Ok(uri) if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
+            let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+            let (user, host) = authority.rsplit_once('@').unwrap_or_default();
+            let user = user.split(':').next().unwrap_or_default();
+            url.replacen(authority, &format!("{user}:***@{host}"), 1)
+        }
+        _ => url.to_owned(),
+    }
 }
 
 /// The process's Prometheus recorder, installed on first use (tests start several

@@ -343,11 +343,7 @@ impl Store for MemoryStore {
         for shard in &self.inner.shards {
             let known = &mut lock(shard).known;
             for limit in limits {
-                if let Some(old) = known.get_mut(&limit.fingerprint())
-                    && old != limit
-                {
-                    *old = limit.clone();
-                }
+                known.update(limit);
             }
         }
     }
@@ -583,6 +579,16 @@ impl Known {
         self.0
             .get(&(slot.tagged & !REFERENCED))
             .map_or(0, |used| slot.state.expires_at(&used.limit))
+    }
+
+    /// Takes `limit`'s new parameters for the slots that share its fingerprint (a
+    /// carried-over limit that changed).
+    fn update(&mut self, limit: &Limit) {
+        if let Some(used) = self.0.get_mut(&fingerprint(limit))
+            && used.limit != *limit
+        {
+            used.limit = limit.clone();
+        }
     }
 
     /// Counts `slot`, which is going away, out of its limit's users. Beyond

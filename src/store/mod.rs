@@ -17,6 +17,10 @@ pub use check::Check;
 pub(crate) use guarded::Guarded;
 pub use memory::MemoryStore;
 pub use prefix::validate_prefix;
+#[cfg(feature = "sentinel")]
+pub use redis::SentinelConfig;
+#[cfg(feature = "tls")]
+pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 

@@ -9,10 +9,11 @@ use std::{
     collections::HashSet,
     net::TcpListener,
     process::{Command, Stdio},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
-use super::{RedisServer, free_port};
+use super::{RedisServer, free_port, tls::TlsFiles};
 
 /// How many nodes: three masters, each with one replica.
 pub const NODES: usize = 6;
@@ -55,26 +56,46 @@ impl RedisCluster {
     /// until every node reports `cluster_state:ok` with all slots covered and every replica
     /// is in sync with its master.
     pub fn start() -> Self {
+        Self::start_with_tls(None)
+    }
+
+    /// [`start`](Self::start) with every node speaking only TLS (clients, cluster bus and
+    /// replication), with certificates signed by `tls`'s CA.
+    pub fn start_tls(tls: &Arc<TlsFiles>) -> Self {
+        Self::start_with_tls(Some(tls))
+    }
+
+    fn start_with_tls(tls: Option<&Arc<TlsFiles>>) -> Self {
+        let tls_args: &[&str] = if tls.is_some() {
+            &["--tls-cluster", "yes", "--tls-replication", "yes"]
+        } else {
+            &[]
+        };
         let timeout = NODE_TIMEOUT_MS.to_string();
         let mut taken = HashSet::new();
         let mut nodes = Vec::with_capacity(NODES);
         for _ in 0..NODES {
             let port = cluster_port(&mut taken);
             let config_file = format!("nodes-{port}.conf");
-            nodes.push(RedisServer::start_on(
+            nodes.push(RedisServer::start_on_with_tls(
                 port,
                 &[
-                    "--cluster-enabled",
-                    "yes",
-                    // Relative to the server's own `--dir`: unique per node.
-                    "--cluster-config-file",
-                    &config_file,
-                    "--cluster-node-timeout",
-                    &timeout,
-                    // Replicas sync at once instead of after the default 5 s.
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ],
+                    tls_args,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        // Relative to the server's own `--dir`: unique per node.
+                        "--cluster-config-file",
+                        &config_file,
+                        "--cluster-node-timeout",
+                        &timeout,
+                        // Replicas sync at once instead of after the default 5 s.
+                        "--repl-diskless-sync-delay",
+                        "0",
+                    ],
+                ]
+                .concat(),
+                tls.cloned(),
             ));
         }
         let cluster = Self { nodes };
@@ -89,7 +110,10 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
+        let mut tls_args = self.nodes[0].cli_args();
+        tls_args.drain(..2); // not -p: the addresses are given
         let out = Command::new("redis-cli")
+            .args(&tls_args)
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-replicas", "1", "--cluster-yes"])

@@ -6,21 +6,76 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod acl;
 pub mod cluster;
 pub mod kinds;
 pub mod logs;
+pub mod sentinel;
+pub mod tls;
 
 use std::{
     io::{BufRead, BufReader},
     net::TcpListener,
     path::PathBuf,
     process::{Child, Command, Stdio},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 /// The `redis-server` binary: `$REDIS_SERVER`, or the one on `PATH`.
 pub fn redis_server_bin() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
+/// An error with its causes (`StoreError`'s `Display` names only its own level), as the
+/// layer logs it.
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut out = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
+
+/// The major version of [`redis_server_bin`].
+pub fn redis_server_major_version() -> u32 {
+    redis_server_version().0
+}
+
+/// The (major, minor) version of [`redis_server_bin`] (`redis-server --version`), read
+/// once.
+pub fn redis_server_version() -> (u32, u32) {
+    static VERSION: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *VERSION.get_or_init(|| {
+        let out = Command::new(redis_server_bin())
+            .arg("--version")
+            .output()
+            .unwrap_or_else(|e| panic!("could not run `{} --version`: {e}", redis_server_bin()));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut numbers = text
+            .split("v=")
+            .nth(1)
+            .unwrap_or_default()
+            .split(['.', ' '])
+            .map(str::parse::<u32>);
+        match (numbers.next(), numbers.next()) {
+            (Some(Ok(major)), Some(Ok(minor))) => (major, minor),
+            _ => panic!("no version in `redis-server --version`: {text}"),
+        }
+    })
+}
+
+/// `DEBUG` (for DEBUG SLEEP) is off by default since Redis 7, and the option to turn it
+/// on does not exist before.
+fn debug_command_args() -> &'static [&'static str] {
+    if redis_server_major_version() >= 7 {
+        &["--enable-debug-command", "local"]
+    } else {
+        &[]
+    }
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; the OS will not hand it out again
@@ -38,6 +93,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra_args: Vec<String>,
+    /// Serving TLS only (`--port 0 --tls-port <port>`), with these certificates.
+    tls: Option<Arc<tls::TlsFiles>>,
 }
 
 impl RedisServer {
@@ -53,6 +110,21 @@ impl RedisServer {
 
     /// Starts a server on `port`.
     pub fn start_on(port: u16, extra_args: &[&str]) -> Self {
+        Self::start_on_with_tls(port, extra_args, None)
+    }
+
+    /// Starts a server that speaks only TLS, with certificates signed by `tls`'s CA and
+    /// client certificates required.
+    pub fn start_tls(tls: &Arc<tls::TlsFiles>) -> Self {
+        Self::start_on_with_tls(free_port(), &[], Some(tls.clone()))
+    }
+
+    /// Starts a server on `port`, TLS-only when `tls` is given.
+    pub fn start_on_with_tls(
+        port: u16,
+        extra_args: &[&str],
+        tls: Option<Arc<tls::TlsFiles>>,
+    ) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create the redis test directory");
@@ -61,26 +133,22 @@ impl RedisServer {
             port,
             dir,
             extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
+            tls,
         };
         server.spawn();
         server
     }
 
     fn spawn(&mut self) {
-        let port = self.port.to_string();
+        let listen = match &self.tls {
+            Some(tls) => tls.server_args(self.port, true),
+            None => vec!["--port".to_owned(), self.port.to_string()],
+        };
         let child = Command::new(redis_server_bin())
-            .args([
-                "--port",
-                &port,
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+            .args(&listen)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--dir", self.dir.to_str().expect("utf-8 temp dir")])
-            .args(["--enable-debug-command", "local"])
+            .args(debug_command_args())
             .args(&self.extra_args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -138,15 +206,34 @@ impl RedisServer {
         self.child.is_some()
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, or `rediss://` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// The certificates of a TLS server.
+    pub fn tls(&self) -> Option<&Arc<tls::TlsFiles>> {
+        self.tls.as_ref()
+    }
+
+    /// `redis-cli` arguments that reach this server (`-p`, and TLS options).
+    pub fn cli_args(&self) -> Vec<String> {
+        let mut args = vec!["-p".to_owned(), self.port.to_string()];
+        if let Some(tls) = &self.tls {
+            args.extend(tls.cli_args());
+        }
+        args
     }
 
     /// Runs `redis-cli -p <port> <args>` and returns its stdout.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
         let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
+            .args(self.cli_args())
             .args(args)
             .stderr(Stdio::null())
             .output()
@@ -156,12 +243,18 @@ impl RedisServer {
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// How many times `command` (lower case, e.g. `evalsha`) ran since the server started or
-    /// since `CONFIG RESETSTAT`, from `INFO commandstats`; 0 if it never ran.
+    /// How many times `command` (lower case, e.g. `evalsha`, `script|load`) ran since the
+    /// server started or since `CONFIG RESETSTAT`, from `INFO commandstats`; 0 if it never
+    /// ran. Before Redis 7 a subcommand counts as its command (all `SCRIPT` calls).
     pub fn calls(&self, command: &str) -> u64 {
         let stats = self
             .cli(&["INFO", "commandstats"])
             .expect("INFO commandstats");
+        // Before Redis 7, subcommands (`script|load`) count under their command.
+        let command = match command.split_once('|') {
+            Some((parent, _)) if redis_server_major_version() < 7 => parent,
+            _ => command,
+        };
         let prefix = format!("cmdstat_{command}:calls=");
         stats
             .lines()

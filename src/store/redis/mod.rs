@@ -3,15 +3,23 @@
 use std::{
     fmt,
     sync::{Arc, LazyLock, OnceLock},
-    time::Duration,
 };
 
+mod acl;
 mod batch;
 mod block_cache;
+mod connect;
+#[cfg(feature = "sentinel")]
+mod sentinel;
+
+#[cfg(feature = "tls")]
+pub use self::connect::TlsConfig;
+#[cfg(feature = "sentinel")]
+pub use self::sentinel::SentinelConfig;
 
 use redis::{
     Cmd, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind,
-    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
+    aio::{ConnectionLike, ConnectionManager},
 };
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
@@ -45,7 +53,7 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
 
-/// A [`Store`] in Redis (6.2 or later): each decision is one `EVALSHA` of a Lua script
+/// A [`Store`] in Redis (6.0 or later): each decision is one `EVALSHA` of a Lua script
 /// that reads, decides and writes atomically, so every replica of a service shares one
 /// budget and no two requests can race.
 ///
@@ -96,6 +104,8 @@ pub(crate) enum Connection {
     Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "bb8")]
     Pool(bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>),
+    #[cfg(feature = "sentinel")]
+    Sentinel(Arc<sentinel::SentinelConnection>),
 }
 
 impl Connection {
@@ -116,6 +126,8 @@ impl fmt::Debug for RedisStore {
             Connection::Cluster(_) => "ClusterConnection",
             #[cfg(feature = "bb8")]
             Connection::Pool(_) => "bb8::Pool",
+            #[cfg(feature = "sentinel")]
+            Connection::Sentinel(_) => "Sentinel",
         };
         f.debug_struct("RedisStore")
             .field("connection", &connection)
@@ -129,7 +141,10 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects to the Redis at `url` (`redis://[:password@]host:port[/db]`).
+    /// Connects to the Redis at `url`: `redis://[[user]:password@]host:port[/db]`, or
+    /// `rediss://...` for TLS (feature `tls`; the system's root certificates are trusted,
+    /// see [`connect_tls`](Self::connect_tls) for a private CA or a client certificate).
+    /// With an ACL user, see the README for the least privilege tollgate needs.
     ///
     /// The connection reconnects by itself: after Redis restarts, the first call that
     /// finds the connection broken starts a new one. A connection attempt gives up after
@@ -138,21 +153,10 @@ impl RedisStore {
     ///
     /// # Errors
     ///
-    /// When the URL is invalid or Redis cannot be reached now.
+    /// When the URL is invalid (also: `rediss://` without the `tls` feature) or Redis
+    /// cannot be reached now.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(store_error)?;
-        let config = ConnectionManagerConfig::new()
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(250))
-            .set_connection_timeout(Some(Duration::from_millis(500)))
-            .set_response_timeout(Some(Duration::from_secs(1)));
-        let mut manager = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(store_error)?;
-        // Loaded now, the first burst of calls does not all meet NOSCRIPT at once.
-        SCRIPT.load_async(&mut manager).await.map_err(store_error)?;
-        Ok(Self::from_manager(manager))
+        Self::connect_client(connect::open(url)?).await
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (feature `cluster`).
@@ -168,20 +172,7 @@ impl RedisStore {
     #[cfg(feature = "cluster")]
     pub async fn connect_cluster<N: AsRef<str>>(nodes: &[N]) -> Result<Self, StoreError> {
         let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
-        let client = redis::cluster::ClusterClient::builder(nodes)
-            .retries(2)
-            .min_retry_wait(50)
-            .max_retry_wait(250)
-            .connection_timeout(Duration::from_millis(500))
-            .response_timeout(Duration::from_secs(1))
-            .build()
-            .map_err(store_error)?;
-        let mut connection = client.get_async_connection().await.map_err(store_error)?;
-        SCRIPT
-            .load_async(&mut connection)
-            .await
-            .map_err(store_error)?;
-        Ok(Self::new(Connection::Cluster(connection)))
+        Self::connect_cluster_with(&nodes, None).await
     }
 
     /// Uses an existing connection manager.
@@ -493,6 +484,8 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
             })?;
             evalsha(&mut *connection, &call).await
         }
+        #[cfg(feature = "sentinel")]
+        Connection::Sentinel(sentinel) => return sentinel.evalsha(&call).await,
     }
     .map_err(store_error)
 }
@@ -506,6 +499,11 @@ pub(crate) async fn ping(connection: Connection) {
         Connection::Cluster(mut cluster) => ping.query_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
         Connection::Pool(_) => Ok(()),
+        #[cfg(feature = "sentinel")]
+        Connection::Sentinel(sentinel) => {
+            sentinel.ping().await;
+            Ok(())
+        }
     };
 }
 
@@ -549,6 +547,9 @@ pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreErro
 }
 
 fn store_error(error: RedisError) -> StoreError {
+    if let Some(denied) = acl::explain(&error) {
+        return denied;
+    }
     let kind = if error.is_timeout() {
         StoreErrorKind::Timeout
     } else if error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()

@@ -1,0 +1,274 @@
+//! Redis as people run it, against real servers the harness starts: TLS (a private CA,
+//! client certificates, what is refused), ACL users (the README's least privilege, on one
+//! node and on a cluster, and a clear `NOPERM` answered by the failure policy when the ACL
+//! is narrower).
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use axum::{Router, body::Body, routing::get};
+use http::{Request, StatusCode};
+use support::{RedisServer, acl};
+use tollgate::{
+    FailurePolicy, Limit, RateLimitLayer, Store, StoreError, key::GlobalKey, key::Key,
+    store::RedisStore,
+};
+use tower::ServiceExt;
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// One decision of every algorithm at once, on Redis `TIME` (no local clock): exercises
+/// every command the script calls.
+async fn decide_all(store: &RedisStore, key: &str) -> Result<bool, StoreError> {
+    let limits = [
+        Limit::fixed_window(5, HOUR).unwrap(),
+        Limit::sliding_window(5, HOUR).unwrap(),
+        Limit::sliding_window_counter(5, HOUR).unwrap(),
+        Limit::token_bucket(5, HOUR).unwrap(),
+        Limit::gcra(5, HOUR).unwrap(),
+    ];
+    let mut allowed = 0;
+    for _ in 0..7 {
+        let decision = store.check(&Key::new(key), &limits, 1).await?;
+        allowed += u32::from(decision.is_allowed());
+    }
+    Ok(allowed == 5)
+}
+
+#[cfg(not(feature = "tls"))]
+#[tokio::test]
+async fn rediss_without_the_tls_feature_names_the_feature() {
+    let error = RedisStore::connect("rediss://127.0.0.1:1")
+        .await
+        .unwrap_err();
+    let message = support::chain(&error);
+    assert!(message.contains("`tls` feature"), "{message}");
+}
+
+#[tokio::test]
+async fn the_documented_acl_user_decides_on_redis_time() {
+    let server = RedisServer::start();
+    let url = acl::least_privilege_user(&server, "tollgate");
+    let store = RedisStore::connect(&url).await.unwrap();
+    assert!(decide_all(&store, "tenant").await.unwrap());
+    // Without coalescing too (each decision its own EVALSHA).
+    let store = store.with_coalescing(false);
+    assert!(decide_all(&store, "other").await.unwrap());
+    // After SCRIPT FLUSH, the user may load the script again by itself.
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
+    assert!(decide_all(&store, "third").await.unwrap());
+    assert!(
+        server.calls("script|load") >= 2,
+        "the script was not reloaded"
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_password_is_refused_at_connect() {
+    let server = RedisServer::start();
+    acl::least_privilege_user(&server, "tollgate");
+    let url = format!("redis://tollgate:wrong@127.0.0.1:{}", server.port());
+    let error = support::chain(&RedisStore::connect(&url).await.unwrap_err());
+    assert!(
+        error.to_lowercase().contains("authentication failed"),
+        "{error}"
+    );
+}
+
+/// A command missing from the ACL: the store error names it, and the layer's failure
+/// policy answers (never a panic, never a 500).
+#[tokio::test]
+async fn a_narrower_acl_is_a_clear_noperm_answered_by_the_policy() {
+    let server = RedisServer::start();
+    let rules: Vec<String> = acl::documented_rules("narrow", "tollgate")
+        .into_iter()
+        .filter(|rule| rule != "+zadd")
+        .collect();
+    acl::set_user(&server, &rules);
+    let store = RedisStore::connect(&acl::url_for(&server, "narrow"))
+        .await
+        .unwrap();
+
+    // The fixed window needs nothing missing: decided.
+    let fixed = [Limit::fixed_window(5, HOUR).unwrap()];
+    assert!(
+        store
+            .check(&Key::new("a"), &fixed, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    // The sliding window's log needs ZADD.
+    let sliding = [Limit::sliding_window(5, HOUR).unwrap()];
+    let error = store.check(&Key::new("a"), &sliding, 1).await.unwrap_err();
+    let message = support::chain(&error);
+    assert!(
+        message.contains("NOPERM") && message.contains("+zadd"),
+        "{message}"
+    );
+
+    // Through the layer: the failure policy answers.
+    for (policy, expected) in [
+        (FailurePolicy::Allow, StatusCode::OK),
+        (FailurePolicy::Deny, StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        let layer = RateLimitLayer::new(Limit::sliding_window(5, HOUR).unwrap())
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_store_error(policy.clone());
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer);
+        for _ in 0..3 {
+            let response = app
+                .clone()
+                .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), expected, "{policy:?}");
+            assert!(!response.headers().contains_key("ratelimit"));
+        }
+    }
+}
+
+/// Keys outside the user's pattern (a prefix the ACL does not name): `NOPERM` on the key.
+#[tokio::test]
+async fn a_prefix_outside_the_acl_key_pattern_is_a_clear_noperm() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&acl::least_privilege_user(&server, "tollgate"))
+        .await
+        .unwrap()
+        .with_prefix("otherapp")
+        .unwrap();
+    let error = support::chain(&decide_all(&store, "a").await.unwrap_err());
+    assert!(
+        error.contains("NOPERM") && error.contains("~tollgate:*"),
+        "{error}"
+    );
+}
+
+#[cfg(feature = "cluster")]
+#[tokio::test]
+async fn the_documented_acl_user_runs_on_a_cluster() {
+    let cluster = support::cluster::RedisCluster::start();
+    let rules = acl::documented_rules("tollgate", "tollgate");
+    for node in cluster.running().collect::<Vec<_>>() {
+        acl::set_user(cluster.node(node), &rules);
+    }
+    let urls: Vec<String> = (0..support::cluster::NODES)
+        .map(|i| acl::url_for(cluster.node(i), "tollgate"))
+        .collect();
+    let store = RedisStore::connect_cluster(&urls).await.unwrap();
+    for tenant in 0..30 {
+        assert!(
+            decide_all(&store, &format!("tenant-{tenant}"))
+                .await
+                .unwrap()
+        );
+    }
+    // The tenants spread over every master, so each one ran the script as the user.
+    for master in cluster.masters() {
+        assert!(cluster.dbsize(master) > 0, "master {master} has no keys");
+    }
+}
+
+#[cfg(feature = "tls")]
+mod tls {
+    use std::sync::Arc;
+
+    use support::tls::TlsFiles;
+    use tollgate::store::TlsConfig;
+
+    use super::*;
+
+    fn config(tls: &TlsFiles) -> TlsConfig {
+        TlsConfig::new()
+            .with_ca_pem(tls.ca_pem.clone())
+            .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone())
+    }
+
+    #[tokio::test]
+    async fn tls_with_a_private_ca_and_a_client_certificate_decides() {
+        let tls = Arc::new(TlsFiles::generate());
+        let server = RedisServer::start_tls(&tls);
+        let store = RedisStore::connect_tls(&server.url(), &config(&tls))
+            .await
+            .unwrap();
+        assert!(decide_all(&store, "a").await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn tls_and_an_acl_user_together() {
+        let tls = Arc::new(TlsFiles::generate());
+        let server = RedisServer::start_tls(&tls);
+        let url = acl::least_privilege_user(&server, "tollgate");
+        assert!(url.starts_with("rediss://tollgate:"), "{url}");
+        let store = RedisStore::connect_tls(&url, &config(&tls)).await.unwrap();
+        assert!(decide_all(&store, "a").await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_server_certificate_from_another_ca_is_refused() {
+        let tls = Arc::new(TlsFiles::generate());
+        let other = TlsFiles::generate();
+        let server = RedisServer::start_tls(&tls);
+        let wrong_ca = TlsConfig::new()
+            .with_ca_pem(other.ca_pem.clone())
+            .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
+        let error = support::chain(
+            &RedisStore::connect_tls(&server.url(), &wrong_ca)
+                .await
+                .unwrap_err(),
+        );
+        assert!(error.to_lowercase().contains("certificate"), "{error}");
+        // The system's roots do not know the test CA either.
+        let error = support::chain(&RedisStore::connect(&server.url()).await.unwrap_err());
+        assert!(error.to_lowercase().contains("certificate"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_server_that_requires_a_client_certificate_refuses_none() {
+        let tls = Arc::new(TlsFiles::generate());
+        let server = RedisServer::start_tls(&tls);
+        let no_client_cert = TlsConfig::new().with_ca_pem(tls.ca_pem.clone());
+        assert!(
+            RedisStore::connect_tls(&server.url(), &no_client_cert)
+                .await
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_plain_url_given_to_connect_tls_is_refused() {
+        let tls = TlsFiles::generate();
+        let error = support::chain(
+            &RedisStore::connect_tls("redis://127.0.0.1:1", &config(&tls))
+                .await
+                .unwrap_err(),
+        );
+        assert!(error.contains("rediss://"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_pem_that_does_not_parse_is_an_error_not_a_panic() {
+        let tls = Arc::new(TlsFiles::generate());
+        let server = RedisServer::start_tls(&tls);
+        let garbage = TlsConfig::new().with_ca_pem("not a certificate");
+        assert!(
+            RedisStore::connect_tls(&server.url(), &garbage)
+                .await
+                .is_err()
+        );
+        let bad_key = TlsConfig::new()
+            .with_ca_pem(tls.ca_pem.clone())
+            .with_client_cert_pem(tls.client_cert_pem.clone(), "-----BEGIN PRIVATE KEY-----\n");
+        assert!(
+            RedisStore::connect_tls(&server.url(), &bad_key)
+                .await
+                .is_err()
+        );
+    }
+}
