@@ -82,6 +82,7 @@ where
     R: OnRejection<ReqB, ResB>,
 {
     let Answers { enforced, shadow } = answers;
+    let failed = shadow.is_err();
     let allowed = if would_reject(shared, shadow, asked) {
         Recorded::WouldReject
     } else {
@@ -90,7 +91,13 @@ where
     match enforced {
         Some(result) => enforce(shared, rules, result, allowed, request, asked),
         None => {
-            shared.metrics.decided(allowed, &asked.timer);
+            // A layer in shadow: its store failing is still a store error to count.
+            let recorded = if failed {
+                Recorded::StoreError
+            } else {
+                allowed
+            };
+            shared.metrics.decided(recorded, &asked.timer);
             Next::Call(None)
         }
     }

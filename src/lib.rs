@@ -89,7 +89,8 @@
 //!   count as a layer of their own in front of this one.
 //! - A request an enforced limit rejects counts as `denied`; one that only shadow limits
 //!   would reject as `would_reject`; a failed shadow call changes nothing (logged at
-//!   `debug`).
+//!   `debug`). A layer in shadow lets every request through, even when its store fails
+//!   under [`FailurePolicy::Deny`] (counted as `store_error`).
 //! - Responses carry the enforced limits' fields only, and a layer in shadow writes none:
 //!   clients that pace themselves by those fields would otherwise slow down for a limit
 //!   that is not enforced.

@@ -1,6 +1,6 @@
 //! [`Rules`] and [`RulesHandle`]: the part of a layer's configuration that can change while
-//! it serves (its limits, failure policy, missing-key policy and header style), swapped
-//! atomically.
+//! it serves (its limits and [shadow](crate#shadow-mode) limits, failure policy,
+//! missing-key policy and header style), swapped atomically.
 //!
 //! Each request reads the rules once, when it arrives, and is decided, answered and given
 //! its headers under that one set: a change never shows half-applied to a request, and

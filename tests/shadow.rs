@@ -237,3 +237,23 @@ fn a_shadow_limit_with_the_state_of_an_enforced_one_is_refused() {
     assert!(rules.limits().is_empty());
     assert_eq!(rules.shadow_limits().len(), 1);
 }
+
+/// A layer in shadow never rejects, not even when its store fails under a fail-closed
+/// policy; the failure still counts as `store_error`.
+#[test]
+fn a_layer_in_shadow_lets_requests_through_when_its_store_fails() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    let recorder = with_metrics(|| async {
+        let store: Arc<dyn Store> = Arc::new(RedisStore::connect(&url).await.unwrap());
+        server.kill();
+        let mut service = layer(&store, hourly("h", 1))
+            .shadow(true)
+            .on_store_error(tollgate::FailurePolicy::Deny)
+            .name("dead")
+            .layer(service_fn(hello));
+        assert_eq!(send(&mut service, "k").await, (StatusCode::OK, None));
+    });
+    assert_eq!(outcome(&recorder, "dead", "store_error"), 1);
+    assert_eq!(outcome(&recorder, "dead", "allowed"), 0);
+}
