@@ -3,8 +3,14 @@
 //! answers that are ready at once, its [`ResponseFuture`](crate::ResponseFuture) those it
 //! waited for; both through [`settle`], so the policy lives here once.
 
-use std::sync::Arc;
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
 
+use futures_util::future::{Join, join};
 use http::{Request, Response};
 
 use crate::{
@@ -13,7 +19,7 @@ use crate::{
     metrics::{self, Outcome as Recorded, Timer},
     rejection::OnRejection,
     rules::{Active, Cell},
-    store::Guarded,
+    store::{Check, Guarded},
 };
 
 /// What a [`RateLimit`](crate::RateLimit) service shares with its response futures.
@@ -57,8 +63,157 @@ pub(crate) fn settle<ReqB, ResB, R>(
 where
     R: OnRejection<ReqB, ResB>,
 {
+    enforce(shared, rules, result, Recorded::Allowed, request, asked)
+}
+
+/// [`settle`] for a layer with shadow limits: `enforced` is the answer about the
+/// enforced limits (`None` when every limit is in shadow), `shadow` the one about the
+/// shadow limits, which only changes what the request is counted as (`would_reject`
+/// rather than `allowed`) and logs. A shadow call that failed changes nothing: the
+/// request is decided by the enforced limits alone.
+pub(crate) fn settle_shadowed<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    answers: Answers,
+    request: &Request<ReqB>,
+    asked: &Asked,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    let Answers { enforced, shadow } = answers;
+    let failed = shadow.is_err();
+    let allowed = if would_reject(shared, shadow, asked) {
+        Recorded::WouldReject
+    } else {
+        Recorded::Allowed
+    };
+    match enforced {
+        Some(result) => enforce(shared, rules, result, allowed, request, asked),
+        None => {
+            // A layer in shadow: its store failing is still a store error to count.
+            let recorded = if failed {
+                Recorded::StoreError
+            } else {
+                allowed
+            };
+            shared.metrics.decided(recorded, &asked.timer);
+            Next::Call(None)
+        }
+    }
+}
+
+/// Whether the shadow limits denied the request; logs it when they did.
+fn would_reject<R>(
+    shared: &Shared<R>,
+    shadow: Result<Decision, StoreError>,
+    asked: &Asked,
+) -> bool {
+    let layer = &*shared.name;
+    // Never the key itself: it may be an API key.
+    let key = asked.key.redacted();
+    match shadow {
+        Ok(decision) if decision.is_allowed() => false,
+        Ok(decision) => {
+            let retry_after_ms = decision.retry_after_ms();
+            tracing::info!(key = %key, layer, retry_after_ms, "rate limit would reject (shadow)");
+            true
+        }
+        Err(error) => {
+            let error = error.chain();
+            tracing::debug!(error = %error, key = %key, layer, "rate limit shadow check failed");
+            false
+        }
+    }
+}
+
+/// The store's answers about a layer's enforced and shadow limits.
+pub(crate) struct Answers {
+    pub(crate) enforced: Option<Result<Decision, StoreError>>,
+    pub(crate) shadow: Result<Decision, StoreError>,
+}
+
+/// The two store calls of a layer with shadow limits, made together: the enforced
+/// limits' (absent when every limit is in shadow) and the shadow limits'.
+pub(crate) struct Checks {
+    enforced: bool,
+    /// Boxed: the answers it holds while the other call waits would make every
+    /// [`ResponseFuture`](crate::ResponseFuture) larger.
+    both: Box<Join<Check, Check>>,
+}
+
+impl Checks {
+    /// Asks the store about the enforced limits (none if `enforced` is empty) and the
+    /// `shadow` ones, in two calls: [`Ok`] when both answered at once.
+    pub(crate) fn start(
+        store: &Guarded,
+        asked: &Asked,
+        enforced: &[crate::Limit],
+        shadow: &[crate::Limit],
+    ) -> Result<Answers, Self> {
+        let first = if enforced.is_empty() {
+            None
+        } else {
+            Some(store.check_now(&asked.key, enforced, asked.cost))
+        };
+        let second = store.check_now(&asked.key, shadow, asked.cost);
+        match (first, second) {
+            (None, Ok(shadow)) => Ok(Answers {
+                enforced: None,
+                shadow,
+            }),
+            (Some(Ok(enforced)), Ok(shadow)) => Ok(Answers {
+                enforced: Some(enforced),
+                shadow,
+            }),
+            (first, second) => {
+                let enforced = first.is_some();
+                let first =
+                    first.map_or_else(|| Check::ready(Ok(Decision::unlimited())), into_check);
+                let shadow = into_check(second);
+                Err(Self {
+                    enforced,
+                    both: Box::new(join(first, shadow)),
+                })
+            }
+        }
+    }
+}
+
+/// A check for an answer that may be there already.
+fn into_check(answer: Result<Result<Decision, StoreError>, Check>) -> Check {
+    match answer {
+        Ok(result) => Check::ready(result),
+        Err(check) => check,
+    }
+}
+
+impl Future for Checks {
+    type Output = Answers;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answers> {
+        let (first, shadow) = std::task::ready!(Pin::new(&mut *self.both).poll(cx));
+        Poll::Ready(Answers {
+            enforced: self.enforced.then_some(first),
+            shadow,
+        })
+    }
+}
+
+/// [`settle`], counting an allowed request as `allowed` (or `would_reject`).
+fn enforce<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    result: Result<Decision, StoreError>,
+    allowed: Recorded,
+    request: &Request<ReqB>,
+    asked: &Asked,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
     let recorded = match &result {
-        Ok(decision) if decision.is_allowed() => Recorded::Allowed,
+        Ok(decision) if decision.is_allowed() => allowed,
         Ok(_) => Recorded::Denied,
         Err(_) => Recorded::StoreError,
     };

@@ -16,7 +16,7 @@ use tower_service::Service;
 
 use crate::{
     Decision,
-    decide::{Asked, Next, Shared, settle},
+    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
     rejection::OnRejection,
     rules::Active,
     store::Check,
@@ -46,6 +46,11 @@ pin_project! {
     {
         Checking {
             check: Check,
+            pending: Option<Pending<S, ReqB>>,
+        },
+        // A layer with shadow limits: its two store calls.
+        Shadowing {
+            checks: Checks,
             pending: Option<Pending<S, ReqB>>,
         },
         Calling {
@@ -79,6 +84,22 @@ where
         Self {
             state: State::Checking {
                 check,
+                pending: Some(pending),
+            },
+            shared: Some(shared),
+            rules: Some(rules),
+        }
+    }
+
+    pub(crate) fn shadowing(
+        checks: Checks,
+        pending: Pending<S, ReqB>,
+        shared: Arc<Shared<R>>,
+        rules: Arc<Active>,
+    ) -> Self {
+        Self {
+            state: State::Shadowing {
+                checks,
                 pending: Some(pending),
             },
             shared: Some(shared),
@@ -152,6 +173,23 @@ where
                         asked,
                     } = pending.take().expect("polled after completion");
                     match settle(shared, rules, result, &request, &asked) {
+                        Next::Answer(response) => return Poll::Ready(Ok(response)),
+                        Next::Call(decision) => {
+                            let future = service.call(request);
+                            this.state.set(State::Calling { future, decision });
+                        }
+                    }
+                }
+                StateProj::Shadowing { checks, pending } => {
+                    let shared = this.shared.as_ref().expect("checking without config");
+                    let rules = this.rules.as_ref().expect("checking without rules");
+                    let answers = ready!(Pin::new(checks).poll(cx));
+                    let Pending {
+                        mut service,
+                        request,
+                        asked,
+                    } = pending.take().expect("polled after completion");
+                    match settle_shadowed(shared, rules, answers, &request, &asked) {
                         Next::Answer(response) => return Poll::Ready(Ok(response)),
                         Next::Call(decision) => {
                             let future = service.call(request);

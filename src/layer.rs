@@ -129,6 +129,24 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
         self
     }
 
+    /// Adds a shadow limit: decided and counted on every request, never rejecting; a
+    /// request it would reject passes and is counted as `would_reject` (feature
+    /// `metrics`) and logged at `info`. An enforced limit with the same state becomes this
+    /// shadow one. See [Shadow mode](crate#shadow-mode) and [`Rules::with_shadow_limits`].
+    pub fn shadow_limit(mut self, limit: Limit) -> Self {
+        self.settings.changed().rules.push_shadow_limit(limit);
+        self
+    }
+
+    /// Puts every limit of the layer in shadow (`true`): a request that would get a 429
+    /// goes to the inner service instead, and is counted as `would_reject` and logged.
+    /// See [Shadow mode](crate#shadow-mode) and [`Rules::with_shadow`].
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_shadow(shadow);
+        self
+    }
+
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
     pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R> {
         RateLimitLayer {
@@ -221,7 +239,7 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// The limits in force, in the order they are reported.
     pub fn limits(&self) -> Arc<[Limit]> {
         match self.settings.cell.get() {
-            Some(cell) => cell.active.load().limits().clone(),
+            Some(cell) => cell.active.load().rules.limits().into(),
             None => self.settings.rules.limits().into(),
         }
     }

@@ -68,6 +68,45 @@
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
 //! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
 //!
+//! # Shadow mode
+//!
+//! To roll a limit out by watching first, make it a shadow limit
+//! ([`RateLimitLayer::shadow_limit`], [`Rules::with_shadow_limits`]) or put the whole
+//! layer in shadow ([`RateLimitLayer::shadow`], [`Rules::with_shadow`]; both can change at
+//! run time through a [`RulesHandle`]). Shadow limits are decided and counted like any
+//! other but never reject: a request they would reject reaches the inner service, is
+//! counted with the outcome `would_reject` (feature `metrics`; see [`metrics`]) and is
+//! logged at `info` (`rate limit would reject (shadow)`, with the layer and the redacted
+//! key).
+//!
+//! - The shadow limits of a layer that also enforces limits are decided in a store call
+//!   of their own, made together with the enforced one (a second call, only for layers
+//!   that have shadow limits). So the enforced limits count exactly as if the shadow
+//!   ones were absent: deciding all in one all-or-nothing call would stop counting the
+//!   enforced limits whenever a shadow limit is exceeded.
+//! - The shadow limits count every request that reaches the layer with a key, those the
+//!   enforced limits reject included (all-or-nothing among themselves): what they would
+//!   count as a layer of their own in front of this one.
+//! - A request an enforced limit rejects counts as `denied`; one that only shadow limits
+//!   would reject as `would_reject`; a failed shadow call changes nothing (logged at
+//!   `debug`). A layer in shadow lets every request through, even when its store fails
+//!   under [`FailurePolicy::Deny`] (counted as `store_error`).
+//! - Responses carry the enforced limits' fields only, and a layer in shadow writes none:
+//!   clients that pace themselves by those fields would otherwise slow down for a limit
+//!   that is not enforced.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Limit, RateLimitLayer};
+//!
+//! // Enforce 100 per minute; watch what 20 per second would reject.
+//! let layer = RateLimitLayer::new(Limit::fixed_window(100, Duration::from_secs(60))?)
+//!     .shadow_limit(Limit::gcra(20, Duration::from_secs(1))?)
+//!     .name("api");
+//! assert_eq!(layer.rules_handle().rules().shadow_limits().len(), 1);
+//! # Ok::<(), tollgate::ConfigError>(())
+//! ```
+//!
 //! # Feature flags
 //!
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.

@@ -6,12 +6,14 @@
 //!
 //! | metric | kind | labels | what |
 //! |---|---|---|---|
-//! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `store_error` or `key_missing` |
+//! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error` or `key_missing` |
 //! | [`tollgate_decision_seconds`](DECISION_SECONDS) | histogram | `route` | time from the store call to its answer (or its timeout) |
 //!
 //! A request the store could not decide counts as `store_error` whatever the
 //! [`FailurePolicy`](crate::FailurePolicy) then does with it; a request without a key counts
-//! as `key_missing` whether it is rejected or let through.
+//! as `key_missing` whether it is rejected or let through. A request let through only
+//! because the limits that deny it are in [shadow](crate#shadow-mode) counts as
+//! `would_reject` (not `allowed`); one an enforced limit denies counts as `denied`.
 //!
 //! The metrics go to whichever recorder is installed when the request is decided (for
 //! example `metrics-exporter-prometheus`), so a layer built before the recorder was installed
@@ -35,8 +37,8 @@ pub fn describe() {
         ::metrics::describe_counter!(
             REQUESTS_TOTAL,
             ::metrics::Unit::Count,
-            "Requests seen by a rate-limit layer, by outcome: allowed, denied, store_error, \
-             key_missing."
+            "Requests seen by a rate-limit layer, by outcome: allowed, denied, would_reject, \
+             store_error, key_missing."
         );
         ::metrics::describe_histogram!(
             DECISION_SECONDS,
@@ -53,15 +55,18 @@ pub(crate) enum Outcome {
     Denied,
     StoreError,
     KeyMissing,
+    /// Allowed, though a shadow limit would have denied it.
+    WouldReject,
 }
 
 impl Outcome {
     #[cfg(feature = "metrics")]
-    const ALL: [Self; 4] = [
+    const ALL: [Self; 5] = [
         Self::Allowed,
         Self::Denied,
         Self::StoreError,
         Self::KeyMissing,
+        Self::WouldReject,
     ];
 
     #[cfg(feature = "metrics")]
@@ -71,6 +76,7 @@ impl Outcome {
             Self::Denied => "denied",
             Self::StoreError => "store_error",
             Self::KeyMissing => "key_missing",
+            Self::WouldReject => "would_reject",
         }
     }
 }
@@ -113,7 +119,7 @@ struct Handles {
     /// in tests, come and go like that.)
     recorder: usize,
     /// By [`Outcome`], in its order.
-    requests: [::metrics::Counter; 4],
+    requests: [::metrics::Counter; 5],
     latency: ::metrics::Histogram,
 }
 

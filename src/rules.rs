@@ -1,6 +1,6 @@
 //! [`Rules`] and [`RulesHandle`]: the part of a layer's configuration that can change while
-//! it serves (its limits, failure policy, missing-key policy and header style), swapped
-//! atomically.
+//! it serves (its limits and [shadow](crate#shadow-mode) limits, failure policy,
+//! missing-key policy and header style), swapped atomically.
 //!
 //! Each request reads the rules once, when it arrives, and is decided, answered and given
 //! its headers under that one set: a change never shows half-applied to a request, and
@@ -43,6 +43,10 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct Rules {
     limits: Arc<[Limit]>,
+    /// Decided and counted, never enforced: see [`with_shadow_limits`](Self::with_shadow_limits).
+    shadow_limits: Arc<[Limit]>,
+    /// Every limit is a shadow one: see [`with_shadow`](Self::with_shadow).
+    shadow: bool,
     on_store_error: FailurePolicy,
     on_missing_key: MissingKey,
     headers: HeaderStyle,
@@ -58,6 +62,8 @@ impl Rules {
     pub fn new(limits: impl IntoIterator<Item = Limit>) -> Result<Self, ConfigError> {
         Self {
             limits: Arc::from([]),
+            shadow_limits: Arc::from([]),
+            shadow: false,
             on_store_error: FailurePolicy::default(),
             on_missing_key: MissingKey::default(),
             headers: HeaderStyle::default(),
@@ -77,28 +83,48 @@ impl Rules {
         mut self,
         limits: impl IntoIterator<Item = Limit>,
     ) -> Result<Self, ConfigError> {
-        let mut unique: Vec<Limit> = Vec::new();
-        for limit in limits {
-            match unique.iter().find(|l| l.id() == limit.id()) {
-                Some(same) if *same == limit => {}
-                Some(_) => {
-                    return Err(ConfigError::new(
-                        "name",
-                        format!(
-                            "{:?} is carried over by two different limits with the same \
-                             algorithm and window: they would share one state",
-                            limit.name().unwrap_or_default()
-                        ),
-                    ));
-                }
-                None => unique.push(limit),
-            }
-        }
-        if unique.is_empty() {
+        let limits = unique(limits)?;
+        if limits.is_empty() && self.shadow_limits.is_empty() {
             return Err(ConfigError::new("limits", "must hold at least one limit"));
         }
-        self.limits = unique.into();
+        disjoint(&limits, &self.shadow_limits)?;
+        self.limits = limits.into();
         Ok(self)
+    }
+
+    /// The same rules with these shadow limits instead (none by default): each request
+    /// is decided and counted on them as usual, but never rejected by them; a request
+    /// they would reject is counted as `would_reject` in the metrics (feature `metrics`)
+    /// and logged at `info`. They are decided in a store call of their own, so the
+    /// enforced limits count exactly as if they were absent, and they see every request
+    /// that reaches the layer with a key, as a layer in front of this one would. See
+    /// [Shadow mode](crate#shadow-mode).
+    ///
+    /// # Errors
+    ///
+    /// A shadow limit with the state of an enforced one (field `shadow_limits`: they
+    /// would count each request twice), or two shadow limits sharing one state (as for
+    /// [`with_limits`](Self::with_limits)).
+    pub fn with_shadow_limits(
+        mut self,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Self, ConfigError> {
+        let shadow = unique(limits)?;
+        if shadow.is_empty() && self.limits.is_empty() {
+            return Err(ConfigError::new("limits", "must hold at least one limit"));
+        }
+        disjoint(&self.limits, &shadow)?;
+        self.shadow_limits = shadow.into();
+        Ok(self)
+    }
+
+    /// The same rules with every limit in shadow (`true`) or not: no request is
+    /// rejected for its rate, and each one a limit would reject is counted as
+    /// `would_reject` and logged. All limits are still decided together, in one store
+    /// call. See [Shadow mode](crate#shadow-mode).
+    pub fn with_shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
     }
 
     /// The same rules with this failure policy. See [`FailurePolicy`].
@@ -124,6 +150,28 @@ impl Rules {
         &self.limits
     }
 
+    /// The shadow limits. See [`with_shadow_limits`](Self::with_shadow_limits).
+    pub fn shadow_limits(&self) -> &[Limit] {
+        &self.shadow_limits
+    }
+
+    /// Whether every limit is in shadow. See [`with_shadow`](Self::with_shadow).
+    pub fn is_shadow(&self) -> bool {
+        self.shadow
+    }
+
+    /// Every limit, enforced then shadow: what the store keeps state for.
+    pub(crate) fn all_limits(&self) -> Arc<[Limit]> {
+        if self.shadow_limits.is_empty() {
+            return self.limits.clone();
+        }
+        self.limits
+            .iter()
+            .chain(self.shadow_limits.iter())
+            .cloned()
+            .collect()
+    }
+
     /// The failure policy.
     pub fn on_store_error(&self) -> &FailurePolicy {
         &self.on_store_error
@@ -142,12 +190,73 @@ impl Rules {
     /// `limits` with the rest of these rules, for the layer's builder (which cannot fail):
     /// a limit with the same state as one present replaces it.
     pub(crate) fn push_limit(&mut self, limit: Limit) {
-        let mut limits = self.limits.to_vec();
-        match limits.iter_mut().find(|l| l.id() == limit.id()) {
-            Some(same) => *same = limit,
-            None => limits.push(limit),
+        self.shadow_limits = without(&self.shadow_limits, &limit);
+        self.limits = pushed(&self.limits, limit);
+    }
+
+    /// A shadow limit, for the layer's builder: an enforced limit with the same state
+    /// becomes this shadow one (so no state is counted twice).
+    pub(crate) fn push_shadow_limit(&mut self, limit: Limit) {
+        self.limits = without(&self.limits, &limit);
+        self.shadow_limits = pushed(&self.shadow_limits, limit);
+    }
+}
+
+/// `limits` plus `limit`, which replaces one with the same state.
+fn pushed(limits: &[Limit], limit: Limit) -> Arc<[Limit]> {
+    let mut limits = limits.to_vec();
+    match limits.iter_mut().find(|l| l.id() == limit.id()) {
+        Some(same) => *same = limit,
+        None => limits.push(limit),
+    }
+    limits.into()
+}
+
+/// `limits` without the one with `limit`'s state.
+fn without(limits: &Arc<[Limit]>, limit: &Limit) -> Arc<[Limit]> {
+    if limits.iter().all(|l| l.id() != limit.id()) {
+        return limits.clone();
+    }
+    limits
+        .iter()
+        .filter(|l| l.id() != limit.id())
+        .cloned()
+        .collect()
+}
+
+/// `limits` with equal ones counted once; two different ones with one state refused.
+fn unique(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limit>, ConfigError> {
+    let mut unique: Vec<Limit> = Vec::new();
+    for limit in limits {
+        match unique.iter().find(|l| l.id() == limit.id()) {
+            Some(same) if *same == limit => {}
+            Some(_) => {
+                return Err(ConfigError::new(
+                    "name",
+                    format!(
+                        "{:?} is carried over by two different limits with the same \
+                         algorithm and window: they would share one state",
+                        limit.name().unwrap_or_default()
+                    ),
+                ));
+            }
+            None => unique.push(limit),
         }
-        self.limits = limits.into();
+    }
+    Ok(unique)
+}
+
+/// Refuses a shadow limit with the state of an enforced one.
+fn disjoint(enforced: &[Limit], shadow: &[Limit]) -> Result<(), ConfigError> {
+    match shadow
+        .iter()
+        .find(|s| enforced.iter().any(|e| e.id() == s.id()))
+    {
+        Some(both) => Err(ConfigError::new(
+            "shadow_limits",
+            format!("{both:?} has the state of an enforced limit: each request would count twice"),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -157,19 +266,40 @@ pub(crate) struct Active {
     pub(crate) rules: Rules,
     pub(crate) headers: HeaderWriter,
     pub(crate) version: u64,
+    /// The limits that reject: none when the layer is in shadow.
+    enforced: Arc<[Limit]>,
+    /// The limits decided in a store call of their own and never enforced; `None` (the
+    /// common case, which costs a request nothing more) when there are none.
+    shadow: Option<Arc<[Limit]>>,
 }
 
 impl Active {
     fn new(rules: Rules, version: u64) -> Self {
+        let (enforced, shadow) = if rules.shadow {
+            (Arc::from([]), Some(rules.all_limits()))
+        } else if rules.shadow_limits.is_empty() {
+            (rules.limits.clone(), None)
+        } else {
+            (rules.limits.clone(), Some(rules.shadow_limits.clone()))
+        };
         Self {
-            headers: HeaderWriter::new(rules.headers, &rules.limits),
+            headers: HeaderWriter::new(rules.headers, &enforced),
             rules,
             version,
+            enforced,
+            shadow,
         }
     }
 
+    /// The enforced limits, in the order they are reported.
     pub(crate) fn limits(&self) -> &Arc<[Limit]> {
-        &self.rules.limits
+        &self.enforced
+    }
+
+    /// The shadow limits, if any.
+    #[inline]
+    pub(crate) fn shadow(&self) -> Option<&Arc<[Limit]>> {
+        self.shadow.as_ref()
     }
 }
 
@@ -239,9 +369,10 @@ impl RulesHandle {
     /// Applies `rules` to every request that arrives from now on; requests in flight
     /// finish under the rules they started with. Returns the new version.
     pub fn set(&self, rules: Rules) -> u64 {
-        self.cell.store.limits_changed(&rules.limits);
+        let all = rules.all_limits();
+        self.cell.store.limits_changed(&all);
         if let FailurePolicy::Local(store) = &rules.on_store_error {
-            store.limits_changed(&rules.limits);
+            store.limits_changed(&all);
         }
         let version = self.cell.next_version.fetch_add(1, Ordering::Relaxed);
         let active = Arc::new(Active::new(rules, version));

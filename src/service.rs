@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use crate::{
     MissingKey, RequestCost,
-    decide::{Asked, Next, Shared, settle},
+    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
     future::{Pending, ResponseFuture},
     key::KeyExtractor,
     metrics,
@@ -122,6 +122,9 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
+        if rules.shadow().is_some() {
+            return self.shadowed(request, Asked { key, cost, timer });
+        }
         let check = shared.store.check_now(&key, rules.limits(), cost);
         let asked = Asked { key, cost, timer };
         let check = match check {
@@ -148,5 +151,45 @@ where
             asked,
         };
         ResponseFuture::checking(check, pending, self.shared.clone(), self.rules.clone())
+    }
+}
+
+impl<S, K, C, R> RateLimit<S, K, C, R> {
+    /// [`call`](Service::call) for a layer with shadow limits: two store calls, made
+    /// together, then the same settling. Out of line, so that layers without shadow
+    /// limits pay one branch for it.
+    #[inline(never)]
+    fn shadowed<ReqB, ResB>(
+        &mut self,
+        request: Request<ReqB>,
+        asked: Asked,
+    ) -> ResponseFuture<S, ReqB, R>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+        R: OnRejection<ReqB, ResB>,
+    {
+        let shared = &self.shared;
+        let rules = &self.rules;
+        let shadow = rules.shadow().map_or(&[][..], |limits| &limits[..]);
+        let checks = match Checks::start(&shared.store, &asked, rules.limits(), shadow) {
+            Ok(answers) => {
+                return match settle_shadowed(shared, rules, answers, &request, &asked) {
+                    Next::Answer(response) => ResponseFuture::ready(response),
+                    Next::Call(None) => ResponseFuture::unlimited(self.inner.call(request)),
+                    Next::Call(Some(decision)) => {
+                        ResponseFuture::calling(self.inner.call(request), decision, rules.clone())
+                    }
+                };
+            }
+            Err(checks) => checks,
+        };
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let pending = Pending {
+            service: inner,
+            request,
+            asked,
+        };
+        ResponseFuture::shadowing(checks, pending, self.shared.clone(), self.rules.clone())
     }
 }

@@ -719,6 +719,17 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
             &["routes[0].limits[0].limit", "got 0"],
         ),
         (
+            limit(&format!("{base}\nshadow = 1")),
+            &["shadow", "invalid type"],
+        ),
+        (
+            format!(
+                "{}[[routes.limits]]\n{base}\nname = \"same\"\nshadow = true",
+                limit(&format!("{base}\nname = \"same\""))
+            ),
+            &["routes[0].limits[1].shadow", "both enforced and in shadow"],
+        ),
+        (
             limit(&base.replace("\"1m\"", "\"abc\"")),
             &["routes[0].limits[0].window", "\"abc\""],
         ),
@@ -1309,6 +1320,65 @@ async fn metrics_count_outcomes_per_route() {
         ),
         Some(1.0)
     );
+    gw.stop().await.unwrap();
+}
+
+/// `shadow = true` on a limit and on a route: never a 429 from a shadow limit, the
+/// enforced limit next to it counts as without it, and the metrics show `would_reject`.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn shadow_limits_never_answer_429_and_show_as_would_reject() {
+    let limit = |limit: u32, shadow: bool| {
+        format!(
+            "[[routes.limits]]\nkey = \"ip\"\nalgorithm = \"fixed_window\"\nlimit = {limit}\n\
+             window = \"1h\"\nshadow = {shadow}\n"
+        )
+    };
+    let text = format!(
+        "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [[routes]]\npath = \"/mixed\"\n{}{}\
+         [[routes]]\npath = \"/watched\"\nshadow = true\n{}",
+        limit(4, false),
+        limit(2, true),
+        limit(1, false),
+    );
+    let gw = server::start(Config::parse(&text).unwrap()).await.unwrap();
+    let client = client();
+    assert_eq!(
+        statuses(&client, &gw, &["/mixed"; 6]).await,
+        [200, 200, 200, 200, 429, 429]
+    );
+    assert_eq!(
+        statuses(&client, &gw, &["/watched"; 4]).await,
+        [200, 200, 200, 200]
+    );
+    // The enforced limit's fields only: it counted the requests the shadow one would
+    // have rejected.
+    let last = get(&client, &url(&gw, "/mixed")).await;
+    let fields = last.headers["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        fields.contains("q=4") && !fields.contains("q=2"),
+        "{fields}"
+    );
+
+    let admin = gw.admin_addr().unwrap();
+    let page = get(&client, &format!("http://{admin}/metrics")).await;
+    let page = page.text().to_owned();
+    let count = |route: &str, outcome: &str| -> u64 {
+        let labels = format!("route=\"{route}\",outcome=\"{outcome}\"");
+        page.lines()
+            .find(|line| line.starts_with("tollgate_requests_total{") && line.contains(&labels))
+            .map_or(0, |line| line.rsplit(' ').next().unwrap().parse().unwrap())
+    };
+    assert_eq!(count("/mixed", "allowed"), 2, "{page}");
+    assert_eq!(count("/mixed", "would_reject"), 2, "{page}");
+    assert_eq!(count("/mixed", "denied"), 3, "{page}");
+    assert_eq!(count("/watched", "allowed"), 1, "{page}");
+    assert_eq!(count("/watched", "would_reject"), 3, "{page}");
+    assert_eq!(count("/watched", "denied"), 0, "{page}");
     gw.stop().await.unwrap();
 }
 

@@ -185,6 +185,8 @@ pub(crate) struct Route {
     pub(crate) path: String,
     pub(crate) upstream: Option<Upstream>,
     pub(crate) limits: Vec<RouteLimit>,
+    /// Every limit of the route in shadow: decided and counted, never rejecting.
+    pub(crate) shadow: bool,
 }
 
 /// An upstream base URL: `http://host:port` with an optional base path that is put in
@@ -200,6 +202,8 @@ pub(crate) struct Upstream {
 pub(crate) struct RouteLimit {
     pub(crate) key: KeySpec,
     pub(crate) limit: Limit,
+    /// Decided and counted, never rejecting (the metrics show `would_reject`).
+    pub(crate) shadow: bool,
 }
 
 /// Who a limit counts requests against.
@@ -280,6 +284,9 @@ struct RawRoute {
     upstream: Option<String>,
     #[serde(default)]
     limits: Vec<RawLimit>,
+    /// Every limit of the route in shadow.
+    #[serde(default)]
+    shadow: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -294,6 +301,9 @@ struct RawLimit {
     /// `reset` (default) or `carry_over`: what a reload that changes this limit does to
     /// its budget.
     on_change: Option<String>,
+    /// Decided and counted, never rejecting.
+    #[serde(default)]
+    shadow: bool,
 }
 
 impl Config {
@@ -784,6 +794,24 @@ impl RawRoute {
                     && other.limit.algorithm() == limit.limit.algorithm()
                     && other.limit.window() == limit.limit.window()
             };
+            // A limit both enforced and in shadow would count each request twice.
+            let twice = |other: &RouteLimit| {
+                other.key == limit.key && other.shadow != limit.shadow && other.limit == limit.limit
+            };
+            if let Some(other) = limits[..j].iter().position(twice) {
+                return Err(ConfigError::new(
+                    format!("{at}.limits[{j}].shadow"),
+                    format!(
+                        "limits[{other}] is the same limit with the same key, {}: one state \
+                         cannot be both enforced and in shadow",
+                        if limit.shadow {
+                            "enforced"
+                        } else {
+                            "in shadow"
+                        }
+                    ),
+                ));
+            }
             if let Some(other) = limits[..j].iter().position(same) {
                 return Err(ConfigError::new(
                     format!("{at}.limits[{j}].name"),
@@ -799,6 +827,7 @@ impl RawRoute {
             path,
             upstream,
             limits,
+            shadow: self.shadow,
         })
     }
 }
@@ -832,7 +861,11 @@ impl RawLimit {
             let on_change: OnChange = on_change.parse().map_err(lib)?;
             limit = limit.on_change(on_change).map_err(lib)?;
         }
-        Ok(RouteLimit { key, limit })
+        Ok(RouteLimit {
+            key,
+            limit,
+            shadow: self.shadow,
+        })
     }
 }
 

@@ -490,11 +490,17 @@ fn route_service(
         } else {
             route.path.clone()
         };
-        let mut layer = RateLimitLayer::new(limits[0].clone());
-        for limit in &limits[1..] {
-            layer = layer.limit(limit.clone());
+        // A shadow limit given to `new` is moved to shadow by `shadow_limit`.
+        let mut layer = RateLimitLayer::new(limits[0].limit.clone());
+        for limit in &limits {
+            layer = if limit.shadow {
+                layer.shadow_limit(limit.limit.clone())
+            } else {
+                layer.limit(limit.limit.clone())
+            };
         }
         let layer = layer
+            .shadow(route.shadow)
             .shared_store(store.clone())
             .on_store_error(policy.clone())
             .timeout(Some(config.store.timeout))
@@ -521,12 +527,12 @@ fn route_service(
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.
-fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<tollgate::Limit>)> {
-    let mut groups: Vec<(KeySpec, Vec<tollgate::Limit>)> = Vec::new();
+fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<RouteLimit>)> {
+    let mut groups: Vec<(KeySpec, Vec<RouteLimit>)> = Vec::new();
     for limit in limits {
         match groups.iter_mut().find(|(key, _)| *key == limit.key) {
-            Some((_, group)) => group.push(limit.limit.clone()),
-            None => groups.push((limit.key.clone(), vec![limit.limit.clone()])),
+            Some((_, group)) => group.push(limit.clone()),
+            None => groups.push((limit.key.clone(), vec![limit.clone()])),
         }
     }
     groups.sort_by_key(|(key, _)| match key {
@@ -770,18 +776,22 @@ mod tests {
             RouteLimit {
                 key: KeySpec::Global,
                 limit: limit(1),
+                shadow: false,
             },
             RouteLimit {
                 key: header.clone(),
                 limit: limit(2),
+                shadow: false,
             },
             RouteLimit {
                 key: KeySpec::Ip,
                 limit: limit(3),
+                shadow: false,
             },
             RouteLimit {
                 key: KeySpec::Global,
                 limit: limit(4),
+                shadow: false,
             },
         ];
         let groups = key_groups(&limits);
