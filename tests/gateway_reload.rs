@@ -1,29 +1,8 @@
 //! The example gateway reloading its config while real HTTP clients keep it busy: by
 //! SIGHUP, by an edit of the file, and refusing a bad file. In-process, as in
-//! `tests/gateway.rs`: the example's modules are included with `#[path]`.
+//! `tests/gateway.rs`: the example's modules come from `support/gateway_modules.rs`.
 
-#[allow(dead_code)]
-#[path = "../examples/gateway/config.rs"]
-mod config;
-#[allow(dead_code)]
-#[path = "../examples/gateway/path.rs"]
-mod path;
-#[allow(dead_code)]
-#[path = "../examples/gateway/proxy.rs"]
-mod proxy;
-#[allow(dead_code)]
-#[path = "../examples/gateway/reload.rs"]
-mod reload;
-#[cfg(feature = "redis")]
-#[allow(dead_code)]
-#[path = "../examples/gateway/rules_source.rs"]
-mod rules_source;
-#[allow(dead_code)]
-#[path = "../examples/gateway/serve.rs"]
-mod serve;
-#[allow(dead_code)]
-#[path = "../examples/gateway/server.rs"]
-mod server;
+include!("support/gateway_modules.rs");
 #[cfg(feature = "redis")]
 mod support;
 
