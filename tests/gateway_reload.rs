@@ -419,6 +419,30 @@ on_change = "carry_over"
         a.stop().await.unwrap();
     }
 
+    /// A follower that may not subscribe (the ACL line without the channel) says so once,
+    /// instead of silently waiting for the periodic check.
+    #[tokio::test]
+    async fn a_follower_that_cannot_subscribe_says_so() {
+        let (logs, _guard) = support::logs::Logs::capture();
+        let server = support::RedisServer::start();
+        let mut rules = support::acl::documented_rules("follower", "tollgate");
+        rules.push("+mget".to_owned());
+        support::acl::set_user(&server, &rules);
+        let url = support::acl::url_for(&server, "follower");
+        let a = replica_checking(&url, "50ms").await;
+        let start = Instant::now();
+        while !logs.text().contains("cannot subscribe to announcements") {
+            assert!(start.elapsed() < PATIENCE, "no warning: {}", logs.text());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Retried at every check, logged once.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let text = logs.text();
+        assert_eq!(text.matches("cannot subscribe").count(), 1, "{text}");
+        assert!(text.contains("NOPERM") || text.contains("NoPerm"), "{text}");
+        a.stop().await.unwrap();
+    }
+
     /// Waits until both replicas run `version` or later: how long it took.
     async fn both_at(replicas: &[&Running; 2], version: u64) -> Duration {
         let start = Instant::now();
