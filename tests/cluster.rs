@@ -22,7 +22,10 @@ use std::{
 };
 
 use http::{Request, Response, StatusCode};
-use support::cluster::RedisCluster;
+use support::{
+    cluster::RedisCluster,
+    failover::{CHECK_TIMEOUT, check, resumed, wait_until},
+};
 use tokio::{task::JoinSet, time::timeout};
 use tollgate::{
     Decision, FailurePolicy, Limit, RateLimitLayer, Store, StoreError, StoreErrorKind,
@@ -35,8 +38,6 @@ use tower::{Layer, ServiceExt, service_fn};
 const HOUR: Duration = Duration::from_secs(3600);
 /// 800 s into an hour: hour-long windows never roll over during a test.
 const NOW_MS: u64 = 1_700_000_000_000;
-/// A check slower than this is a hang.
-const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the cluster may take to serve a slot again after a failover.
 const RESUME: Duration = Duration::from_secs(20);
 
@@ -63,23 +64,6 @@ async fn kinds_of_keys_never_share_state_in_a_cluster() {
     let cluster = RedisCluster::start();
     let store = connect(&cluster).await.with_block_cache(0);
     support::kinds::kinds_never_share_state(Arc::new(store)).await;
-}
-
-/// One check that must answer in time: a decision or a `StoreError`, never a hang.
-async fn check(store: &RedisStore, key: &Key, limits: &[Limit]) -> Result<Decision, StoreError> {
-    timeout(CHECK_TIMEOUT, store.check(key, limits, 1))
-        .await
-        .unwrap_or_else(|_| panic!("a check did not answer within {CHECK_TIMEOUT:?}"))
-}
-
-/// Polls `done` every 10 ms; panics naming `what` after `limit`. Returns the time taken.
-async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "waited {limit:?} for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    start.elapsed()
 }
 
 /// What a stream of requests got back, shared with the test while it runs.
@@ -297,24 +281,7 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
     let promoted_in = cluster.wait_for("the replica to take over", RESUME, |c| {
         c.all_agree_owner(slot, replica) && c.is_serving()
     });
-    let resumed_in = {
-        let start = Instant::now();
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match check(&store, &hot, &loose).await {
-                Ok(decision) => {
-                    assert!(decision.is_allowed());
-                    break start.elapsed();
-                }
-                Err(error) => assert!(
-                    start.elapsed() < RESUME,
-                    "no decision {RESUME:?} after the promotion ({tries} tries): {error}"
-                ),
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
+    let resumed_in = resumed(&store, &hot, &loose, "the promotion", RESUME).await;
     // The new master has the replicated state: the exhausted limit stays exhausted.
     let after = check(&store, &hot, &tight).await.unwrap();
     assert!(

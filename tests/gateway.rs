@@ -14,28 +14,7 @@
 //! The scenarios that depend on the store run on the memory backend, and again on a private
 //! `redis-server` (tests/support) with the `redis` feature.
 
-#[allow(dead_code)]
-#[path = "../examples/gateway/config.rs"]
-mod config;
-#[allow(dead_code)]
-#[path = "../examples/gateway/path.rs"]
-mod path;
-#[allow(dead_code)]
-#[path = "../examples/gateway/proxy.rs"]
-mod proxy;
-#[allow(dead_code)]
-#[path = "../examples/gateway/reload.rs"]
-mod reload;
-#[cfg(feature = "redis")]
-#[allow(dead_code)]
-#[path = "../examples/gateway/rules_source.rs"]
-mod rules_source;
-#[allow(dead_code)]
-#[path = "../examples/gateway/serve.rs"]
-mod serve;
-#[allow(dead_code)]
-#[path = "../examples/gateway/server.rs"]
-mod server;
+include!("support/gateway_modules.rs");
 #[cfg(feature = "redis")]
 mod support;
 

@@ -1,29 +1,8 @@
 //! The example gateway reloading its config while real HTTP clients keep it busy: by
 //! SIGHUP, by an edit of the file, and refusing a bad file. In-process, as in
-//! `tests/gateway.rs`: the example's modules are included with `#[path]`.
+//! `tests/gateway.rs`: the example's modules come from `support/gateway_modules.rs`.
 
-#[allow(dead_code)]
-#[path = "../examples/gateway/config.rs"]
-mod config;
-#[allow(dead_code)]
-#[path = "../examples/gateway/path.rs"]
-mod path;
-#[allow(dead_code)]
-#[path = "../examples/gateway/proxy.rs"]
-mod proxy;
-#[allow(dead_code)]
-#[path = "../examples/gateway/reload.rs"]
-mod reload;
-#[cfg(feature = "redis")]
-#[allow(dead_code)]
-#[path = "../examples/gateway/rules_source.rs"]
-mod rules_source;
-#[allow(dead_code)]
-#[path = "../examples/gateway/serve.rs"]
-mod serve;
-#[allow(dead_code)]
-#[path = "../examples/gateway/server.rs"]
-mod server;
+include!("support/gateway_modules.rs");
 #[cfg(feature = "redis")]
 mod support;
 
@@ -370,12 +349,98 @@ on_change = "carry_over"
     }
 
     async fn replica(url: &str) -> Running {
+        replica_checking(url, "1s").await
+    }
+
+    /// A replica that reads the rule set's version every `check_interval`.
+    async fn replica_checking(url: &str, check_interval: &str) -> Running {
         let text = format!(
             "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"{url}\"\n\
-             [rules]\nsource = \"redis\"\ncheck_interval = \"1s\"\n{}",
+             [rules]\nsource = \"redis\"\ncheck_interval = \"{check_interval}\"\n{}",
             rule_set("2")
         );
         server::start(Config::parse(&text).unwrap()).await.unwrap()
+    }
+
+    /// What README "Connecting" adds to its least-privilege ACL line for a gateway that
+    /// follows a rule set, and for the user that publishes one.
+    const FOLLOWER_ACL: &[&str] = &["+mget", "+subscribe", "&tollgate:rules"];
+    const PUBLISHER_ACL: &[&str] = &[
+        "+set",
+        "+incrby",
+        "+multi",
+        "+exec",
+        "+publish",
+        "&tollgate:rules",
+    ];
+
+    /// As documented, an ACL user follows rule sets by their announcements (the periodic
+    /// check is an hour away) and another publishes them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn acl_users_follow_and_publish_rule_sets_as_documented() {
+        let server = support::RedisServer::start();
+        let user = |name: &str, extra: &[&str]| {
+            let mut rules = support::acl::documented_rules(name, "tollgate");
+            // Redis 6.0 has no channel rules: every user may use every channel.
+            let channels = support::redis_server_version() >= (6, 2);
+            rules.extend(
+                extra
+                    .iter()
+                    .filter(|rule| channels || !rule.starts_with('&'))
+                    .map(|rule| (*rule).to_owned()),
+            );
+            support::acl::set_user(&server, &rules);
+            support::acl::url_for(&server, name)
+        };
+        let follower = user("follower", FOLLOWER_ACL);
+        let publisher = user("publisher", PUBLISHER_ACL);
+        let a = replica_checking(&follower, "1h").await;
+        let subscribed = Instant::now();
+        let subscribers = || server.cli(&["PUBSUB", "NUMSUB", "tollgate:rules"]).unwrap();
+        while subscribers().trim() != "tollgate:rules\n1" {
+            assert!(
+                subscribed.elapsed() < PATIENCE,
+                "the replica did not subscribe"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let location = rules_source::Location::new(&publisher, "tollgate");
+        let version = rules_source::publish(&location, &rule_set("5")).await;
+        assert_eq!(version.unwrap(), 1);
+        let applied = Instant::now();
+        while a.version() < 2 {
+            assert!(
+                applied.elapsed() < PATIENCE,
+                "the announcement was not applied"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(super::allowed(&client(), &a, "x", 6).await, 5);
+        a.stop().await.unwrap();
+    }
+
+    /// A follower that may not subscribe (the ACL line without the channel) says so once,
+    /// instead of silently waiting for the periodic check.
+    #[tokio::test]
+    async fn a_follower_that_cannot_subscribe_says_so() {
+        let (logs, _guard) = support::logs::Logs::capture();
+        let server = support::RedisServer::start();
+        let mut rules = support::acl::documented_rules("follower", "tollgate");
+        rules.push("+mget".to_owned());
+        support::acl::set_user(&server, &rules);
+        let url = support::acl::url_for(&server, "follower");
+        let a = replica_checking(&url, "50ms").await;
+        let start = Instant::now();
+        while !logs.text().contains("cannot subscribe to announcements") {
+            assert!(start.elapsed() < PATIENCE, "no warning: {}", logs.text());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Retried at every check, logged once.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let text = logs.text();
+        assert_eq!(text.matches("cannot subscribe").count(), 1, "{text}");
+        assert!(text.contains("NOPERM") || text.contains("NoPerm"), "{text}");
+        a.stop().await.unwrap();
     }
 
     /// Waits until both replicas run `version` or later: how long it took.

@@ -21,10 +21,13 @@ use std::{
 };
 
 use http::{Request, Response, StatusCode};
-use support::sentinel::{MASTER_NAME, SentinelSetup};
+use support::{
+    failover::{CHECK_TIMEOUT, check, resumed, wait_until},
+    sentinel::{MASTER_NAME, SentinelSetup},
+};
 use tokio::{task::JoinSet, time::timeout};
 use tollgate::{
-    Decision, FailurePolicy, Limit, RateLimitLayer, Store, StoreError,
+    FailurePolicy, Limit, RateLimitLayer,
     clock::ManualClock,
     key::{GlobalKey, Key},
     store::{RedisStore, SentinelConfig},
@@ -33,8 +36,6 @@ use tower::{Layer, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
 const NOW_MS: u64 = 1_700_000_000_000;
-/// A check slower than this is a hang.
-const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the failover and the first decision after it may take.
 const RESUME: Duration = Duration::from_secs(30);
 /// Bounds of every request stream.
@@ -47,21 +48,6 @@ async fn connect(setup: &SentinelSetup) -> RedisStore {
         .await
         .unwrap()
         .with_clock(ManualClock::new(NOW_MS))
-}
-
-async fn check(store: &RedisStore, key: &Key, limits: &[Limit]) -> Result<Decision, StoreError> {
-    timeout(CHECK_TIMEOUT, store.check(key, limits, 1))
-        .await
-        .unwrap_or_else(|_| panic!("a check did not answer within {CHECK_TIMEOUT:?}"))
-}
-
-async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "waited {limit:?} for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    start.elapsed()
 }
 
 #[derive(Debug, Default)]
@@ -257,22 +243,7 @@ async fn failover_under_load(trigger: Trigger) {
         setup.servers[new].calls("evalsha") > 0
     })
     .await;
-    let resumed_in = {
-        let start = Instant::now();
-        loop {
-            match check(&store, &hot, &loose).await {
-                Ok(decision) => {
-                    assert!(decision.is_allowed());
-                    break start.elapsed();
-                }
-                Err(error) => assert!(
-                    start.elapsed() < RESUME,
-                    "no decision {RESUME:?} after the move: {error}"
-                ),
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
+    let resumed_in = resumed(&store, &hot, &loose, "the move", RESUME).await;
     // The new master has the replicated state: the exhausted limit stays exhausted.
     let after = check(&store, &hot, &tight).await.unwrap();
     assert!(

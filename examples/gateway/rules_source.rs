@@ -144,6 +144,8 @@ impl Follower {
         // Reconnects by itself once it exists.
         let mut connection = None;
         let mut announcements = None;
+        // Whether the failure to subscribe was logged: once per run of failures.
+        let mut refused = false;
         loop {
             if connection.is_none() {
                 connection = redis::aio::ConnectionManager::new(client.clone())
@@ -151,7 +153,23 @@ impl Follower {
                     .ok();
             }
             if announcements.is_none() {
-                announcements = subscribe(&client, &self.location.rules_key).await;
+                match subscribe(&client, &self.location.rules_key).await {
+                    Ok(stream) => {
+                        announcements = Some(stream);
+                        refused = false;
+                    }
+                    // An ACL without the channel, say: changes still arrive, a check later.
+                    Err(error) if !refused => {
+                        refused = true;
+                        tracing::warn!(
+                            %error,
+                            channel = %self.location.rules_key,
+                            "rule set: cannot subscribe to announcements; changes arrive \
+                             with the next periodic check"
+                        );
+                    }
+                    Err(_) => {}
+                }
             }
             let announced = async {
                 match &mut announcements {
@@ -177,8 +195,11 @@ impl Follower {
     }
 }
 
-async fn subscribe(client: &redis::Client, channel: &str) -> Option<redis::aio::PubSubStream> {
-    let mut pubsub = client.get_async_pubsub().await.ok()?;
-    pubsub.subscribe(channel).await.ok()?;
-    Some(pubsub.into_on_message())
+async fn subscribe(
+    client: &redis::Client,
+    channel: &str,
+) -> Result<redis::aio::PubSubStream, redis::RedisError> {
+    let mut pubsub = client.get_async_pubsub().await?;
+    pubsub.subscribe(channel).await?;
+    Ok(pubsub.into_on_message())
 }

@@ -8,6 +8,8 @@
 
 pub mod acl;
 pub mod cluster;
+#[cfg(feature = "redis")]
+pub mod failover;
 pub mod kinds;
 pub mod logs;
 pub mod sentinel;
