@@ -1774,6 +1774,14 @@ fn invalid_store_connection_fields_are_rejected_naming_the_field() {
             ),
             &["store.url", "must be rediss://"],
         ));
+        #[cfg(feature = "tls")]
+        cases.push((
+            store(
+                "backend = \"redis\"\nurl = \"rediss://127.0.0.1:6380\"\n\
+                 tls_ca_file = \"ca.crt\"",
+            ) + "\n[rules]\nsource = \"redis\"",
+            &["rules.source", "store.tls_ca_file"],
+        ));
         cases
     };
     for (text, expected) in cases {

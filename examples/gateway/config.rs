@@ -437,6 +437,15 @@ impl RawRules {
                          store's prefix)",
                     ));
                 }
+                if store.tls.is_set() {
+                    // The rules connection does not take the store's certificates yet:
+                    // refused here rather than failing at startup with a TLS error.
+                    return Err(ConfigError::new(
+                        "rules.source",
+                        "\"redis\" does not support store.tls_ca_file / tls_cert_file / \
+                         tls_key_file yet (rediss:// with the system's roots works)",
+                    ));
+                }
                 rules.from_redis = true;
             }
             Some(other) => {
