@@ -31,6 +31,17 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm, in the order of the docs (a slice: the enum is non-exhaustive).
+    pub const ALL: &'static [Self] = &[
+        Self::FixedWindow,
+        Self::SlidingWindow,
+        Self::SlidingWindowCounter,
+        Self::TokenBucket,
+        Self::Gcra,
+    ];
+}
+
+impl Algorithm {
     /// The name used in config files and key ids (`fixed_window`, `sliding_window`, ...).
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -651,13 +662,7 @@ mod tests {
 
     #[test]
     fn algorithm_names_round_trip() {
-        for algorithm in [
-            Algorithm::FixedWindow,
-            Algorithm::SlidingWindow,
-            Algorithm::SlidingWindowCounter,
-            Algorithm::TokenBucket,
-            Algorithm::Gcra,
-        ] {
+        for &algorithm in Algorithm::ALL {
             assert_eq!(algorithm.as_str().parse::<Algorithm>().unwrap(), algorithm);
         }
         assert_eq!(

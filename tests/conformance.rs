@@ -57,15 +57,11 @@ fn ms(ms: u64) -> Duration {
 }
 
 /// `limit` per `window` with each of the five algorithms.
-fn every_algorithm(limit: u32, window: Duration) -> [Limit; 5] {
-    [
-        Algorithm::FixedWindow,
-        Algorithm::SlidingWindow,
-        Algorithm::SlidingWindowCounter,
-        Algorithm::TokenBucket,
-        Algorithm::Gcra,
-    ]
-    .map(|algorithm| Limit::new(algorithm, limit, window).unwrap())
+fn every_algorithm(limit: u32, window: Duration) -> Vec<Limit> {
+    Algorithm::ALL
+        .iter()
+        .map(|&algorithm| Limit::new(algorithm, limit, window).unwrap())
+        .collect()
 }
 
 async fn fixed_window_allows_twice_the_limit_across_a_boundary(h: Harness) {
@@ -286,13 +282,7 @@ async fn carried_over_windows_keep_their_counts(h: Harness) {
 /// A changed limit that resets (the default) starts with its whole budget; an unchanged
 /// one keeps its own either way.
 async fn a_changed_limit_resets_by_default(h: Harness) {
-    for algorithm in [
-        Algorithm::FixedWindow,
-        Algorithm::SlidingWindow,
-        Algorithm::SlidingWindowCounter,
-        Algorithm::TokenBucket,
-        Algorithm::Gcra,
-    ] {
+    for &algorithm in Algorithm::ALL {
         let key = algorithm.as_str();
         let at = |limit| [api(algorithm, limit, secs(3600), OnChange::Reset)];
         assert_eq!(h.allowed(key, &at(3), 5).await, 3, "{algorithm}");

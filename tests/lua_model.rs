@@ -18,16 +18,10 @@ use tollgate::{
 
 const START: u64 = 1_700_000_000_000;
 
-const ALGORITHMS: [Algorithm; 5] = [
-    Algorithm::FixedWindow,
-    Algorithm::SlidingWindow,
-    Algorithm::SlidingWindowCounter,
-    Algorithm::TokenBucket,
-    Algorithm::Gcra,
-];
+const ALGORITHMS: &[Algorithm] = Algorithm::ALL;
 
 fn algorithm_strategy() -> impl Strategy<Value = Algorithm> {
-    prop::sample::select(&ALGORITHMS[..])
+    prop::sample::select(ALGORITHMS)
 }
 
 fn limit_strategy() -> impl Strategy<Value = Limit> {
@@ -429,7 +423,7 @@ fn the_largest_limits_keep_exact_integer_state() {
         .enable_all()
         .build()
         .unwrap();
-    for algorithm in ALGORITHMS {
+    for &algorithm in ALGORITHMS {
         let limits = [Limit::new(algorithm, 30_000, window).unwrap()];
         assert!(
             u128::from(limits[0].capacity()) * u128::from(w) > 1 << 49,
