@@ -227,8 +227,7 @@ where
         },
     };
     if decision.is_allowed() {
-        // Nothing to write: the response needs neither the decision nor the rules.
-        return Next::Call(rules.headers.writes_when_allowed().then_some(decision));
+        return Next::Call(Some(decision));
     }
     let mut response = shared.rejection.rate_limited(request, &decision);
     rules.headers.write(response.headers_mut(), &decision);
