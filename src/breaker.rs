@@ -138,6 +138,7 @@ impl Breaker {
     }
 
     /// Feeds the outcome of a call the breaker admitted (never of a skipped one).
+    #[inline]
     pub(crate) fn record(&self, admission: Admission, ok: bool) {
         match (admission, ok) {
             (Admission::Skip, _) => {}

@@ -139,6 +139,13 @@ impl HeaderWriter {
     }
 
     /// Writes the fields for `decision` into `headers`.
+    /// Whether [`write`](Self::write) adds anything to an allowed request's response: not
+    /// with [`HeaderStyle::NONE`], whose allowed requests answered at once (a layer
+    /// without shadow limits) then skip carrying their decision and rules to the response.
+    pub(crate) fn writes_when_allowed(&self) -> bool {
+        self.style.ietf || self.style.legacy
+    }
+
     pub(crate) fn write(&self, headers: &mut HeaderMap, decision: &Decision) {
         let retry_after = if decision.is_allowed() {
             // An inner layer may have denied the request already: keep every `t` of this

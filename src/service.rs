@@ -134,10 +134,11 @@ where
             Ok(result) => {
                 return match settle(shared, rules, result, &request, &asked) {
                     Next::Answer(response) => ResponseFuture::ready(response),
-                    Next::Call(None) => ResponseFuture::unlimited(self.inner.call(request)),
-                    Next::Call(Some(decision)) => {
+                    // Nothing to write: the response needs neither the decision nor the rules.
+                    Next::Call(Some(decision)) if rules.headers.writes_when_allowed() => {
                         ResponseFuture::calling(self.inner.call(request), decision, rules.clone())
                     }
+                    Next::Call(_) => ResponseFuture::unlimited(self.inner.call(request)),
                 };
             }
             Err(check) => check,

@@ -8,10 +8,13 @@ use super::{Key, KeyError, KeyExtractor};
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GlobalKey;
 
+/// Built at compile time: a request only copies it.
+const GLOBAL: Key = Key::from_safe_static("global|~");
+
 impl<B> KeyExtractor<B> for GlobalKey {
     fn extract(&self, _request: &Request<B>) -> Result<Key, KeyError> {
         // A static string: nothing to allocate or escape per request. `~` is the value
         // `Namespace::key` gives an empty identity.
-        Ok(Key::from_safe_static("global|~"))
+        Ok(GLOBAL)
     }
 }

@@ -41,6 +41,7 @@ impl Check {
     }
 
     /// The decision if it is already there, else the check itself.
+    #[inline]
     pub(crate) fn into_ready(self) -> Result<Result<Decision, StoreError>, Self> {
         match self.0 {
             State::Ready(Some(result)) => Ok(result),
