@@ -196,22 +196,8 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
     let mut decisions = LimitDecisions::new();
     let mut before: SmallVec<[Option<State>; 2]> = SmallVec::new();
     for (state, limit) in states.iter_mut().zip(limits) {
-        assert_eq!(
-            state.algorithm(),
-            limit.algorithm(),
-            "state of another algorithm"
-        );
         before.push(state.kept_on_denial());
-        state.normalize(now, limit);
-        let fits = cost <= u64::from(limit.capacity()) && state.fits(now, limit, cost);
-        let retry_after_ms = if fits {
-            0
-        } else if cost > u64::from(limit.capacity()) {
-            // Never fits: report one window, the longest any limit asks anyone to wait.
-            limit.window_ms()
-        } else {
-            state.wait(now, limit, cost)
-        };
+        let (fits, retry_after_ms) = judge(state, limit, now, cost);
         decisions.push(LimitDecision {
             allowed: fits,
             limit: limit.limit(),
@@ -243,21 +229,8 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
 /// about 150 instructions).
 #[inline]
 fn check_one(state: &mut State, limit: &Limit, now: u64, cost: u64) -> Decision {
-    assert_eq!(
-        state.algorithm(),
-        limit.algorithm(),
-        "state of another algorithm"
-    );
     let before = state.kept_on_denial();
-    state.normalize(now, limit);
-    let fits = cost <= u64::from(limit.capacity()) && state.fits(now, limit, cost);
-    let retry_after_ms = if fits {
-        0
-    } else if cost > u64::from(limit.capacity()) {
-        limit.window_ms()
-    } else {
-        state.wait(now, limit, cost)
-    };
+    let (fits, retry_after_ms) = judge(state, limit, now, cost);
     if fits {
         state.commit(now, limit, cost);
     }
@@ -274,6 +247,28 @@ fn check_one(state: &mut State, limit: &Limit, now: u64, cost: u64) -> Decision 
     let mut decisions = LimitDecisions::new();
     decisions.push(decision);
     Decision::from_limits(decisions)
+}
+
+/// One limit's part of a decision: brings `state` up to `now`, then says whether `cost`
+/// fits and, if not, how long until it would (nothing is committed).
+#[inline(always)]
+fn judge(state: &mut State, limit: &Limit, now: u64, cost: u64) -> (bool, u64) {
+    assert_eq!(
+        state.algorithm(),
+        limit.algorithm(),
+        "state of another algorithm"
+    );
+    state.normalize(now, limit);
+    let fits = cost <= u64::from(limit.capacity()) && state.fits(now, limit, cost);
+    let retry_after_ms = if fits {
+        0
+    } else if cost > u64::from(limit.capacity()) {
+        // Never fits: report one window, the longest any limit asks anyone to wait.
+        limit.window_ms()
+    } else {
+        state.wait(now, limit, cost)
+    };
+    (fits, retry_after_ms)
 }
 
 /// `ceil(a / b)` for `b > 0`.
