@@ -128,26 +128,15 @@ where
         let check = shared.store.check_now(&key, rules.limits(), cost);
         let asked = Asked { key, cost, timer };
         let check = match check {
-            // Decided already (the memory store, a block-cache hit, an open circuit): the
-            // service that was polled ready takes the request now, so neither it nor the
-            // request has to wait in the future.
+            // Decided already: the memory store, a block-cache hit, an open circuit.
             Ok(result) => {
-                return match settle(shared, rules, result, &request, &asked) {
-                    Next::Answer(response) => ResponseFuture::ready(response),
-                    // Nothing to write: the response needs neither the decision nor the rules.
-                    Next::Call(Some(decision)) if rules.headers.writes_when_allowed() => {
-                        ResponseFuture::calling(self.inner.call(request), decision, rules.clone())
-                    }
-                    Next::Call(_) => ResponseFuture::unlimited(self.inner.call(request)),
-                };
+                let next = settle(shared, rules, result, &request, &asked);
+                return self.answer_now(next, request);
             }
             Err(check) => check,
         };
-        // The clone goes on serving; the service that was polled ready handles this call.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let pending = Pending {
-            service: inner,
+            service: self.take_ready(),
             request,
             asked,
         };
@@ -174,23 +163,47 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
         let shadow = rules.shadow().map_or(&[][..], |limits| &limits[..]);
         let checks = match Checks::start(&shared.store, &asked, rules.limits(), shadow) {
             Ok(answers) => {
-                return match settle_shadowed(shared, rules, answers, &request, &asked) {
-                    Next::Answer(response) => ResponseFuture::ready(response),
-                    Next::Call(None) => ResponseFuture::unlimited(self.inner.call(request)),
-                    Next::Call(Some(decision)) => {
-                        ResponseFuture::calling(self.inner.call(request), decision, rules.clone())
-                    }
-                };
+                let next = settle_shadowed(shared, rules, answers, &request, &asked);
+                return self.answer_now(next, request);
             }
             Err(checks) => checks,
         };
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let pending = Pending {
-            service: inner,
+            service: self.take_ready(),
             request,
             asked,
         };
         ResponseFuture::shadowing(checks, pending, self.shared.clone(), self.rules.clone())
+    }
+
+    /// Acts on a decision made at once: the service that was polled ready takes the
+    /// request now, so neither it nor the request has to wait in the future.
+    #[inline(always)]
+    fn answer_now<ReqB, ResB>(
+        &mut self,
+        next: Next<ResB>,
+        request: Request<ReqB>,
+    ) -> ResponseFuture<S, ReqB, R>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>>,
+    {
+        match next {
+            Next::Answer(response) => ResponseFuture::ready(response),
+            // Nothing to write: the response needs neither the decision nor the rules.
+            Next::Call(Some(decision)) if self.rules.headers.writes_when_allowed() => {
+                ResponseFuture::calling(self.inner.call(request), decision, self.rules.clone())
+            }
+            Next::Call(_) => ResponseFuture::unlimited(self.inner.call(request)),
+        }
+    }
+
+    /// The service that was polled ready, for a request that waits for the store; its
+    /// clone goes on serving.
+    fn take_ready(&mut self) -> S
+    where
+        S: Clone,
+    {
+        let clone = self.inner.clone();
+        std::mem::replace(&mut self.inner, clone)
     }
 }
