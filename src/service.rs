@@ -84,6 +84,22 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R> fmt::Debug for RateLimit<S,
     }
 }
 
+/// Acts on a decision made at once: the service that was polled ready takes the request
+/// now, so neither it nor the request has to wait in the future. A macro, not a method:
+/// moving the request into a call cost a request ~35 instructions even when inlined.
+macro_rules! answer_now {
+    ($this:ident, $next:expr, $request:ident) => {
+        match $next {
+            Next::Answer(response) => ResponseFuture::ready(response),
+            // Nothing to write: the response needs neither the decision nor the rules.
+            Next::Call(Some(decision)) if $this.rules.headers.writes_when_allowed() => {
+                ResponseFuture::calling($this.inner.call($request), decision, $this.rules.clone())
+            }
+            Next::Call(_) => ResponseFuture::unlimited($this.inner.call($request)),
+        }
+    };
+}
+
 impl<S, K, C, R, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, R>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
@@ -131,7 +147,7 @@ where
             // Decided already: the memory store, a block-cache hit, an open circuit.
             Ok(result) => {
                 let next = settle(shared, rules, result, &request, &asked);
-                return self.answer_now(next, request);
+                return answer_now!(self, next, request);
             }
             Err(check) => check,
         };
@@ -164,7 +180,7 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
         let checks = match Checks::start(&shared.store, &asked, rules.limits(), shadow) {
             Ok(answers) => {
                 let next = settle_shadowed(shared, rules, answers, &request, &asked);
-                return self.answer_now(next, request);
+                return answer_now!(self, next, request);
             }
             Err(checks) => checks,
         };
@@ -174,27 +190,6 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
             asked,
         };
         ResponseFuture::shadowing(checks, pending, self.shared.clone(), self.rules.clone())
-    }
-
-    /// Acts on a decision made at once: the service that was polled ready takes the
-    /// request now, so neither it nor the request has to wait in the future.
-    #[inline(always)]
-    fn answer_now<ReqB, ResB>(
-        &mut self,
-        next: Next<ResB>,
-        request: Request<ReqB>,
-    ) -> ResponseFuture<S, ReqB, R>
-    where
-        S: Service<Request<ReqB>, Response = Response<ResB>>,
-    {
-        match next {
-            Next::Answer(response) => ResponseFuture::ready(response),
-            // Nothing to write: the response needs neither the decision nor the rules.
-            Next::Call(Some(decision)) if self.rules.headers.writes_when_allowed() => {
-                ResponseFuture::calling(self.inner.call(request), decision, self.rules.clone())
-            }
-            Next::Call(_) => ResponseFuture::unlimited(self.inner.call(request)),
-        }
     }
 
     /// The service that was polled ready, for a request that waits for the store; its
