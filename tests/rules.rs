@@ -136,27 +136,14 @@ async fn raised_and_lowered_under_load(store: impl Store) {
     assert_eq!(version, 42);
     assert_eq!(handle.version(), 42);
     // The last set raised the limits: a key that spent 5 has room under 1000 ...
-    let mut service = service.clone();
     for _ in 0..5 {
-        let response = service
-            .ready()
-            .await
-            .unwrap()
-            .call(request("after"))
-            .await
-            .unwrap();
+        let response = service.clone().oneshot(request("after")).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(assert_one_version(&response), 1000);
     }
     // ... and none once they are lowered to 3: the 5 it spent carried over.
     handle.set(rules(3));
-    let response = service
-        .ready()
-        .await
-        .unwrap()
-        .call(request("after"))
-        .await
-        .unwrap();
+    let response = service.clone().oneshot(request("after")).await.unwrap();
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(assert_one_version(&response), 3);
     assert_eq!(header(&response, "x-ratelimit-remaining"), "0");

@@ -80,6 +80,12 @@ fn debug_command_args() -> &'static [&'static str] {
     }
 }
 
+/// `redis://127.0.0.1:<port>`, or `rediss://` over TLS.
+pub fn loopback_url(port: u16, tls: bool) -> String {
+    let scheme = if tls { "rediss" } else { "redis" };
+    format!("{scheme}://127.0.0.1:{port}")
+}
+
 /// A free TCP port on 127.0.0.1 (bound and released; the OS will not hand it out again
 /// right away).
 pub fn free_port() -> u16 {
@@ -210,12 +216,7 @@ impl RedisServer {
 
     /// `redis://127.0.0.1:<port>`, or `rediss://` for a TLS server.
     pub fn url(&self) -> String {
-        let scheme = if self.tls.is_some() {
-            "rediss"
-        } else {
-            "redis"
-        };
-        format!("{scheme}://127.0.0.1:{}", self.port)
+        loopback_url(self.port, self.tls.is_some())
     }
 
     /// The certificates of a TLS server.

@@ -86,12 +86,7 @@ impl SentinelProcess {
 
     /// `redis://127.0.0.1:<port>` (`rediss://` over TLS).
     pub fn url(&self) -> String {
-        let scheme = if self.tls.is_some() {
-            "rediss"
-        } else {
-            "redis"
-        };
-        format!("{scheme}://127.0.0.1:{}", self.port)
+        super::loopback_url(self.port, self.tls.is_some())
     }
 
     /// `redis-cli -p <port> <args>`.
