@@ -13,6 +13,7 @@ use crate::{
     MissingKey, RequestCost,
     decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
     future::{Pending, ResponseFuture},
+    plan::{self, Chosen},
     key::KeyExtractor,
     metrics,
     rejection::OnRejection,
@@ -138,11 +139,32 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
-        if rules.shadow().is_some() {
-            return self.shadowed(request, Asked { key, cost, timer });
+        if rules.has_plans() {
+            return self.planned(request, Asked { key, cost, timer });
         }
-        let check = shared.store.check_now(&key, rules.limits(), cost);
-        let asked = Asked { key, cost, timer };
+        self.decide(request, Asked { key, cost, timer })
+    }
+}
+
+impl<S, K, C, R> RateLimit<S, K, C, R> {
+    /// Decides `request` under the rules held: the rest of [`call`](Service::call) once
+    /// the request has a key and a cost (and, for a layer with plans, its plan's rules).
+    #[inline(always)]
+    fn decide<ReqB, ResB>(
+        &mut self,
+        request: Request<ReqB>,
+        asked: Asked,
+    ) -> ResponseFuture<S, ReqB, R>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+        R: OnRejection<ReqB, ResB>,
+    {
+        let shared = &self.shared;
+        let rules = &self.rules;
+        if rules.shadow().is_some() {
+            return self.shadowed(request, asked);
+        }
+        let check = shared.store.check_now(&asked.key, rules.limits(), asked.cost);
         let check = match check {
             // Decided already: the memory store, a block-cache hit, an open circuit.
             Ok(result) => {
@@ -158,9 +180,45 @@ where
         };
         ResponseFuture::checking(check, pending, self.shared.clone(), self.rules.clone())
     }
-}
 
-impl<S, K, C, R> RateLimit<S, K, C, R> {
+    /// [`call`](Service::call) for a layer with [plans](crate::plan): decides the request
+    /// under its plan's rules. Out of line, so that layers without plans pay one branch
+    /// for them.
+    #[inline(never)]
+    fn planned<ReqB, ResB>(
+        &mut self,
+        request: Request<ReqB>,
+        asked: Asked,
+    ) -> ResponseFuture<S, ReqB, R>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+        R: OnRejection<ReqB, ResB>,
+    {
+        let layer = self.rules.clone();
+        let rules = match layer.choose(&request, &asked.key) {
+            Ok(Chosen::Layer) => layer.clone(),
+            Ok(Chosen::Plan(rules)) => rules.clone(),
+            Ok(Chosen::Unlimited(plan)) => {
+                plan::unlimited(&self.shared, plan);
+                return ResponseFuture::unlimited(self.inner.call(request));
+            }
+            Err(resolving) => {
+                let pending = Pending {
+                    service: self.take_ready(),
+                    request,
+                    asked,
+                };
+                return ResponseFuture::resolving(resolving, pending, self.shared.clone(), layer);
+            }
+        };
+        // Decided and answered under the plan's rules; the service goes on holding the
+        // layer's.
+        self.rules = rules;
+        let future = self.decide(request, asked);
+        self.rules = layer;
+        future
+    }
+
     /// [`call`](Service::call) for a layer with shadow limits: two store calls, made
     /// together, then the same settling. Out of line, so that layers without shadow
     /// limits pay one branch for it.
