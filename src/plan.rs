@@ -539,7 +539,11 @@ impl PlanTable {
     }
 
     /// The plan of `request`, counted against `key`, or the lookup to wait for.
-    pub(crate) fn choose<B>(&self, request: &Request<B>, key: &Key) -> Result<Chosen<'_>, Resolving> {
+    pub(crate) fn choose<B>(
+        &self,
+        request: &Request<B>,
+        key: &Key,
+    ) -> Result<Chosen<'_>, Resolving> {
         Ok(match &self.resolver {
             Resolver::None => self.named(None),
             Resolver::Header(name) => {
@@ -559,7 +563,10 @@ impl PlanTable {
         if found.is_none()
             && let Some(name) = name
         {
-            tracing::debug!(plan = name, "rate limit plan unknown; using the default plan");
+            tracing::debug!(
+                plan = name,
+                "rate limit plan unknown; using the default plan"
+            );
         }
         match found.or(self.default) {
             None => Chosen::Layer,
@@ -621,7 +628,10 @@ where
             Err(checks) => Started::Checks(checks),
         };
     }
-    match shared.store.check_now(&asked.key, rules.limits(), asked.cost) {
+    match shared
+        .store
+        .check_now(&asked.key, rules.limits(), asked.cost)
+    {
         Ok(result) => Started::Next(settle(shared, rules, result, request, asked)),
         Err(check) => Started::Check(check),
     }
@@ -665,7 +675,10 @@ mod tests {
         assert_eq!(Plan::new("a b", [limit(1)]).unwrap_err().field(), "plan");
         assert_eq!(Plan::new("free", []).unwrap_err().field(), "limits");
         assert_eq!(Plans::new([]).unwrap_err().field(), "plans");
-        let twice = Plans::new([Plan::new("a", [limit(1)]).unwrap(), Plan::unlimited("a").unwrap()]);
+        let twice = Plans::new([
+            Plan::new("a", [limit(1)]).unwrap(),
+            Plan::unlimited("a").unwrap(),
+        ]);
         assert_eq!(twice.unwrap_err().field(), "plans");
         let plans = Plans::new([Plan::unlimited("a").unwrap()]).unwrap();
         assert_eq!(plans.with_default("b").unwrap_err().field(), "default_plan");
@@ -678,9 +691,15 @@ mod tests {
         let stored = own.stored_limits().unwrap();
         assert_eq!(stored[0].id(), format!("@free:{}", limit(10).id()));
         assert_ne!(stored[0].fingerprint(), limit(10).fingerprint());
-        assert_ne!(stored[0].params_fingerprint(), limit(10).params_fingerprint());
+        assert_ne!(
+            stored[0].params_fingerprint(),
+            limit(10).params_fingerprint()
+        );
         assert_eq!(shared.stored_limits().unwrap()[0], limit(10));
-        let paid = Plan::new("paid", [limit(10)]).unwrap().stored_limits().unwrap();
+        let paid = Plan::new("paid", [limit(10)])
+            .unwrap()
+            .stored_limits()
+            .unwrap();
         assert_ne!(paid[0].fingerprint(), stored[0].fingerprint());
     }
 }

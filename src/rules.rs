@@ -451,7 +451,11 @@ impl RulesHandle {
         if let Some(plans) = &rules.plans {
             // The memory store learns when their state expires too.
             let planned = plans.plans().iter().filter_map(|p| p.stored_limits());
-            all = all.iter().cloned().chain(planned.flat_map(|l| l.to_vec())).collect();
+            all = all
+                .iter()
+                .cloned()
+                .chain(planned.flat_map(|l| l.to_vec()))
+                .collect();
         }
         self.cell.store.limits_changed(&all);
         if let FailurePolicy::Local(store) = &rules.on_store_error {

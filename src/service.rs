@@ -13,9 +13,9 @@ use crate::{
     MissingKey, RequestCost,
     decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
     future::{Pending, ResponseFuture},
-    plan::{self, Chosen},
     key::KeyExtractor,
     metrics,
+    plan::{self, Chosen},
     rejection::OnRejection,
     rules::Active,
 };
@@ -164,7 +164,9 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
         if rules.shadow().is_some() {
             return self.shadowed(request, asked);
         }
-        let check = shared.store.check_now(&asked.key, rules.limits(), asked.cost);
+        let check = shared
+            .store
+            .check_now(&asked.key, rules.limits(), asked.cost);
         let check = match check {
             // Decided already: the memory store, a block-cache hit, an open circuit.
             Ok(result) => {
