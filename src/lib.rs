@@ -68,6 +68,13 @@
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
 //! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
 //!
+//! # Plans
+//!
+//! Limits chosen per request (free, paid, internal): [`RateLimitLayer::plans`] with
+//! [`Plans`], each [`Plan`] a name and its limits or unlimited, picked by a header, a sync
+//! resolver or a cached async [`PlanLookup`]. Each plan keeps its own state; requests
+//! without a known plan get the default plan. See [`plan`].
+//!
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit
