@@ -354,8 +354,8 @@ impl fmt::Debug for Resolver {
 /// An async plan lookup by key (a database query), with its answers cached per key.
 ///
 /// A request whose key has a fresh answer in the cache is decided at once; one whose key
-/// has none waits for the lookup (requests for one key that miss together each look it
-/// up). The answer, a plan name or none (the default plan), is kept for the
+/// has none waits for the lookup, and requests for one key that miss together wait for
+/// one lookup. The answer, a plan name or none (the default plan), is kept for the
 /// [TTL](Self::ttl) in a cache of at most [`max_keys`](Self::max_keys) keys
 /// (`quick_cache`, which evicts the coldest keys when full). A lookup that fails is
 /// logged at `warn` and not cached: the request gets the default plan, the next one
@@ -442,21 +442,36 @@ impl PlanLookup {
         (self.clock.now_ms() < cached.expires_ms).then_some(cached.plan)
     }
 
-    /// Looks `key` up and caches the answer; `None` when it failed or named no plan.
+    /// Looks `key` up and caches the answer; `None` when it failed or named no plan. One
+    /// request per key looks up at a time: the others that miss meanwhile wait for its
+    /// answer (quick_cache's placeholder), so a cold key costs the database one query
+    /// however many requests it has at once.
     fn resolve(&self, key: Key) -> BoxFuture<'static, Option<Arc<str>>> {
         let this = self.clone();
         async move {
+            let cache = this.cache.clone();
+            // An expired answer goes, so that the next lookup holds the placeholder.
+            let now = this.clock.now_ms();
+            cache.remove_if(&key, |cached| now >= cached.expires_ms);
+            let guard = match cache.get_value_or_guard_async(&key).await {
+                // Another request's lookup answered meanwhile.
+                Ok(cached) if this.clock.now_ms() < cached.expires_ms => return cached.plan,
+                Ok(_) => None,
+                Err(guard) => Some(guard),
+            };
             match (this.lookup)(key.clone()).await {
                 Ok(plan) => {
                     let plan: Option<Arc<str>> = plan.map(Into::into);
-                    let expires_ms = this.clock.now_ms().saturating_add(this.ttl_ms);
-                    this.cache.insert(
-                        key,
-                        Cached {
-                            plan: plan.clone(),
-                            expires_ms,
-                        },
-                    );
+                    let cached = Cached {
+                        plan: plan.clone(),
+                        expires_ms: this.clock.now_ms().saturating_add(this.ttl_ms),
+                    };
+                    match guard {
+                        Some(guard) => {
+                            let _ = guard.insert(cached);
+                        }
+                        None => this.cache.insert(key, cached),
+                    }
                     plan
                 }
                 Err(error) => {

@@ -458,6 +458,23 @@ async fn lookup_scenario(store: impl Store, clock: ManualClock) {
         (OK, Some(r#""paid.hourly";r=99;t=2770"#.to_owned()))
     );
     assert_eq!(db.queries(), 6);
+
+    // Requests for a cold key that arrive together wait for one lookup.
+    db.set("d", "paid");
+    let calls = (0..5).map(|_| {
+        let request = Request::builder().header("x-key", "d").body(()).unwrap();
+        service.clone().oneshot(request)
+    });
+    let responses = futures_util::future::join_all(calls).await;
+    let remaining: Vec<String> = responses
+        .into_iter()
+        .map(|response| seen(&response.unwrap()).fields.unwrap())
+        .collect();
+    assert_eq!(db.queries(), 7, "one lookup for five requests");
+    for r in 95..100 {
+        let fields = format!(r#""paid.hourly";r={r};t=2770"#);
+        assert!(remaining.contains(&fields), "{remaining:?}");
+    }
 }
 
 #[tokio::test]
