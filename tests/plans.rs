@@ -119,11 +119,13 @@ fn plans() -> Plans {
     .with_header(HeaderName::from_static("x-plan"))
 }
 
-/// A layer on `store` keyed by `x-key`, with 1 an hour of its own.
+/// A layer on `store` keyed by `x-key`, with 1 an hour of its own. A generous store
+/// timeout: with the default 100 ms a loaded machine can fail open and let more through.
 fn layer(store: &Arc<dyn Store>) -> RateLimitLayer<HeaderKey, u32> {
     RateLimitLayer::new(hourly("layer", 1))
         .key(HeaderKey::new("x-key").unwrap())
         .shared_store(store.clone())
+        .timeout(Some(Duration::from_secs(10)))
 }
 
 /// The count of `tollgate_plan_requests_total` with `plan` and `outcome` on `route`.
