@@ -247,7 +247,8 @@ impl Plans {
 
     /// Picks the plan with `resolve`, from the request and its key, without waiting: its
     /// headers, an extension set by an auth layer in front, the key itself. `None` (or
-    /// an unknown name) means the default plan.
+    /// an unknown name) means the default plan. The name is borrowed from the request
+    /// (a header, an extension's field) or `'static` (`Some("paid")`).
     pub fn with_resolver<F>(mut self, resolve: F) -> Self
     where
         F: for<'a> Fn(&'a PlanRequest<'a>) -> Option<&'a str> + Send + Sync + 'static,

@@ -688,3 +688,28 @@ async fn a_tonic_client_gets_its_plans_fields() {
         r#""free.hourly";q=2;w=3600"#
     );
 }
+
+/// A hostile plan header (bytes that are not text, a huge value) is no plan: the default
+/// plan, no panic.
+#[tokio::test]
+async fn a_hostile_plan_header_gets_the_default_plan() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)));
+    let mut service = layer(&store).plans(plans()).layer(service_fn(hello));
+    let long = "internal".repeat(10_000);
+    let values = [
+        http::HeaderValue::from_bytes(b"intern\xffal").unwrap(),
+        http::HeaderValue::from_str(&long).unwrap(),
+    ];
+    let mut statuses = Vec::new();
+    for value in values.iter().cycle().take(3) {
+        let mut request = Request::builder().header("x-key", "h").body(()).unwrap();
+        request.headers_mut().insert("x-plan", value.clone());
+        let response = service.ready().await.unwrap().call(request).await.unwrap();
+        statuses.push((response.status(), seen(&response).policy));
+    }
+    let free = Some(r#""free.hourly";q=2;w=3600"#.to_owned());
+    assert_eq!(
+        statuses,
+        [(OK, free.clone()), (OK, free.clone()), (LIMITED, free)]
+    );
+}
