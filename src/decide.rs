@@ -98,6 +98,7 @@ where
                 allowed
             };
             shared.metrics.decided(recorded, &asked.timer);
+            crate::plan::decided(shared, rules, recorded);
             Next::Call(None)
         }
     }
@@ -218,6 +219,7 @@ where
         Err(_) => Recorded::StoreError,
     };
     shared.metrics.decided(recorded, &asked.timer);
+    crate::plan::decided(shared, rules, recorded);
     let decision = match result {
         Ok(decision) => decision,
         Err(error) => match on_store_error(shared, rules, error, asked) {

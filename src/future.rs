@@ -17,6 +17,7 @@ use tower_service::Service;
 use crate::{
     Decision,
     decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
+    plan::{self, Chosen, Resolving, Started},
     rejection::OnRejection,
     rules::Active,
     store::Check,
@@ -46,6 +47,11 @@ pin_project! {
     {
         Checking {
             check: Check,
+            pending: Option<Pending<S, ReqB>>,
+        },
+        // A layer with plans, waiting for a plan lookup (`rules` are the layer's).
+        Resolving {
+            resolving: Resolving,
             pending: Option<Pending<S, ReqB>>,
         },
         // A layer with shadow limits: its two store calls.
@@ -100,6 +106,22 @@ where
         Self {
             state: State::Shadowing {
                 checks,
+                pending: Some(pending),
+            },
+            shared: Some(shared),
+            rules: Some(rules),
+        }
+    }
+
+    pub(crate) fn resolving(
+        resolving: Resolving,
+        pending: Pending<S, ReqB>,
+        shared: Arc<Shared<R>>,
+        rules: Arc<Active>,
+    ) -> Self {
+        Self {
+            state: State::Resolving {
+                resolving,
                 pending: Some(pending),
             },
             shared: Some(shared),
@@ -178,6 +200,42 @@ where
                             let future = service.call(request);
                             this.state.set(State::Calling { future, decision });
                         }
+                    }
+                }
+                StateProj::Resolving { resolving, pending } => {
+                    let shared = this.shared.as_ref().expect("resolving without config");
+                    let name = ready!(Pin::new(resolving).poll(cx));
+                    let layer = this.rules.take().expect("resolving without rules");
+                    let mut pending = pending.take().expect("polled after completion");
+                    let rules = match layer.named(name.as_deref()) {
+                        Chosen::Layer => layer.clone(),
+                        Chosen::Plan(rules) => rules.clone(),
+                        Chosen::Unlimited(name) => {
+                            plan::unlimited(shared, name);
+                            let future = pending.service.call(pending.request);
+                            this.state.set(State::Calling {
+                                future,
+                                decision: None,
+                            });
+                            continue;
+                        }
+                    };
+                    let started = plan::start(shared, &rules, &pending.request, &pending.asked);
+                    *this.rules = Some(rules);
+                    match started {
+                        Started::Next(Next::Answer(response)) => return Poll::Ready(Ok(response)),
+                        Started::Next(Next::Call(decision)) => {
+                            let future = pending.service.call(pending.request);
+                            this.state.set(State::Calling { future, decision });
+                        }
+                        Started::Check(check) => this.state.set(State::Checking {
+                            check,
+                            pending: Some(pending),
+                        }),
+                        Started::Checks(checks) => this.state.set(State::Shadowing {
+                            checks,
+                            pending: Some(pending),
+                        }),
                     }
                 }
                 StateProj::Shadowing { checks, pending } => {

@@ -129,6 +129,15 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
         self
     }
 
+    /// Decides each request under the limits of its plan, picked by `plans`'s resolver;
+    /// the limits given to the layer apply to requests without a plan when there is no
+    /// default plan. See [`plan`](crate::plan).
+    pub fn plans(mut self, plans: crate::Plans) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_plans(plans);
+        self
+    }
+
     /// Adds a shadow limit: decided and counted on every request, never rejecting; a
     /// request it would reject passes and is counted as `would_reject` (feature
     /// `metrics`) and logged at `info`. An enforced limit with the same state becomes this

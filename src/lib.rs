@@ -68,6 +68,13 @@
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
 //! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
 //!
+//! # Plans
+//!
+//! Limits chosen per request (free, paid, internal): [`RateLimitLayer::plans`] with
+//! [`Plans`], each [`Plan`] a name and its limits or unlimited, picked by a header, a sync
+//! resolver or a cached async [`PlanLookup`]. Each plan keeps its own state; requests
+//! without a known plan get the default plan. See [`plan`].
+//!
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit
@@ -139,6 +146,7 @@ pub mod key;
 mod layer;
 mod limit;
 pub mod metrics;
+pub mod plan;
 mod policy;
 mod rejection;
 pub mod rules;
@@ -152,6 +160,7 @@ pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
+pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use rules::{Rules, RulesHandle};

@@ -537,6 +537,18 @@ impl Limit {
         self.params_fingerprint
     }
 
+    /// This limit with its state kept apart under `scope` (a [plan](crate::Plan)'s name):
+    /// the same parameters under another store key, `@<scope>:<id>`. `@` is not a name
+    /// character, so a scoped id never equals an unscoped one.
+    pub(crate) fn scoped(&self, scope: &str) -> Self {
+        let mut limit = self.clone();
+        let id = format!("@{scope}:{}", self.id);
+        limit.fingerprint = fixed_hash(&id);
+        limit.params_fingerprint = fixed_hash(&format!("@{scope}:{:x}", self.params_fingerprint));
+        limit.id = id.into();
+        limit
+    }
+
     /// What a change of `limit` or `burst` does to the state. See [`OnChange`].
     pub fn state_on_change(&self) -> OnChange {
         self.on_change

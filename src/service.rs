@@ -15,6 +15,7 @@ use crate::{
     future::{Pending, ResponseFuture},
     key::KeyExtractor,
     metrics,
+    plan::{self, Chosen},
     rejection::OnRejection,
     rules::Active,
 };
@@ -100,6 +101,53 @@ macro_rules! answer_now {
     };
 }
 
+/// Decides a request with its key, cost and timer under the rules the service holds: the
+/// rest of `call`, and of `planned` once the plan's rules are held. A macro for the reason
+/// `answer_now!` is one: a request moved into a method costs a copy.
+macro_rules! decide {
+    ($this:ident, $request:ident, $key:ident, $cost:ident, $timer:ident) => {{
+        let shared = &$this.shared;
+        let rules = &$this.rules;
+        if rules.shadow().is_some() {
+            $this.shadowed(
+                $request,
+                Asked {
+                    key: $key,
+                    cost: $cost,
+                    timer: $timer,
+                },
+            )
+        } else {
+            let check = shared.store.check_now(&$key, rules.limits(), $cost);
+            let asked = Asked {
+                key: $key,
+                cost: $cost,
+                timer: $timer,
+            };
+            match check {
+                // Decided already: the memory store, a block-cache hit, an open circuit.
+                Ok(result) => {
+                    let next = settle(shared, rules, result, &$request, &asked);
+                    answer_now!($this, next, $request)
+                }
+                Err(check) => {
+                    let pending = Pending {
+                        service: $this.take_ready(),
+                        request: $request,
+                        asked,
+                    };
+                    ResponseFuture::checking(
+                        check,
+                        pending,
+                        $this.shared.clone(),
+                        $this.rules.clone(),
+                    )
+                }
+            }
+        }
+    }};
+}
+
 impl<S, K, C, R, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, R>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
@@ -138,29 +186,53 @@ where
         };
         let cost = self.cost.cost(&request);
         let timer = metrics::Timer::start();
-        if rules.shadow().is_some() {
-            return self.shadowed(request, Asked { key, cost, timer });
+        if rules.has_plans() {
+            return self.planned(request, Asked { key, cost, timer });
         }
-        let check = shared.store.check_now(&key, rules.limits(), cost);
-        let asked = Asked { key, cost, timer };
-        let check = match check {
-            // Decided already: the memory store, a block-cache hit, an open circuit.
-            Ok(result) => {
-                let next = settle(shared, rules, result, &request, &asked);
-                return answer_now!(self, next, request);
-            }
-            Err(check) => check,
-        };
-        let pending = Pending {
-            service: self.take_ready(),
-            request,
-            asked,
-        };
-        ResponseFuture::checking(check, pending, self.shared.clone(), self.rules.clone())
+        decide!(self, request, key, cost, timer)
     }
 }
 
 impl<S, K, C, R> RateLimit<S, K, C, R> {
+    /// [`call`](Service::call) for a layer with [plans](crate::plan): decides the request
+    /// under its plan's rules. Out of line, so that layers without plans pay one branch
+    /// for them.
+    #[inline(never)]
+    fn planned<ReqB, ResB>(
+        &mut self,
+        request: Request<ReqB>,
+        asked: Asked,
+    ) -> ResponseFuture<S, ReqB, R>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+        R: OnRejection<ReqB, ResB>,
+    {
+        let layer = self.rules.clone();
+        let rules = match layer.choose(&request, &asked.key) {
+            Ok(Chosen::Layer) => layer.clone(),
+            Ok(Chosen::Plan(rules)) => rules.clone(),
+            Ok(Chosen::Unlimited(plan)) => {
+                plan::unlimited(&self.shared, plan);
+                return ResponseFuture::unlimited(self.inner.call(request));
+            }
+            Err(resolving) => {
+                let pending = Pending {
+                    service: self.take_ready(),
+                    request,
+                    asked,
+                };
+                return ResponseFuture::resolving(resolving, pending, self.shared.clone(), layer);
+            }
+        };
+        // Decided and answered under the plan's rules; the service goes on holding the
+        // layer's.
+        self.rules = rules;
+        let Asked { key, cost, timer } = asked;
+        let future = decide!(self, request, key, cost, timer);
+        self.rules = layer;
+        future
+    }
+
     /// [`call`](Service::call) for a layer with shadow limits: two store calls, made
     /// together, then the same settling. Out of line, so that layers without shadow
     /// limits pay one branch for it.

@@ -187,6 +187,26 @@ pub(crate) struct Route {
     pub(crate) limits: Vec<RouteLimit>,
     /// Every limit of the route in shadow: decided and counted, never rejecting.
     pub(crate) shadow: bool,
+    /// Limits chosen per request by a header: `[[routes.plans]]`.
+    pub(crate) plans: Option<RoutePlans>,
+}
+
+/// A route's plans: each request is limited by the plan its `plan_header` names, or by
+/// the default plan.
+#[derive(Debug, Clone)]
+pub(crate) struct RoutePlans {
+    pub(crate) header: HeaderName,
+    pub(crate) default: String,
+    /// Who every plan's limits count against (one key for all plans of a route).
+    pub(crate) key: KeySpec,
+    pub(crate) plans: Vec<RoutePlan>,
+}
+
+/// One plan: its name and limits, `None` when unlimited.
+#[derive(Debug, Clone)]
+pub(crate) struct RoutePlan {
+    pub(crate) name: String,
+    pub(crate) limits: Option<Vec<Limit>>,
 }
 
 /// An upstream base URL: `http://host:port` with an optional base path that is put in
@@ -287,6 +307,22 @@ struct RawRoute {
     /// Every limit of the route in shadow.
     #[serde(default)]
     shadow: bool,
+    /// The header whose value names the plan.
+    plan_header: Option<String>,
+    /// The plan of requests without the header or with an unknown plan.
+    default_plan: Option<String>,
+    #[serde(default)]
+    plans: Vec<RawPlan>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlan {
+    name: String,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default)]
+    limits: Vec<RawLimit>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -766,8 +802,15 @@ fn header_key_hashing(
 }
 
 impl RawRoute {
-    fn validate(self, index: usize) -> Result<Route, ConfigError> {
+    fn validate(mut self, index: usize) -> Result<Route, ConfigError> {
         let at = format!("routes[{index}]");
+        let plans = validate_plans(
+            &at,
+            index,
+            self.plan_header.take(),
+            self.default_plan.take(),
+            std::mem::take(&mut self.plans),
+        )?;
         let path = path::normalize_prefix(&self.path).map_err(|e| {
             ConfigError::new(format!("{at}.path"), format!("{e} (got {:?})", self.path))
         })?;
@@ -837,8 +880,125 @@ impl RawRoute {
             upstream,
             limits,
             shadow: self.shadow,
+            plans,
         })
     }
+}
+
+/// A route's `plan_header`, `default_plan` and `[[routes.plans]]`: all or none of them.
+fn validate_plans(
+    at: &str,
+    route: usize,
+    header: Option<String>,
+    default: Option<String>,
+    raw: Vec<RawPlan>,
+) -> Result<Option<RoutePlans>, ConfigError> {
+    if raw.is_empty() {
+        let set = match (&header, &default) {
+            (Some(_), _) => "plan_header",
+            (None, Some(_)) => "default_plan",
+            (None, None) => return Ok(None),
+        };
+        return Err(ConfigError::new(
+            format!("{at}.{set}"),
+            "needs [[routes.plans]]: the route has no plans",
+        ));
+    }
+    let header = header.ok_or_else(|| {
+        ConfigError::new(
+            format!("{at}.plan_header"),
+            "is required with [[routes.plans]]: the header whose value names the plan",
+        )
+    })?;
+    let header = HeaderName::from_bytes(header.trim().as_bytes()).map_err(|_| {
+        ConfigError::new(
+            format!("{at}.plan_header"),
+            format!("{header:?} is not a valid header name"),
+        )
+    })?;
+    let mut plans: Vec<RoutePlan> = Vec::with_capacity(raw.len());
+    let mut key: Option<KeySpec> = None;
+    for (j, plan) in raw.into_iter().enumerate() {
+        let at = format!("{at}.plans[{j}]");
+        // The library's rule for plan names.
+        tollgate::Plan::unlimited(plan.name.as_str())
+            .map_err(|e| ConfigError::new(format!("{at}.name"), e.to_string()))?;
+        if let Some(other) = plans.iter().position(|p| p.name == plan.name) {
+            return Err(ConfigError::new(
+                format!("{at}.name"),
+                format!("{:?} is also the name of plans[{other}]", plan.name),
+            ));
+        }
+        let limits = match (plan.unlimited, plan.limits.is_empty()) {
+            (true, true) => None,
+            (true, false) => {
+                return Err(ConfigError::new(
+                    format!("{at}.unlimited"),
+                    "an unlimited plan has no limits",
+                ));
+            }
+            (false, true) => {
+                return Err(ConfigError::new(
+                    format!("{at}.limits"),
+                    "a plan needs at least one limit, or unlimited = true",
+                ));
+            }
+            (false, false) => {
+                let mut limits = Vec::with_capacity(plan.limits.len());
+                for (k, raw) in plan.limits.into_iter().enumerate() {
+                    let at = format!("{at}.limits[{k}]");
+                    if raw.shadow {
+                        return Err(ConfigError::new(
+                            format!("{at}.shadow"),
+                            "plans have no shadow limits (the route's shadow = true puts them                              all in shadow)",
+                        ));
+                    }
+                    let limit = raw.validate(route, k, &at)?;
+                    match &key {
+                        None => key = Some(limit.key.clone()),
+                        Some(first) if *first != limit.key => {
+                            return Err(ConfigError::new(
+                                format!("{at}.key"),
+                                format!(
+                                    "every plan limit of a route counts against one key:                                      {first} here, not {}",
+                                    limit.key
+                                ),
+                            ));
+                        }
+                        Some(_) => {}
+                    }
+                    limits.push(limit.limit);
+                }
+                // Two limits of a plan with one state (the library's check).
+                tollgate::Plan::new(plan.name.as_str(), limits.clone())
+                    .map_err(|e| ConfigError::new(format!("{at}.limits"), e.to_string()))?;
+                Some(limits)
+            }
+        };
+        plans.push(RoutePlan {
+            name: plan.name,
+            limits,
+        });
+    }
+    let default = default.ok_or_else(|| {
+        ConfigError::new(
+            format!("{at}.default_plan"),
+            "is required with [[routes.plans]]: the plan of requests without a known plan",
+        )
+    })?;
+    if !plans.iter().any(|p| p.name == default) {
+        return Err(ConfigError::new(
+            format!("{at}.default_plan"),
+            format!("{default:?} is not the name of one of the route's plans"),
+        ));
+    }
+    Ok(Some(RoutePlans {
+        header,
+        default,
+        // Only unlimited plans: the key is never used.
+        key: key.unwrap_or(KeySpec::Global),
+        plans,
+    }))
 }
 
 impl RawLimit {

@@ -32,8 +32,8 @@ use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
     config::{
-        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, SentinelBackend,
-        StoreConfig,
+        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, RoutePlans,
+        SentinelBackend, StoreConfig,
     },
     path,
     proxy::{self, Proxy},
@@ -481,6 +481,9 @@ fn route_service(
             Ok(proxy::status(StatusCode::OK, "ok"))
         })),
     };
+    if let Some(plans) = &route.plans {
+        service = plan_layer(route, plans, config, store, policy, service);
+    }
     let groups = key_groups(&route.limits);
     let several = groups.len() > 1;
     // Wrap from the innermost (last) group outwards.
@@ -505,25 +508,76 @@ fn route_service(
             .on_store_error(policy.clone())
             .timeout(Some(config.store.timeout))
             .name(name);
-        service = match key {
-            KeySpec::Ip => BoxCloneSyncService::new(
-                layer
-                    .key(ClientIp::new(config.trusted_proxies.iter().copied()))
-                    .layer(service),
-            ),
-            KeySpec::Header(name) => {
-                let key = HeaderKey::from(name);
-                let key = match &config.store.header_keys {
-                    HeaderKeys::Plain => key,
-                    HeaderKeys::Sha256 => key.hashed(),
-                    HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
-                };
-                BoxCloneSyncService::new(layer.key(key).layer(service))
-            }
-            KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
-        };
+        service = keyed(layer, key, config, service);
     }
     service
+}
+
+/// `layer` keyed by `key`, around `service`.
+fn keyed(
+    layer: RateLimitLayer,
+    key: KeySpec,
+    config: &Config,
+    service: RouteService,
+) -> RouteService {
+    match key {
+        KeySpec::Ip => BoxCloneSyncService::new(
+            layer
+                .key(ClientIp::new(config.trusted_proxies.iter().copied()))
+                .layer(service),
+        ),
+        KeySpec::Header(name) => {
+            let key = HeaderKey::from(name);
+            let key = match &config.store.header_keys {
+                HeaderKeys::Plain => key,
+                HeaderKeys::Sha256 => key.hashed(),
+                HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
+            };
+            BoxCloneSyncService::new(layer.key(key).layer(service))
+        }
+        KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
+    }
+}
+
+/// The layer of a route's plans, innermost (after the route's own limits), keyed by the
+/// plans' key. Every request has a plan (the default one at least), so the layer's own
+/// limit (any plan limit, required by the builder) never decides a request.
+fn plan_layer(
+    route: &Route,
+    plans: &RoutePlans,
+    config: &Config,
+    store: &Arc<dyn Store>,
+    policy: &FailurePolicy,
+    service: RouteService,
+) -> RouteService {
+    let Some(any) = plans.plans.iter().find_map(|p| p.limits.as_ref()?.first()) else {
+        // Only unlimited plans: nothing to limit.
+        return service;
+    };
+    let built = plans.plans.iter().map(|plan| match &plan.limits {
+        Some(limits) => tollgate::Plan::new(plan.name.as_str(), limits.iter().cloned()),
+        None => tollgate::Plan::unlimited(plan.name.as_str()),
+    });
+    // Validated with the config: these cannot fail.
+    let built = built
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(tollgate::Plans::new)
+        .and_then(|p| p.with_default(&plans.default))
+        .expect("plans validated with the config")
+        .with_header(plans.header.clone());
+    let name = if route.limits.is_empty() {
+        route.path.clone()
+    } else {
+        format!("{} plans", route.path)
+    };
+    let layer = RateLimitLayer::new(any.clone())
+        .plans(built)
+        .shadow(route.shadow)
+        .shared_store(store.clone())
+        .on_store_error(policy.clone())
+        .timeout(Some(config.store.timeout))
+        .name(name);
+    keyed(layer, plans.key.clone(), config, service)
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.
