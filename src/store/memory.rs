@@ -21,6 +21,8 @@ use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
+mod lockout;
+
 use super::{Check, Store};
 use crate::{
     Decision, Limit,
@@ -123,6 +125,8 @@ struct Shard {
     hand: usize,
     /// The bucket where this shard's sweep resumes.
     swept_to: usize,
+    /// The keys blocked by a limit's lockout, apart from `table`: see `lockout`.
+    blocks: lockout::Blocks,
 }
 
 /// Beyond this many known limits, a limit is forgotten when its last slot goes.
@@ -324,10 +328,16 @@ impl MemoryStore {
         let now = self.inner.clock.now_ms();
         for shard in &self.inner.shards {
             let mut shard = lock(shard);
-            let Shard { table, known, .. } = &mut *shard;
+            let Shard {
+                table,
+                known,
+                blocks,
+                ..
+            } = &mut *shard;
             for index in 0..table.num_buckets() {
                 drop_expired(table, known, index, now);
             }
+            blocks.purge(now);
         }
     }
 }
@@ -364,6 +374,7 @@ impl Inner {
             known,
             max_keys,
             hand,
+            blocks,
             ..
         } = &mut *shard;
         let entry = match table.find_entry(hash, |e| e.key == *key) {
@@ -383,6 +394,12 @@ impl Inner {
             }
         };
         let slots = &mut entry.slots;
+
+        if limits.iter().any(|l| l.lockout_ms() != 0) {
+            return lockout::decide(
+                slots, known, blocks, key, hash, limits, cost, now, *max_keys,
+            );
+        }
 
         // One limit, the common case: decide on its slot's state in place. A slot that
         // existed is marked used (a new one is not: a key seen once is the first to go).
@@ -465,6 +482,7 @@ impl Shard {
             max_keys,
             hand: 0,
             swept_to: 0,
+            blocks: lockout::Blocks::default(),
         }
     }
 
