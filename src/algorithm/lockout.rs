@@ -13,9 +13,9 @@ use crate::{Decision, Limit, LimitDecision, decision::LimitDecisions};
 ///
 /// - A limit whose block has time left at `now` denies the request; its `retry_after` is
 ///   the time left, or the algorithm's own wait when longer (so that the same request is
-///   allowed exactly then, instead of starting a new block). The time left is at most
-///   the limit's current lockout: a block written under a longer lockout, or read by a
-///   clock that stepped back, never lasts longer than the lockout now says.
+///   allowed exactly then, instead of starting a new block). A block keeps the end it was
+///   given when the lockout changes (a clock that stepped back sees it end no earlier:
+///   `retry_after` stays exact), and a limit whose lockout was removed ignores it.
 /// - A denied request that such a limit denied (not only another limit) and that found
 ///   it unblocked starts a block of the full lockout at `now`. A request during a block
 ///   does not extend it.
@@ -76,6 +76,7 @@ pub fn check_with_lockouts(
         });
     }
     let all_fit = decisions.iter().all(|d| d.allowed);
+    let mut blocked_ms = 0;
     for (((state, limit), until), decision) in states
         .iter_mut()
         .zip(limits)
@@ -97,6 +98,11 @@ pub fn check_with_lockouts(
             decision.remaining = 0;
             decision.retry_after_ms = decision.retry_after_ms.max(left);
             decision.reset_after_ms = decision.reset_after_ms.max(left);
+            blocked_ms = if blocked_ms == 0 {
+                left
+            } else {
+                blocked_ms.min(left)
+            };
         }
     }
     if !all_fit {
@@ -106,14 +112,17 @@ pub fn check_with_lockouts(
             }
         }
     }
-    Decision::from_limits(decisions)
+    Decision::from_limits(decisions).blocked_for(blocked_ms)
 }
 
-/// Milliseconds left at `now` on a block that ends at `until`, at most the limit's
-/// lockout (0 when it has none).
+/// Milliseconds left at `now` on a block that ends at `until` (0 when the limit has no
+/// lockout: removing a lockout ends its blocks).
 #[inline]
-pub(crate) fn time_left(until: u64, limit: &Limit, now: u64) -> u64 {
-    until.saturating_sub(now).min(limit.lockout_ms())
+fn time_left(until: u64, limit: &Limit, now: u64) -> u64 {
+    if limit.lockout_ms() == 0 {
+        return 0;
+    }
+    until.saturating_sub(now)
 }
 
 #[cfg(test)]
@@ -193,7 +202,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shorter_or_removed_lockout_shortens_running_blocks() {
+    fn a_removed_lockout_ends_running_blocks_a_changed_one_keeps_them() {
         let long = locked(
             Limit::fixed_window(1, Duration::from_secs(1)).unwrap(),
             60_000,
@@ -210,7 +219,8 @@ mod tests {
         }
         assert_eq!(until, [60_001]);
         let d = check_with_lockouts(&mut states, &mut until, &[short], 1_500, 1);
-        assert_eq!(d.limits()[0].retry_after_ms, 2_000);
+        assert_eq!(d.limits()[0].retry_after_ms, 58_501);
+        assert_eq!(d.blocked_ms(), 58_501);
         assert!(check_with_lockouts(&mut states, &mut until, &[none], 1_500, 1).is_allowed());
     }
 }
