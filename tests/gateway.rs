@@ -547,6 +547,38 @@ async fn same_key_limits_are_all_or_nothing(store: &str) {
     gw.stop().await.unwrap();
 }
 
+/// `lockout = "2h"` on a limit of 2 an hour: the third request locks the client out for
+/// two hours, longer than any wait of the window itself, so `Retry-After` is the block's
+/// (a few seconds' margin for a slow machine); other routes are not affected.
+async fn a_lockout_blocks_the_client(store: &str) {
+    let routes = format!(
+        "{}lockout = \"2h\"\n{}",
+        route("/login", None, Some(("ip", "fixed_window", 2, "1h"))),
+        route("/other", None, Some(("ip", "fixed_window", 2, "1h"))),
+    );
+    let gw = gateway(store, &routes).await;
+    let client = client();
+    assert_eq!(
+        statuses(&client, &gw, &["/login", "/login"]).await,
+        [200, 200]
+    );
+    for _ in 0..3 {
+        let denied = get(&client, &url(&gw, "/login")).await;
+        assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+        let retry = denied.retry_after().expect("Retry-After");
+        assert!((7_190..=7_200).contains(&retry), "Retry-After {retry}");
+        let fields = denied.headers["ratelimit"].to_str().unwrap();
+        assert_eq!(fields, format!("\"r0-l0\";r=0;t={retry}"));
+    }
+    assert_eq!(statuses(&client, &gw, &["/other"]).await, [200]);
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_a_lockout_blocks_the_client() {
+    a_lockout_blocks_the_client(MEMORY).await;
+}
+
 #[tokio::test]
 async fn memory_per_route_limits() {
     per_route_limits(MEMORY).await;
@@ -715,6 +747,14 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
         (
             limit(&base.replace("\"1m\"", "\"0s\"")),
             &["routes[0].limits[0].window", "0ns"],
+        ),
+        (
+            limit(&format!("{base}\nlockout = \"soon\"")),
+            &["routes[0].limits[0].lockout", "\"soon\""],
+        ),
+        (
+            limit(&format!("{base}\nlockout = \"0s\"")),
+            &["routes[0].limits[0].lockout", "at least 1ms"],
         ),
         (
             limit(&base.replace("fixed_window", "leaky_bucket")),
@@ -1393,6 +1433,12 @@ mod redis {
     async fn redis_header_and_global_keys() {
         let redis = RedisServer::start();
         header_and_global_keys(&store(&redis, "keys")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_a_lockout_blocks_the_client() {
+        let redis = RedisServer::start();
+        a_lockout_blocks_the_client(&store(&redis, "lockout")).await;
     }
 
     /// Header keys are hashed by default, so API keys never appear in Redis key names;

@@ -301,6 +301,8 @@ struct RawLimit {
     /// `reset` (default) or `carry_over`: what a reload that changes this limit does to
     /// its budget.
     on_change: Option<String>,
+    /// A humantime duration: once this limit denies a key, the key is blocked that long.
+    lockout: Option<String>,
     /// Decided and counted, never rejecting.
     #[serde(default)]
     shadow: bool,
@@ -869,6 +871,15 @@ impl RawLimit {
         if let Some(on_change) = &self.on_change {
             let on_change: OnChange = on_change.parse().map_err(lib)?;
             limit = limit.on_change(on_change).map_err(lib)?;
+        }
+        if let Some(lockout) = &self.lockout {
+            let lockout = humantime::parse_duration(lockout).map_err(|e| {
+                ConfigError::new(
+                    format!("{at}.lockout"),
+                    format!("{lockout:?} is not a duration such as \"15m\" or \"1h\" ({e})"),
+                )
+            })?;
+            limit = limit.with_lockout(lockout).map_err(lib)?;
         }
         Ok(RouteLimit {
             key,

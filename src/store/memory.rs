@@ -63,6 +63,9 @@ const EVICTION_MAX: usize = 64;
 /// out of room, once per several thousand evictions in a shard: amortised O(1), but that
 /// one request holds the shard's lock for the rehash of one 64th of the store.)
 ///
+/// [Lockout](crate::Limit::with_lockout) blocks live in a table of their own per shard
+/// (a block outlives its key's state), with the same bound as the keys.
+///
 /// Expired state is dropped as requests come in: once a second a sweep round starts, and
 /// every request sweeps a few buckets until all have been, so memory follows the keys
 /// active in the last window without any task to schedule, and no request waits for a
