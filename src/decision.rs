@@ -77,8 +77,10 @@ pub struct Decision {
     /// The least time (ms) left on a lockout block among the limits that blocked this
     /// request, 0 when none did: how long a cached copy of this denial stays true (after
     /// that, the same request would start a new block). See
-    /// [`Limit::with_lockout`](crate::Limit::with_lockout).
-    blocked_ms: u64,
+    /// [`Limit::with_lockout`](crate::Limit::with_lockout). A `u32` (saturating, about 49
+    /// days) fits beside `allowed`, so a `Decision` is no larger than without it; a cache
+    /// that reads a saturated value only forgets a denial early.
+    blocked_ms: u32,
 }
 
 impl Decision {
@@ -98,14 +100,14 @@ impl Decision {
 
     /// The same decision, blocked by a lockout for `blocked_ms` more (0: not blocked).
     pub(crate) fn blocked_for(mut self, blocked_ms: u64) -> Self {
-        self.blocked_ms = blocked_ms;
+        self.blocked_ms = u32::try_from(blocked_ms).unwrap_or(u32::MAX);
         self
     }
 
     /// See [`blocked_for`](Self::blocked_for).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn blocked_ms(&self) -> u64 {
-        self.blocked_ms
+        u64::from(self.blocked_ms)
     }
 
     /// A decision that allows the request without any limit (used by the fail-open

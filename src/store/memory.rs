@@ -368,6 +368,9 @@ impl Inner {
     }
 
     fn decide(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        if lockouts(limits) {
+            return self.decide_with_lockouts(key, limits, cost, now);
+        }
         let hash = self.hash(key);
         // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
         // top seven as the tag, so within a shard both stay well spread.
@@ -377,32 +380,10 @@ impl Inner {
             known,
             max_keys,
             hand,
-            blocks,
             ..
         } = &mut *shard;
-        let entry = match table.find_entry(hash, |e| e.key == *key) {
-            Ok(occupied) => occupied.into_mut(),
-            Err(absent) => {
-                let table = absent.into_table();
-                if table.len() >= *max_keys {
-                    evict(table, known, hand, now);
-                }
-                let entry = Entry {
-                    key: key.clone(),
-                    slots: Slots::new(),
-                };
-                table
-                    .insert_unique(hash, entry, |e| self.hash(&e.key))
-                    .into_mut()
-            }
-        };
+        let entry = self.entry(table, known, *max_keys, hand, key, hash, now);
         let slots = &mut entry.slots;
-
-        if limits.iter().any(|l| l.lockout_ms() != 0) {
-            return lockout::decide(
-                slots, known, blocks, key, hash, limits, cost, now, *max_keys,
-            );
-        }
 
         // One limit, the common case: decide on its slot's state in place. A slot that
         // existed is marked used (a new one is not: a key seen once is the first to go).
@@ -448,6 +429,38 @@ impl Inner {
             slots[i].state = state;
         }
         decision
+    }
+
+    /// The entry of `key` (hashed `hash`) in a shard's `table`, made when missing (after an
+    /// eviction when the shard is full).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn entry<'a>(
+        &self,
+        table: &'a mut HashTable<Entry>,
+        known: &mut Known,
+        max_keys: usize,
+        hand: &mut usize,
+        key: &Key,
+        hash: u64,
+        now: u64,
+    ) -> &'a mut Entry {
+        match table.find_entry(hash, |e| e.key == *key) {
+            Ok(occupied) => occupied.into_mut(),
+            Err(absent) => {
+                let table = absent.into_table();
+                if table.len() >= max_keys {
+                    evict(table, known, hand, now);
+                }
+                let entry = Entry {
+                    key: key.clone(),
+                    slots: Slots::new(),
+                };
+                table
+                    .insert_unique(hash, entry, |e| self.hash(&e.key))
+                    .into_mut()
+            }
+        }
     }
 
     /// While a sweep round is under way, sweeps the next [`SWEEP_BUCKETS`] buckets of the
@@ -644,6 +657,15 @@ impl Slot {
             tagged: fingerprint,
             state: State::new(limit.algorithm()),
         }
+    }
+}
+
+/// Whether any of `limits` has a lockout.
+#[inline(always)]
+fn lockouts(limits: &[Limit]) -> bool {
+    match limits {
+        [limit] => limit.lockout_ms() != 0,
+        _ => limits.iter().any(|l| l.lockout_ms() != 0),
     }
 }
 

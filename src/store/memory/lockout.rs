@@ -7,7 +7,7 @@
 use hashbrown::HashTable;
 use smallvec::SmallVec;
 
-use super::{Known, REFERENCED, Slot, Slots, fingerprint};
+use super::{Inner, REFERENCED, SHARDS, Shard, Slot, fingerprint, lock};
 use crate::{
     Decision, Limit,
     algorithm::{self, State},
@@ -107,58 +107,73 @@ impl Blocks {
     }
 }
 
-/// Decides a request whose limits have lockouts: the states from `slots` (made when
-/// missing) and the blocks from `blocks`, through the reference model's
-/// [`check_with_lockouts`](algorithm::check_with_lockouts).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn decide(
-    slots: &mut Slots,
-    known: &mut Known,
-    blocks: &mut Blocks,
-    key: &Key,
-    key_hash: u64,
-    limits: &[Limit],
-    cost: u32,
-    now: u64,
-    max_blocks: usize,
-) -> Decision {
-    let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
-    for limit in limits {
-        let index = match slots.find(fingerprint(limit)) {
-            Some(index) => {
-                slots[index].tagged |= REFERENCED;
-                index
-            }
-            None => {
-                slots.push(Slot::new(limit, known));
-                slots.len() - 1
-            }
-        };
-        indexes.push(index);
-    }
-    let mut states: SmallVec<[State; 2]> = indexes
-        .iter()
-        .zip(limits)
-        .map(|(&i, limit)| std::mem::replace(&mut slots[i].state, State::new(limit.algorithm())))
-        .collect();
-    let before: SmallVec<[u64; 2]> = limits
-        .iter()
-        .map(|limit| match limit.lockout_ms() {
-            0 => 0,
-            _ => blocks.until(key_hash, key, fingerprint(limit)),
-        })
-        .collect();
-    let mut until = before.clone();
-    let decision = algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
-    for (&i, state) in indexes.iter().zip(states) {
-        slots[i].state = state;
-    }
-    for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
-        if new != old {
-            blocks.set(key_hash, key, fingerprint(limit), new, now, max_blocks);
+impl Inner {
+    /// Decides a request whose limits have lockouts: the states from the key's slots
+    /// (made when missing) and the blocks from the shard's [`Blocks`], through the
+    /// reference model's [`check_with_lockouts`](algorithm::check_with_lockouts). Apart
+    /// from [`Inner::decide`], so that requests without lockouts pay one test for it.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn decide_with_lockouts(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        now: u64,
+    ) -> Decision {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            max_keys,
+            hand,
+            blocks,
+            ..
+        } = &mut *shard;
+        let slots = &mut self
+            .entry(table, known, *max_keys, hand, key, hash, now)
+            .slots;
+        let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match slots.find(fingerprint(limit)) {
+                Some(index) => {
+                    slots[index].tagged |= REFERENCED;
+                    index
+                }
+                None => {
+                    slots.push(Slot::new(limit, known));
+                    slots.len() - 1
+                }
+            };
+            indexes.push(index);
         }
+        let mut states: SmallVec<[State; 2]> = indexes
+            .iter()
+            .zip(limits)
+            .map(|(&i, limit)| {
+                std::mem::replace(&mut slots[i].state, State::new(limit.algorithm()))
+            })
+            .collect();
+        let before: SmallVec<[u64; 2]> = limits
+            .iter()
+            .map(|limit| match limit.lockout_ms() {
+                0 => 0,
+                _ => blocks.until(hash, key, fingerprint(limit)),
+            })
+            .collect();
+        let mut until = before.clone();
+        let decision = algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
+        for (&i, state) in indexes.iter().zip(states) {
+            slots[i].state = state;
+        }
+        for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
+            if new != old {
+                blocks.set(hash, key, fingerprint(limit), new, now, *max_keys);
+            }
+        }
+        decision
     }
-    decision
 }
 
 #[cfg(test)]
