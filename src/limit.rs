@@ -604,15 +604,7 @@ impl Limit {
                 format!("must be at most 366 days (got {lockout:?})"),
             ));
         }
-        let fresh = Self::build(
-            self.algorithm,
-            self.limit,
-            self.window_ms,
-            self.burst,
-            self.name,
-            self.on_change,
-        );
-        Ok(fresh.locking_out(lockout.as_millis() as u64))
+        Ok(self.with_lockout_ms(lockout.as_millis() as u64))
     }
 
     /// The lockout set with [`with_lockout`](Self::with_lockout), if any.
@@ -623,6 +615,19 @@ impl Limit {
     /// The lockout in milliseconds, 0 for none.
     pub(crate) fn lockout_ms(&self) -> u64 {
         self.lockout_ms
+    }
+
+    /// The same limit with a lockout of `lockout_ms` (0: none), unvalidated.
+    pub(crate) fn with_lockout_ms(self, lockout_ms: u64) -> Self {
+        Self::build(
+            self.algorithm,
+            self.limit,
+            self.window_ms,
+            self.burst,
+            self.name,
+            self.on_change,
+        )
+        .locking_out(lockout_ms)
     }
 
     /// A limit just built (no lockout) with a lockout of `lockout_ms`: a decision cache
@@ -752,6 +757,44 @@ mod tests {
             OnChange::CarryOver
         );
         assert_eq!("keep".parse::<OnChange>().unwrap_err().field(), "on_change");
+    }
+
+    #[test]
+    fn lockouts_are_validated_and_keep_the_state() {
+        let limit = Limit::fixed_window(5, Duration::from_secs(60)).unwrap();
+        for bad in [
+            Duration::ZERO,
+            Duration::from_micros(1500),
+            MAX_WINDOW + Duration::from_millis(1),
+        ] {
+            let err = limit.clone().with_lockout(bad).unwrap_err();
+            assert_eq!(err.field(), "lockout", "{bad:?}");
+        }
+        let locked = limit
+            .clone()
+            .with_lockout(Duration::from_secs(900))
+            .unwrap()
+            .named("login")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        // Kept through the other builder calls; not part of the state's identity, but of
+        // the parameters a cache of decisions tells apart.
+        assert_eq!(locked.lockout(), Some(Duration::from_secs(900)));
+        let plain = limit
+            .named("login")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        assert_eq!(plain.lockout(), None);
+        assert_eq!(locked.id(), plain.id());
+        assert_ne!(locked.params_fingerprint(), plain.params_fingerprint());
+        assert_ne!(locked, plain);
+        // Two limits of one rule set that differ only in their lockout would share one
+        // state: refused, naming the field.
+        let err = crate::Rules::new([locked.clone(), plain]).unwrap_err();
+        assert_eq!(err.field(), "lockout");
+        assert!(crate::Rules::new([locked.clone(), locked]).is_ok());
     }
 
     #[test]
