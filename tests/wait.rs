@@ -231,3 +231,69 @@ async fn a_request_waits_on_redis_too() {
         "{waited:?}"
     );
 }
+
+/// Over real HTTP (axum, real time): the second request of a GCRA of 1 per 2 s waits
+/// about 2 s and passes; a client that hangs up while it waits gives its place (the only
+/// one) back, so the next request may wait in turn instead of a 429.
+#[tokio::test]
+async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
+    use axum::{Router, routing::get};
+    use http_body_util::Empty;
+    use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+
+    let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(2)).unwrap())
+        .key(HeaderKey::new("x-key").unwrap())
+        .max_wait(Duration::from_secs(5))
+        .max_waiters(1, 1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let get = |key: &'static str| {
+        let request = Request::get(format!("http://{addr}/"))
+            .header("x-key", key)
+            .body(Empty::new())
+            .unwrap();
+        client.request(request)
+    };
+    async fn within<F: std::future::Future>(future: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(10), future)
+            .await
+            .expect("an answer within 10 s")
+    }
+
+    assert_eq!(within(get("a")).await.unwrap().status(), StatusCode::OK);
+    let start = std::time::Instant::now();
+    let waited = within(get("a")).await.unwrap();
+    assert_eq!(waited.status(), StatusCode::OK);
+    // 2 s less the moments between the two requests (under a second, generously).
+    assert!(
+        start.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+
+    // "b" spends its unit; its next request waits, and its client gives up after 200 ms.
+    assert_eq!(within(get("b")).await.unwrap().status(), StatusCode::OK);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), get("b"))
+            .await
+            .is_err()
+    );
+    // The place is free again (one in all): this one waits and passes.
+    let response = within(async {
+        loop {
+            let response = get("b").await.unwrap();
+            // The server may not have seen the hang-up yet: then a quick 429.
+            if response.status() != StatusCode::TOO_MANY_REQUESTS {
+                return response;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+}
