@@ -579,6 +579,37 @@ async fn memory_a_lockout_blocks_the_client() {
     a_lockout_blocks_the_client(MEMORY).await;
 }
 
+/// `delay = "5s"` on a route: the request its limit (GCRA, 1 per 2 s) would deny waits
+/// about 2 s and passes; a route without `delay` answers 429.
+async fn a_delayed_route_waits_instead_of_429(store: &str) {
+    let limit = "[[routes.limits]]\nkey = \"global\"\nalgorithm = \"gcra\"\nlimit = 1\n\
+                 window = \"2s\"\n";
+    let routes = format!(
+        "[[routes]]\npath = \"/slow\"\ndelay = \"5s\"\n{limit}[[routes]]\npath = \"/fast\"\n{limit}"
+    );
+    let gw = gateway(store, &routes).await;
+    let client = client();
+    assert_eq!(statuses(&client, &gw, &["/slow"]).await, [200]);
+    let start = std::time::Instant::now();
+    assert_eq!(statuses(&client, &gw, &["/slow"]).await, [200]);
+    // 2 s less the moments between the two requests (under a second, generously).
+    assert!(
+        start.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(
+        statuses(&client, &gw, &["/fast", "/fast"]).await,
+        [200, 429]
+    );
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_a_delayed_route_waits_instead_of_429() {
+    a_delayed_route_waits_instead_of_429(MEMORY).await;
+}
+
 #[tokio::test]
 async fn memory_per_route_limits() {
     per_route_limits(MEMORY).await;
@@ -747,6 +778,14 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
         (
             limit(&base.replace("\"1m\"", "\"0s\"")),
             &["routes[0].limits[0].window", "0ns"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\ndelay = \"soon\"".into(),
+            &["routes[0].delay", "\"soon\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\ndelay = \"2h\"".into(),
+            &["routes[0].delay", "from 1ms to 1h"],
         ),
         (
             limit(&format!("{base}\nlockout = \"soon\"")),
@@ -1433,6 +1472,12 @@ mod redis {
     async fn redis_header_and_global_keys() {
         let redis = RedisServer::start();
         header_and_global_keys(&store(&redis, "keys")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_a_delayed_route_waits_instead_of_429() {
+        let redis = RedisServer::start();
+        a_delayed_route_waits_instead_of_429(&store(&redis, "delay")).await;
     }
 
     #[tokio::test]

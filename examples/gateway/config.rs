@@ -187,6 +187,8 @@ pub(crate) struct Route {
     pub(crate) limits: Vec<RouteLimit>,
     /// Every limit of the route in shadow: decided and counted, never rejecting.
     pub(crate) shadow: bool,
+    /// A request its limits would deny waits up to this long instead (`max_wait`).
+    pub(crate) delay: Option<Duration>,
 }
 
 /// An upstream base URL: `http://host:port` with an optional base path that is put in
@@ -287,6 +289,8 @@ struct RawRoute {
     /// Every limit of the route in shadow.
     #[serde(default)]
     shadow: bool,
+    /// A humantime duration: how long a request its limits would deny may wait instead.
+    delay: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -834,11 +838,17 @@ impl RawRoute {
                 ));
             }
         }
+        let delay = self
+            .delay
+            .as_deref()
+            .map(|delay| parse_delay(&format!("{at}.delay"), delay))
+            .transpose()?;
         Ok(Route {
             path,
             upstream,
             limits,
             shadow: self.shadow,
+            delay,
         })
     }
 }
@@ -887,6 +897,26 @@ impl RawLimit {
             shadow: self.shadow,
         })
     }
+}
+
+/// The longest `delay` of a route: a waiting request holds its connection.
+const MAX_DELAY: Duration = Duration::from_secs(3600);
+
+/// A route's `delay`: a humantime duration from 1 ms to [`MAX_DELAY`].
+fn parse_delay(field: &str, value: &str) -> Result<Duration, ConfigError> {
+    let delay = humantime::parse_duration(value).map_err(|e| {
+        ConfigError::new(
+            field,
+            format!("{value:?} is not a duration such as \"500ms\" or \"2s\" ({e})"),
+        )
+    })?;
+    if delay < Duration::from_millis(1) || delay > MAX_DELAY {
+        return Err(ConfigError::new(
+            field,
+            format!("must be from 1ms to 1h (got {value:?})"),
+        ));
+    }
+    Ok(delay)
 }
 
 fn parse_addr(field: &str, value: &str) -> Result<SocketAddr, ConfigError> {

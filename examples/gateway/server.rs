@@ -499,12 +499,15 @@ fn route_service(
                 layer.limit(limit.limit.clone())
             };
         }
-        let layer = layer
+        let mut layer = layer
             .shadow(route.shadow)
             .shared_store(store.clone())
             .on_store_error(policy.clone())
             .timeout(Some(config.store.timeout))
             .name(name);
+        if let Some(delay) = route.delay {
+            layer = layer.max_wait(delay);
+        }
         service = match key {
             KeySpec::Ip => BoxCloneSyncService::new(
                 layer
