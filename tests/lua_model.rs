@@ -176,20 +176,28 @@ fn versions_strategy() -> impl Strategy<Value = Vec<Limit>> {
         Algorithm::Gcra,
     ]);
     let window = prop_oneof![1u64..20, 1u64..3_000];
-    let versions = prop::collection::vec((1u32..20, 1u32..30), 1..=3);
+    // Each version with or without a lockout: a block written under one is read (or,
+    // without a lockout, ignored) under the next.
+    let lockout = prop_oneof![Just(0u64), 1u64..20, 1u64..5_000];
+    let versions = prop::collection::vec((1u32..20, 1u32..30, lockout), 1..=3);
     (algorithm, window, versions).prop_map(|(algorithm, window_ms, versions)| {
         versions
             .into_iter()
-            .map(|(limit, burst)| {
+            .map(|(limit, burst, lockout_ms)| {
                 let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
                 let l = match algorithm {
                     Algorithm::Gcra => l.with_burst(burst).unwrap(),
                     _ => l,
                 };
-                l.named("api")
+                let l = l
+                    .named("api")
                     .unwrap()
                     .on_change(OnChange::CarryOver)
-                    .unwrap()
+                    .unwrap();
+                match lockout_ms {
+                    0 => l,
+                    ms => l.with_lockout(Duration::from_millis(ms)).unwrap(),
+                }
             })
             .collect()
     })
@@ -209,6 +217,7 @@ proptest! {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let mut states: [Vec<State>; 2] =
             std::array::from_fn(|_| vec![State::new(versions[0].algorithm())]);
+        let mut blocks = [[0u64], [0u64]];
         let mut now = START;
         let mut expected = Vec::new();
         for (i, &(wait, cost, key)) in steps.iter().enumerate() {
@@ -217,7 +226,13 @@ proptest! {
                 now += ms;
             }
             let limit = &versions[picks[i] % versions.len()];
-            let decision = algorithm::check(&mut states[key], std::slice::from_ref(limit), now, cost);
+            let decision = algorithm::check_with_lockouts(
+                &mut states[key],
+                &mut blocks[key],
+                std::slice::from_ref(limit),
+                now,
+                cost,
+            );
             expected.push((now, limit.clone(), decision));
         }
         runtime.block_on(async {
