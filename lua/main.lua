@@ -3,10 +3,12 @@
 --          explicit now, TTLs get 5 s of margin for the caller's clock to lag Redis's.
 -- ARGV[2]: the number of limit groups G (each distinct list of limits in the call, sent
 --          once); then for each group: its number of limits M, and for each limit:
---          algorithm code, limit, window ms, capacity (burst).
+--          algorithm code, limit, window ms, capacity (burst), lockout ms (0: none).
 -- Then the number of requests N, and for each request: cost, group (1-based).
--- Returns, for each limit of each request in order: allowed (0/1), remaining,
--- reset_after ms, retry_after ms. A request is allowed when all its limits are.
+-- A request's keys are its limits' keys, then one block key per limit with a lockout, in
+-- the order of those limits (lockout.lua).
+-- Returns, for each limit of each request in order: allowed (0/1), remaining (minus the
+-- time left on a lockout block when one blocks it), reset_after ms, retry_after ms. A request is allowed when all its limits are.
 --
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
@@ -41,16 +43,27 @@ local a = 3
 local groups = {}
 for g = 1, ARGV[2] + 0 do
   local group = {}
-  for i = 1, ARGV[a] + 0 do
+  local m = ARGV[a] + 0
+  local blocked = 0 -- limits with a lockout so far: their block keys follow the m keys
+  for i = 1, m do
+    local D = ARGV[a + 5] + 0
+    local bk = 0
+    if D > 0 then
+      blocked = blocked + 1
+      bk = m + blocked - 1
+    end
     group[i] = {
       alg = algorithm(ARGV[a + 1] + 0),
       L = ARGV[a + 2] + 0,
       W = ARGV[a + 3] + 0,
       B = ARGV[a + 4] + 0,
+      D = D,
+      bk = bk, -- the block key's offset among the request's keys
     }
-    a = a + 4
+    a = a + 5
   end
   a = a + 1
+  group.keys = m + blocked
   groups[g] = group
 end
 
@@ -86,6 +99,12 @@ for _ = 1, ARGV[a] + 0 do
         retry = alg.wait(s, now, L, W, B, cost)
       end
     end
+    if limit.D > 0 then
+      local left = lockout_left(KEYS[k + limit.bk], now)
+      if left > 0 then
+        fit, all_fit, retry = false, false, math.max(retry, left)
+      end
+    end
     held[i], fits[i], retries[i] = s, fit, retry
   end
   for i = 1, m do
@@ -103,9 +122,12 @@ for _ = 1, ARGV[a] + 0 do
     out[n + 2] = alg.remaining(s, now, L, W, B)
     out[n + 3] = alg.reset_after(s, now, L, W, B)
     out[n + 4] = retries[i]
+    if limit.D > 0 and not fits[i] then
+      lockout_deny(out, n, KEYS[k + limit.bk], limit.D, now)
+    end
     n = n + 4
   end
-  k = k + m
+  k = k + group.keys
 end
 
 for i = 1, #changed do

@@ -74,6 +74,13 @@ impl LimitDecision {
 pub struct Decision {
     allowed: bool,
     limits: LimitDecisions,
+    /// The least time (ms) left on a lockout block among the limits that blocked this
+    /// request, 0 when none did: how long a cached copy of this denial stays true (after
+    /// that, the same request would start a new block). See
+    /// [`Limit::with_lockout`](crate::Limit::with_lockout). A `u32` (saturating, about 49
+    /// days) fits beside `allowed`, so a `Decision` is no larger than without it; a cache
+    /// that reads a saturated value only forgets a denial early.
+    blocked_ms: u32,
 }
 
 impl Decision {
@@ -84,7 +91,23 @@ impl Decision {
 
     pub(crate) fn from_limits(limits: LimitDecisions) -> Self {
         let allowed = limits.iter().all(|l| l.allowed);
-        Self { allowed, limits }
+        Self {
+            allowed,
+            limits,
+            blocked_ms: 0,
+        }
+    }
+
+    /// The same decision, blocked by a lockout for `blocked_ms` more (0: not blocked).
+    pub(crate) fn blocked_for(mut self, blocked_ms: u64) -> Self {
+        self.blocked_ms = u32::try_from(blocked_ms).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// See [`blocked_for`](Self::blocked_for).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn blocked_ms(&self) -> u64 {
+        u64::from(self.blocked_ms)
     }
 
     /// A decision that allows the request without any limit (used by the fail-open
@@ -93,6 +116,7 @@ impl Decision {
         Self {
             allowed: true,
             limits: SmallVec::new(),
+            blocked_ms: 0,
         }
     }
 

@@ -16,11 +16,12 @@ use tower_service::Service;
 
 use crate::{
     Decision,
-    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
+    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed, settle_waited},
     plan::{self, Chosen, Resolving, Started},
     rejection::OnRejection,
     rules::Active,
     store::Check,
+    wait::Ticket,
 };
 
 pin_project! {
@@ -75,6 +76,8 @@ pub(crate) struct Pending<S, ReqB> {
     pub(crate) service: S,
     pub(crate) request: Request<ReqB>,
     pub(crate) asked: Asked,
+    /// It [waited](crate::wait) its turn already: a denial now is final.
+    pub(crate) waited: bool,
 }
 
 impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
@@ -164,6 +167,36 @@ where
     }
 }
 
+/// The state of a denied request that waits its turn ([`wait`](crate::wait)): the wait
+/// and the store's fresh answer, as a check.
+fn wait<S, ReqB, R>(
+    ticket: Ticket,
+    shared: &Shared<R>,
+    rules: &Arc<Active>,
+    service: S,
+    request: Request<ReqB>,
+    asked: Asked,
+) -> State<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    let check = ticket.wait(
+        shared.store.clone(),
+        rules.clone(),
+        asked.key.clone(),
+        asked.cost,
+    );
+    State::Checking {
+        check,
+        pending: Some(Pending {
+            service,
+            request,
+            asked,
+            waited: true,
+        }),
+    }
+}
+
 impl<S, ReqB, R> fmt::Debug for ResponseFuture<S, ReqB, R>
 where
     S: Service<Request<ReqB>>,
@@ -193,12 +226,22 @@ where
                         mut service,
                         request,
                         asked,
+                        waited,
                     } = pending.take().expect("polled after completion");
-                    match settle(shared, rules, result, &request, &asked) {
+                    let next = if waited {
+                        settle_waited(shared, rules, result, &request, &asked)
+                    } else {
+                        settle(shared, rules, result, &request, &asked)
+                    };
+                    match next {
                         Next::Answer(response) => return Poll::Ready(Ok(response)),
                         Next::Call(decision) => {
                             let future = service.call(request);
                             this.state.set(State::Calling { future, decision });
+                        }
+                        Next::Wait(ticket) => {
+                            let pending = wait(*ticket, shared, rules, service, request, asked);
+                            this.state.set(pending);
                         }
                     }
                 }
@@ -228,6 +271,17 @@ where
                             let future = pending.service.call(pending.request);
                             this.state.set(State::Calling { future, decision });
                         }
+                        Started::Next(Next::Wait(ticket)) => {
+                            let rules = this.rules.as_ref().expect("rules set above");
+                            let Pending {
+                                service,
+                                request,
+                                asked,
+                                ..
+                            } = pending;
+                            let state = wait(*ticket, shared, rules, service, request, asked);
+                            this.state.set(state);
+                        }
                         Started::Check(check) => this.state.set(State::Checking {
                             check,
                             pending: Some(pending),
@@ -246,12 +300,17 @@ where
                         mut service,
                         request,
                         asked,
+                        ..
                     } = pending.take().expect("polled after completion");
                     match settle_shadowed(shared, rules, answers, &request, &asked) {
                         Next::Answer(response) => return Poll::Ready(Ok(response)),
                         Next::Call(decision) => {
                             let future = service.call(request);
                             this.state.set(State::Calling { future, decision });
+                        }
+                        Next::Wait(ticket) => {
+                            let pending = wait(*ticket, shared, rules, service, request, asked);
+                            this.state.set(pending);
                         }
                     }
                 }

@@ -152,6 +152,7 @@ mod rejection;
 pub mod rules;
 mod service;
 pub mod store;
+mod wait;
 
 pub use breaker::CircuitBreaker;
 pub use decision::{Decision, LimitDecision};
@@ -166,6 +167,7 @@ pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
+pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY};
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -95,7 +95,7 @@ impl Outcome {
 /// Started when the store call starts; zero-sized without the feature, so the clock is
 /// read only when someone wants the latency (and then the cheap one, see
 /// [`MonotonicClock`](crate::clock::MonotonicClock)).
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Timer {
     #[cfg(feature = "metrics")]
     start: quanta::Instant,

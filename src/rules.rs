@@ -264,6 +264,18 @@ pub(crate) fn unique(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limi
     for limit in limits {
         match unique.iter().find(|l| l.id() == limit.id()) {
             Some(same) if *same == limit => {}
+            Some(same)
+                if same.lockout() != limit.lockout()
+                    && same.clone().with_lockout_ms(0) == limit.clone().with_lockout_ms(0) =>
+            {
+                return Err(ConfigError::new(
+                    "lockout",
+                    format!(
+                        "{limit:?} differs from another limit only in its lockout: they would \
+                         share one state; keep one"
+                    ),
+                ));
+            }
             Some(_) => {
                 return Err(ConfigError::new(
                     "name",

@@ -18,6 +18,7 @@ use crate::{
     plan::{self, Chosen},
     rejection::OnRejection,
     rules::Active,
+    wait::Ticket,
 };
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -89,9 +90,10 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R> fmt::Debug for RateLimit<S,
 /// now, so neither it nor the request has to wait in the future. A macro, not a method:
 /// moving the request into a call cost a request ~35 instructions even when inlined.
 macro_rules! answer_now {
-    ($this:ident, $next:expr, $request:ident) => {
+    ($this:ident, $next:expr, $request:ident, $asked:ident) => {
         match $next {
             Next::Answer(response) => ResponseFuture::ready(response),
+            Next::Wait(ticket) => $this.waiting(*ticket, $request, &$asked),
             // Nothing to write: the response needs neither the decision nor the rules.
             Next::Call(Some(decision)) if $this.rules.headers.writes_when_allowed() => {
                 ResponseFuture::calling($this.inner.call($request), decision, $this.rules.clone())
@@ -128,13 +130,14 @@ macro_rules! decide {
                 // Decided already: the memory store, a block-cache hit, an open circuit.
                 Ok(result) => {
                     let next = settle(shared, rules, result, &$request, &asked);
-                    answer_now!($this, next, $request)
+                    answer_now!($this, next, $request, asked)
                 }
                 Err(check) => {
                     let pending = Pending {
                         service: $this.take_ready(),
                         request: $request,
                         asked,
+                        waited: false,
                     };
                     ResponseFuture::checking(
                         check,
@@ -220,6 +223,7 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
                     service: self.take_ready(),
                     request,
                     asked,
+                    waited: false,
                 };
                 return ResponseFuture::resolving(resolving, pending, self.shared.clone(), layer);
             }
@@ -252,7 +256,7 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
         let checks = match Checks::start(&shared.store, &asked, rules.limits(), shadow) {
             Ok(answers) => {
                 let next = settle_shadowed(shared, rules, answers, &request, &asked);
-                return answer_now!(self, next, request);
+                return answer_now!(self, next, request, asked);
             }
             Err(checks) => checks,
         };
@@ -260,8 +264,43 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
             service: self.take_ready(),
             request,
             asked,
+            waited: false,
         };
         ResponseFuture::shadowing(checks, pending, self.shared.clone(), self.rules.clone())
+    }
+
+    /// A denied request that waits its turn ([`wait`](crate::wait)): out of line, as it is
+    /// rare.
+    #[inline(never)]
+    fn waiting<ReqB>(
+        &mut self,
+        ticket: Ticket,
+        request: Request<ReqB>,
+        asked: &Asked,
+    ) -> ResponseFuture<S, ReqB, R>
+    where
+        S: Service<Request<ReqB>> + Clone,
+    {
+        let check = ticket.wait(
+            self.shared.store.clone(),
+            self.rules.clone(),
+            asked.key.clone(),
+            asked.cost,
+        );
+        // Borrowed, not moved: a move in one arm of `answer_now!` would cost every
+        // request a drop flag.
+        let asked = Asked {
+            key: asked.key.clone(),
+            cost: asked.cost,
+            timer: asked.timer,
+        };
+        let pending = Pending {
+            service: self.take_ready(),
+            request,
+            asked,
+            waited: true,
+        };
+        ResponseFuture::checking(check, pending, self.shared.clone(), self.rules.clone())
     }
 
     /// The service that was polled ready, for a request that waits for the store; its

@@ -39,9 +39,33 @@ fn limit_strategy() -> impl Strategy<Value = Limit> {
 
 /// Up to three limits with distinct ids.
 fn limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
-    prop::collection::vec(limit_strategy(), 1..=3).prop_map(|mut limits| {
+    distinct(prop::collection::vec(limit_strategy(), 1..=3))
+}
+
+/// A limit, with a lockout half of the time (from 1 ms to longer than most windows).
+fn locked_limit_strategy() -> impl Strategy<Value = Limit> {
+    let lockout = prop_oneof![
+        Just(None),
+        (1u64..20).prop_map(Some),
+        (1u64..5_000).prop_map(Some)
+    ];
+    (limit_strategy(), lockout).prop_map(|(limit, lockout)| match lockout {
+        Some(ms) => limit.with_lockout(Duration::from_millis(ms)).unwrap(),
+        None => limit,
+    })
+}
+
+/// Up to three limits with distinct ids, some with lockouts.
+fn locked_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    distinct(prop::collection::vec(locked_limit_strategy(), 1..=3))
+}
+
+/// Drops limits whose id (every parameter but the lockout) an earlier one has: they
+/// would share one state.
+fn distinct(limits: impl Strategy<Value = Vec<Limit>>) -> impl Strategy<Value = Vec<Limit>> {
+    limits.prop_map(|mut limits| {
         let mut seen = std::collections::HashSet::new();
-        limits.retain(|l| seen.insert(format!("{l:?}")));
+        limits.retain(|l| seen.insert((l.algorithm(), l.limit(), l.window(), l.burst())));
         limits
     })
 }
@@ -116,6 +140,30 @@ fn model_run(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, D
         .collect()
 }
 
+/// The model's decisions with lockouts, with the time of each request.
+fn model_run_locked(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, Decision)> {
+    let mut states: [Vec<State>; 2] =
+        std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+    let mut blocks: [Vec<u64>; 2] = std::array::from_fn(|_| vec![0; limits.len()]);
+    let mut now = START;
+    let mut previous: Option<Decision> = None;
+    steps
+        .iter()
+        .map(|&(wait, cost, key)| {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check_with_lockouts(
+                &mut states[key],
+                &mut blocks[key],
+                limits,
+                now,
+                cost,
+            );
+            previous = Some(decision.clone());
+            (now, cost, decision)
+        })
+        .collect()
+}
+
 /// Up to three versions of one named, carried-over limit: one algorithm and window, other
 /// `limit`s and `burst`s. The token bucket is left out: its key's TTL is the time to refill
 /// under the parameters of its last write, so after a lower rate or a larger burst Redis
@@ -128,20 +176,28 @@ fn versions_strategy() -> impl Strategy<Value = Vec<Limit>> {
         Algorithm::Gcra,
     ]);
     let window = prop_oneof![1u64..20, 1u64..3_000];
-    let versions = prop::collection::vec((1u32..20, 1u32..30), 1..=3);
+    // Each version with or without a lockout: a block written under one is read (or,
+    // without a lockout, ignored) under the next.
+    let lockout = prop_oneof![Just(0u64), 1u64..20, 1u64..5_000];
+    let versions = prop::collection::vec((1u32..20, 1u32..30, lockout), 1..=3);
     (algorithm, window, versions).prop_map(|(algorithm, window_ms, versions)| {
         versions
             .into_iter()
-            .map(|(limit, burst)| {
+            .map(|(limit, burst, lockout_ms)| {
                 let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
                 let l = match algorithm {
                     Algorithm::Gcra => l.with_burst(burst).unwrap(),
                     _ => l,
                 };
-                l.named("api")
+                let l = l
+                    .named("api")
                     .unwrap()
                     .on_change(OnChange::CarryOver)
-                    .unwrap()
+                    .unwrap();
+                match lockout_ms {
+                    0 => l,
+                    ms => l.with_lockout(Duration::from_millis(ms)).unwrap(),
+                }
             })
             .collect()
     })
@@ -161,6 +217,7 @@ proptest! {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let mut states: [Vec<State>; 2] =
             std::array::from_fn(|_| vec![State::new(versions[0].algorithm())]);
+        let mut blocks = [[0u64], [0u64]];
         let mut now = START;
         let mut expected = Vec::new();
         for (i, &(wait, cost, key)) in steps.iter().enumerate() {
@@ -169,7 +226,13 @@ proptest! {
                 now += ms;
             }
             let limit = &versions[picks[i] % versions.len()];
-            let decision = algorithm::check(&mut states[key], std::slice::from_ref(limit), now, cost);
+            let decision = algorithm::check_with_lockouts(
+                &mut states[key],
+                &mut blocks[key],
+                std::slice::from_ref(limit),
+                now,
+                cost,
+            );
             expected.push((now, limit.clone(), decision));
         }
         runtime.block_on(async {
@@ -202,12 +265,66 @@ proptest! {
         })?;
     }
 
+    /// Lockouts: the script's blocks decide exactly like the model's, also with the clock
+    /// stepping back, several limits, and boundaries at `retry_after`.
+    #[test]
+    fn lua_decides_like_the_model_with_lockouts(limits in locked_limits_strategy(), steps in steps_strategy()) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let expected = model_run_locked(&limits, &steps);
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
+    /// Without any lockout, `check_with_lockouts` is `check`.
+    #[test]
+    fn no_lockout_decides_like_check(limits in limits_strategy(), steps in steps_strategy()) {
+        let plain = model_run(&limits, &steps);
+        let locked = model_run_locked(&limits, &steps);
+        prop_assert_eq!(plain, locked);
+    }
+
+    /// With lockouts, `retry_after` is still exact: the same request is denied one
+    /// millisecond earlier (no new block starts meanwhile: the request is not sent) and
+    /// allowed at it.
+    #[test]
+    fn retry_after_is_exact_with_lockouts(limit in locked_limit_strategy(), steps in steps_strategy()) {
+        let limits = std::slice::from_ref(&limit);
+        let mut states = [State::new(limit.algorithm())];
+        let mut blocks = [0];
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        for &(wait, cost, _) in &steps {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check_with_lockouts(&mut states, &mut blocks, limits, now, cost);
+            if !decision.is_allowed() && cost <= limit.capacity() {
+                let retry = decision.limits()[0].retry_after_ms;
+                let at = |t: u64| {
+                    algorithm::check_with_lockouts(&mut states.clone(), &mut blocks.clone(), limits, t, cost)
+                        .is_allowed()
+                };
+                prop_assert!(retry > 0);
+                prop_assert!(!at(now + retry - 1), "{:?} at {}: early", limit, now);
+                prop_assert!(at(now + retry), "{:?} at {}: {} ms", limit, now, retry);
+            }
+            previous = Some(decision);
+        }
+    }
+
     /// The block cache answers repeated denials locally: the same decisions and the same
     /// `retry_after` as Redis without it; `remaining` may lag behind, never ahead.
     #[test]
-    fn the_block_cache_changes_no_decision(limits in limits_strategy(), steps in forward_steps_strategy()) {
+    fn the_block_cache_changes_no_decision(limits in locked_limits_strategy(), steps in forward_steps_strategy()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let expected = model_run(&limits, &steps);
+        let expected = model_run_locked(&limits, &steps);
         runtime.block_on(async {
             let clock = ManualClock::new(START);
             let store = case_store(&clock, true).await;
@@ -231,8 +348,8 @@ proptest! {
     /// share a limit, and several keys.
     #[test]
     fn a_coalesced_batch_decides_like_one_request_after_another(
-        a in limits_strategy(),
-        b in limits_strategy(),
+        a in locked_limits_strategy(),
+        b in locked_limits_strategy(),
         batches in prop::collection::vec(
             (0u64..3_000, prop::collection::vec((0u32..6, 0usize..3, any::<bool>()), 1..40)),
             1..6,
@@ -249,8 +366,8 @@ proptest! {
             let clock = ManualClock::new(START);
             let store = case_store(&clock, false).await;
             let keys = [Key::new("a"), Key::new("b"), Key::new("c")];
-            // The model's state of each (key, limit).
-            let mut model: std::collections::HashMap<(usize, String), State> = Default::default();
+            // The model's state and block of each (key, limit id).
+            let mut model: std::collections::HashMap<(usize, String), (State, u64)> = Default::default();
             for (wait, requests) in &batches {
                 clock.advance(Duration::from_millis(*wait));
                 let now = clock.now_ms();
@@ -262,14 +379,17 @@ proptest! {
                 let got = futures_util::future::join_all(checks).await;
                 for (&(cost, key, second), got) in requests.iter().zip(got) {
                     let limits = &lists[usize::from(second)];
-                    let ids: Vec<(usize, String)> = limits.iter().map(|l| (key, format!("{l:?}"))).collect();
-                    let mut states: Vec<State> = ids
+                    let ids: Vec<(usize, String)> = limits
+                        .iter()
+                        .map(|l| (key, format!("{:?}", (l.algorithm(), l.limit(), l.window(), l.burst()))))
+                        .collect();
+                    let (mut states, mut blocks): (Vec<State>, Vec<u64>) = ids
                         .iter()
                         .zip(limits)
-                        .map(|(id, l)| model.remove(id).unwrap_or_else(|| State::new(l.algorithm())))
-                        .collect();
-                    let want = algorithm::check(&mut states, limits, now, cost);
-                    model.extend(ids.into_iter().zip(states));
+                        .map(|(id, l)| model.remove(id).unwrap_or_else(|| (State::new(l.algorithm()), 0)))
+                        .unzip();
+                    let want = algorithm::check_with_lockouts(&mut states, &mut blocks, limits, now, cost);
+                    model.extend(ids.into_iter().zip(states.into_iter().zip(blocks)));
                     prop_assert_eq!(got.unwrap(), want, "{:?} at {}", (cost, key, second), now);
                 }
             }

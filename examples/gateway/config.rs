@@ -187,6 +187,8 @@ pub(crate) struct Route {
     pub(crate) limits: Vec<RouteLimit>,
     /// Every limit of the route in shadow: decided and counted, never rejecting.
     pub(crate) shadow: bool,
+    /// A request its limits would deny waits up to this long instead (`max_wait`).
+    pub(crate) delay: Option<Duration>,
     /// Limits chosen per request by a header: `[[routes.plans]]`.
     pub(crate) plans: Option<RoutePlans>,
 }
@@ -307,6 +309,8 @@ struct RawRoute {
     /// Every limit of the route in shadow.
     #[serde(default)]
     shadow: bool,
+    /// A humantime duration: how long a request its limits would deny may wait instead.
+    delay: Option<String>,
     /// The header whose value names the plan.
     plan_header: Option<String>,
     /// The plan of requests without the header or with an unknown plan.
@@ -337,6 +341,8 @@ struct RawLimit {
     /// `reset` (default) or `carry_over`: what a reload that changes this limit does to
     /// its budget.
     on_change: Option<String>,
+    /// A humantime duration: once this limit denies a key, the key is blocked that long.
+    lockout: Option<String>,
     /// Decided and counted, never rejecting.
     #[serde(default)]
     shadow: bool,
@@ -875,12 +881,18 @@ impl RawRoute {
                 ));
             }
         }
+        let delay = self
+            .delay
+            .as_deref()
+            .map(|delay| parse_delay(&format!("{at}.delay"), delay))
+            .transpose()?;
         Ok(Route {
             path,
             upstream,
             limits,
             shadow: self.shadow,
             plans,
+            delay,
         })
     }
 }
@@ -1030,12 +1042,41 @@ impl RawLimit {
             let on_change: OnChange = on_change.parse().map_err(lib)?;
             limit = limit.on_change(on_change).map_err(lib)?;
         }
+        if let Some(lockout) = &self.lockout {
+            let lockout = humantime::parse_duration(lockout).map_err(|e| {
+                ConfigError::new(
+                    format!("{at}.lockout"),
+                    format!("{lockout:?} is not a duration such as \"15m\" or \"1h\" ({e})"),
+                )
+            })?;
+            limit = limit.with_lockout(lockout).map_err(lib)?;
+        }
         Ok(RouteLimit {
             key,
             limit,
             shadow: self.shadow,
         })
     }
+}
+
+/// The longest `delay` of a route: a waiting request holds its connection.
+const MAX_DELAY: Duration = Duration::from_secs(3600);
+
+/// A route's `delay`: a humantime duration from 1 ms to [`MAX_DELAY`].
+fn parse_delay(field: &str, value: &str) -> Result<Duration, ConfigError> {
+    let delay = humantime::parse_duration(value).map_err(|e| {
+        ConfigError::new(
+            field,
+            format!("{value:?} is not a duration such as \"500ms\" or \"2s\" ({e})"),
+        )
+    })?;
+    if delay < Duration::from_millis(1) || delay > MAX_DELAY {
+        return Err(ConfigError::new(
+            field,
+            format!("must be from 1ms to 1h (got {value:?})"),
+        ));
+    }
+    Ok(delay)
 }
 
 fn parse_addr(field: &str, value: &str) -> Result<SocketAddr, ConfigError> {

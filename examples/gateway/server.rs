@@ -502,12 +502,15 @@ fn route_service(
                 layer.limit(limit.limit.clone())
             };
         }
-        let layer = layer
+        let mut layer = layer
             .shadow(route.shadow)
             .shared_store(store.clone())
             .on_store_error(policy.clone())
             .timeout(Some(config.store.timeout))
             .name(name);
+        if let Some(delay) = route.delay {
+            layer = layer.max_wait(delay);
+        }
         service = keyed(layer, key, config, service);
     }
     service
@@ -570,13 +573,17 @@ fn plan_layer(
     } else {
         format!("{} plans", route.path)
     };
-    let layer = RateLimitLayer::new(any.clone())
+    let mut layer = RateLimitLayer::new(any.clone())
         .plans(built)
         .shadow(route.shadow)
         .shared_store(store.clone())
         .on_store_error(policy.clone())
         .timeout(Some(config.store.timeout))
         .name(name);
+    // The plans are the route's limits too: their denials wait as the others do.
+    if let Some(delay) = route.delay {
+        layer = layer.max_wait(delay);
+    }
     keyed(layer, plans.key.clone(), config, service)
 }
 

@@ -37,12 +37,14 @@
 
 mod fixed_window;
 mod gcra;
+mod lockout;
 mod sliding_window;
 mod sliding_window_counter;
 mod token_bucket;
 
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
+pub use lockout::check_with_lockouts;
 pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;
 pub use token_bucket::TokenBucket;

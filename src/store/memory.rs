@@ -21,6 +21,8 @@ use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
+mod lockout;
+
 use super::{Check, Store};
 use crate::{
     Decision, Limit,
@@ -60,6 +62,9 @@ const EVICTION_MAX: usize = 64;
 /// double. (hashbrown clears those markers by rehashing the table in place when they run
 /// out of room, once per several thousand evictions in a shard: amortised O(1), but that
 /// one request holds the shard's lock for the rehash of one 64th of the store.)
+///
+/// [Lockout](crate::Limit::with_lockout) blocks live in a table of their own per shard
+/// (a block outlives its key's state), with the same bound as the keys.
 ///
 /// Expired state is dropped as requests come in: once a second a sweep round starts, and
 /// every request sweeps a few buckets until all have been, so memory follows the keys
@@ -123,6 +128,8 @@ struct Shard {
     hand: usize,
     /// The bucket where this shard's sweep resumes.
     swept_to: usize,
+    /// The keys blocked by a limit's lockout, apart from `table`: see `lockout`.
+    blocks: lockout::Blocks,
 }
 
 /// Beyond this many known limits, a limit is forgotten when its last slot goes.
@@ -324,10 +331,16 @@ impl MemoryStore {
         let now = self.inner.clock.now_ms();
         for shard in &self.inner.shards {
             let mut shard = lock(shard);
-            let Shard { table, known, .. } = &mut *shard;
+            let Shard {
+                table,
+                known,
+                blocks,
+                ..
+            } = &mut *shard;
             for index in 0..table.num_buckets() {
                 drop_expired(table, known, index, now);
             }
+            blocks.purge(now);
         }
     }
 }
@@ -355,6 +368,9 @@ impl Inner {
     }
 
     fn decide(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        if lockouts(limits) {
+            return self.decide_with_lockouts(key, limits, cost, now);
+        }
         let hash = self.hash(key);
         // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
         // top seven as the tag, so within a shard both stay well spread.
@@ -366,22 +382,7 @@ impl Inner {
             hand,
             ..
         } = &mut *shard;
-        let entry = match table.find_entry(hash, |e| e.key == *key) {
-            Ok(occupied) => occupied.into_mut(),
-            Err(absent) => {
-                let table = absent.into_table();
-                if table.len() >= *max_keys {
-                    evict(table, known, hand, now);
-                }
-                let entry = Entry {
-                    key: key.clone(),
-                    slots: Slots::new(),
-                };
-                table
-                    .insert_unique(hash, entry, |e| self.hash(&e.key))
-                    .into_mut()
-            }
-        };
+        let entry = self.entry(table, known, *max_keys, hand, key, hash, now);
         let slots = &mut entry.slots;
 
         // One limit, the common case: decide on its slot's state in place. A slot that
@@ -430,6 +431,38 @@ impl Inner {
         decision
     }
 
+    /// The entry of `key` (hashed `hash`) in a shard's `table`, made when missing (after an
+    /// eviction when the shard is full).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn entry<'a>(
+        &self,
+        table: &'a mut HashTable<Entry>,
+        known: &mut Known,
+        max_keys: usize,
+        hand: &mut usize,
+        key: &Key,
+        hash: u64,
+        now: u64,
+    ) -> &'a mut Entry {
+        match table.find_entry(hash, |e| e.key == *key) {
+            Ok(occupied) => occupied.into_mut(),
+            Err(absent) => {
+                let table = absent.into_table();
+                if table.len() >= max_keys {
+                    evict(table, known, hand, now);
+                }
+                let entry = Entry {
+                    key: key.clone(),
+                    slots: Slots::new(),
+                };
+                table
+                    .insert_unique(hash, entry, |e| self.hash(&e.key))
+                    .into_mut()
+            }
+        }
+    }
+
     /// While a sweep round is under way, sweeps the next [`SWEEP_BUCKETS`] buckets of the
     /// shard the round is in; the round ends after the last shard.
     fn maybe_sweep(&self, now: u64) {
@@ -465,6 +498,7 @@ impl Shard {
             max_keys,
             hand: 0,
             swept_to: 0,
+            blocks: lockout::Blocks::default(),
         }
     }
 
@@ -623,6 +657,15 @@ impl Slot {
             tagged: fingerprint,
             state: State::new(limit.algorithm()),
         }
+    }
+}
+
+/// Whether any of `limits` has a lockout.
+#[inline(always)]
+fn lockouts(limits: &[Limit]) -> bool {
+    match limits {
+        [limit] => limit.lockout_ms() != 0,
+        _ => limits.iter().any(|l| l.lockout_ms() != 0),
     }
 }
 

@@ -13,6 +13,8 @@ struct Blocked {
     at: u64,
     until: u64,
     cost: u32,
+    /// The decision's lockout block, ms left at `at` (0: none).
+    blocked_ms: u64,
     limits: std::sync::Arc<[LimitDecision]>,
 }
 
@@ -78,7 +80,7 @@ impl BlockCache {
                 }
             })
             .collect();
-        Some(Decision::from_limits(limits))
+        Some(Decision::from_limits(limits).blocked_for(blocked.blocked_ms.saturating_sub(elapsed)))
     }
 
     /// Forgets a denial of `key`: a cheaper request fit, so the denial's `retry_after` may
@@ -90,15 +92,23 @@ impl BlockCache {
     }
 
     /// Remembers that Redis denied `key` at `now`.
+    ///
+    /// A denial under a lockout block is remembered until the block ends at most, even
+    /// when `retry_after` is longer (the algorithm's wait): then the same request starts
+    /// a new block, which Redis must see.
     pub(crate) fn insert(&self, key: Key, limits: u64, cost: u32, now: u64, decision: &Decision) {
-        let retry_after = decision.retry_after().as_millis() as u64;
-        if retry_after == 0 {
+        let mut valid = decision.retry_after().as_millis() as u64;
+        if decision.blocked_ms() > 0 {
+            valid = valid.min(decision.blocked_ms());
+        }
+        if valid == 0 {
             return;
         }
         let blocked = Blocked {
             at: now,
-            until: now + retry_after,
+            until: now + valid,
             cost,
+            blocked_ms: decision.blocked_ms(),
             limits: decision.limits().into(),
         };
         self.entries.insert(CacheKey { key, limits }, blocked);

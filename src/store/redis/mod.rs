@@ -45,6 +45,7 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../../lua/sliding_window_counter.lua"),
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/gcra.lua"),
+    include_str!("../../../lua/lockout.lua"),
     include_str!("../../../lua/main.lua"),
 );
 
@@ -299,7 +300,14 @@ impl RedisStore {
     }
 
     fn encode(&self, key: &Key, limits: &[Limit], cost: u32) -> Encoded {
-        let keys: SmallVec<[String; 2]> = limits.iter().map(|l| self.redis_key(key, l)).collect();
+        let mut keys: SmallVec<[String; 2]> =
+            limits.iter().map(|l| self.redis_key(key, l)).collect();
+        // After the limits' keys, the block key of each limit with a lockout.
+        for (i, limit) in limits.iter().enumerate() {
+            if limit.lockout_ms() > 0 {
+                keys.push(lockout_key(&keys[i]));
+            }
+        }
         let slot = if self.connection.is_cluster() {
             slot_of(&keys[0])
         } else {
@@ -311,6 +319,7 @@ impl RedisStore {
             group.push(u64::from(limit.limit()));
             group.push(limit.window_ms());
             group.push(u64::from(limit.capacity()));
+            group.push(limit.lockout_ms());
         }
         Encoded {
             keys,
@@ -382,6 +391,18 @@ impl Store for RedisStore {
     }
 }
 
+/// The numbers the script's ARGV has per limit.
+const LIMIT_FIELDS: usize = 5;
+
+/// The key that holds a limit's block ([`Limit::with_lockout`]) next to the limit's key
+/// `limit_key`: the same hash tag, and a last part no limit id has (ids end in digits).
+fn lockout_key(limit_key: &str) -> String {
+    let mut out = String::with_capacity(limit_key.len() + 8);
+    out.push_str(limit_key);
+    out.push_str(":lockout");
+    out
+}
+
 /// How a decision reaches Redis.
 enum Call {
     Queued(oneshot::Receiver<Result<Decision, StoreError>>),
@@ -393,8 +414,9 @@ enum Call {
 pub(crate) struct Encoded {
     keys: SmallVec<[String; 2]>,
     cost: u32,
-    /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity each.
-    group: SmallVec<[u64; 4]>,
+    /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity,
+    /// lockout ms each.
+    group: SmallVec<[u64; LIMIT_FIELDS]>,
     quotas: SmallVec<[u32; 2]>,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
@@ -435,7 +457,7 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     };
     cmd.arg(groups.len());
     for group in &groups {
-        cmd.arg(group.len() / 4);
+        cmd.arg(group.len() / LIMIT_FIELDS);
         for &value in *group {
             cmd.arg(value);
         }
@@ -532,18 +554,31 @@ pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreErro
         ));
     }
     let to_u64 = |v: i64| u64::try_from(v).unwrap_or(0);
+    // A limit whose lockout blocks the request sends `remaining` as minus the time left
+    // on the block (lua/lockout.lua): remaining 0, and the block for the block cache.
+    let mut blocked_ms = 0;
     let decisions: LimitDecisions = reply
         .chunks_exact(4)
         .zip(quotas)
-        .map(|(v, &limit)| LimitDecision {
-            allowed: v[0] == 1,
-            limit,
-            remaining: to_u64(v[1]),
-            reset_after_ms: to_u64(v[2]),
-            retry_after_ms: to_u64(v[3]),
+        .map(|(v, &limit)| {
+            if v[1] < 0 {
+                let left = v[1].unsigned_abs();
+                blocked_ms = if blocked_ms == 0 {
+                    left
+                } else {
+                    blocked_ms.min(left)
+                };
+            }
+            LimitDecision {
+                allowed: v[0] == 1,
+                limit,
+                remaining: to_u64(v[1]),
+                reset_after_ms: to_u64(v[2]),
+                retry_after_ms: to_u64(v[3]),
+            }
         })
         .collect();
-    Ok(Decision::from_limits(decisions))
+    Ok(Decision::from_limits(decisions).blocked_for(blocked_ms))
 }
 
 fn store_error(error: RedisError) -> StoreError {
