@@ -4,7 +4,9 @@
 -- ARGV[2]: the number of limit groups G (each distinct list of limits in the call, sent
 --          once); then for each group: its number of limits M, and for each limit:
 --          algorithm code, limit, window ms, capacity (burst).
--- Then the number of requests N, and for each request: cost, group (1-based).
+-- Then the number of requests N, and for each request: cost, group (1-based). A
+-- negative group -g peeks: the request is decided against group g, and its answer is
+-- the one it would get, but nothing is committed or saved.
 -- Returns, for each limit of each request in order: allowed (0/1), remaining,
 -- reset_after ms, retry_after ms. A request is allowed when all its limits are.
 --
@@ -63,7 +65,10 @@ local k = 1
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
 for _ = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
-  local group = groups[ARGV[a + 2] + 0]
+  local g = ARGV[a + 2] + 0
+  local peek = g < 0
+  if peek then g = -g end
+  local group = groups[g]
   a = a + 2
   local m = #group
   local all_fit = true
@@ -92,9 +97,14 @@ for _ = 1, ARGV[a] + 0 do
     local limit = group[i]
     local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
     local s = held[i]
+    local kept -- a peek's copy of the state, put back once answered
     if all_fit then
+      if peek then
+        kept = {}
+        for f, v in pairs(s) do kept[f] = v end
+      end
       alg.commit(s, now, L, W, B, cost)
-      if not s.changed then
+      if not peek and not s.changed then
         s.changed = limit
         changed[#changed + 1] = s
       end
@@ -104,6 +114,10 @@ for _ = 1, ARGV[a] + 0 do
     out[n + 3] = alg.reset_after(s, now, L, W, B)
     out[n + 4] = retries[i]
     n = n + 4
+    if kept then
+      for f in pairs(s) do s[f] = nil end
+      for f, v in pairs(kept) do s[f] = v end
+    end
   end
   k = k + m
 end

@@ -202,6 +202,62 @@ proptest! {
         })?;
     }
 
+    /// A peek (the script's negative group index) answers exactly what the model's
+    /// `peek` does, which is what a check would answer, among checks of the same keys,
+    /// and writes nothing: each key's value and TTL are the same after as before.
+    #[test]
+    fn a_peek_decides_like_the_model_and_writes_nothing(
+        limits in limits_strategy(),
+        steps in steps_strategy(),
+        peeks in prop::collection::vec(any::<bool>(), 60),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut states: [Vec<State>; 2] =
+            std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        let expected: Vec<(u64, Decision)> = steps
+            .iter()
+            .enumerate()
+            .map(|(i, &(wait, cost, key))| {
+                now = next_now(now, wait, previous.as_ref());
+                let decision = if peeks[i] {
+                    algorithm::peek(&states[key], &limits, now, cost)
+                } else {
+                    algorithm::check(&mut states[key], &limits, now, cost)
+                };
+                previous = Some(decision.clone());
+                (now, decision)
+            })
+            .collect();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let mut redis = raw_connection().await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = if peeks[i] {
+                    let redis_keys: Vec<String> =
+                        limits.iter().map(|l| store.redis_key(&keys[key], l)).collect();
+                    let before = dump(&mut redis, &redis_keys).await;
+                    let got = store.peek(&keys[key], &limits, cost).await.unwrap();
+                    let after = dump(&mut redis, &redis_keys).await;
+                    for ((value, ttl), (value_after, ttl_after)) in before.iter().zip(&after) {
+                        prop_assert_eq!(value, value_after, "step {} of {:?}", i, steps);
+                        // Redis's own clock runs on: the TTL may only have shrunk.
+                        prop_assert!(ttl_after <= ttl && (*ttl < 0) == (*ttl_after < 0));
+                    }
+                    got
+                } else {
+                    store.check(&keys[key], &limits, cost).await.unwrap()
+                };
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
     /// The block cache answers repeated denials locally: the same decisions and the same
     /// `retry_after` as Redis without it; `remaining` may lag behind, never ahead.
     #[test]
@@ -480,6 +536,35 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     } else {
         store.with_block_cache(0)
     }
+}
+
+/// A plain connection to the shared server, to look at keys.
+async fn raw_connection() -> redis::aio::MultiplexedConnection {
+    let server = SERVER.with(|s| s.url());
+    let client = redis::Client::open(server).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.
+async fn dump(
+    redis: &mut redis::aio::MultiplexedConnection,
+    keys: &[String],
+) -> Vec<(Option<Vec<u8>>, i64)> {
+    let mut out = Vec::new();
+    for key in keys {
+        let value: Option<Vec<u8>> = redis::cmd("DUMP")
+            .arg(key)
+            .query_async(redis)
+            .await
+            .unwrap();
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(redis)
+            .await
+            .unwrap();
+        out.push((value, ttl));
+    }
+    out
 }
 
 thread_local! {

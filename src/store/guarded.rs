@@ -9,7 +9,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use super::{Check, Store};
+use super::{Check, Reset, Store};
 use crate::{
     Decision, Limit, StoreError,
     breaker::{Admission, Breaker, Feedback},
@@ -77,6 +77,32 @@ impl Guarded {
             .as_ref()
             .map(|breaker| Feedback::new(breaker.clone(), admission));
         Check::pending(guard(check, self.timeout, feedback))
+    }
+}
+
+impl Guarded {
+    /// [`Store::peek`] under the timeout. The breaker is neither asked nor told: an
+    /// operator's question reaches the store even while requests skip it, and its
+    /// outcome says nothing about the request path.
+    pub(crate) fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let check = self.store.peek(key, limits, cost);
+        match self.timeout {
+            Some(timeout) if !check.is_ready() => Check::pending(guard(check, Some(timeout), None)),
+            _ => check,
+        }
+    }
+
+    /// [`Store::reset`] under the timeout (the breaker as for [`peek`](Self::peek)).
+    pub(crate) fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        let reset = self.store.reset(key, limits);
+        match self.timeout {
+            Some(timeout) => Box::pin(async move {
+                tokio::time::timeout(timeout, reset)
+                    .await
+                    .unwrap_or_else(|_| Err(StoreError::timeout()))
+            }),
+            None => reset,
+        }
     }
 }
 

@@ -60,12 +60,12 @@ impl RedisStore {
             .set_max_delay(Duration::from_millis(250))
             .set_connection_timeout(Some(CONNECTION_TIMEOUT))
             .set_response_timeout(Some(RESPONSE_TIMEOUT));
-        let mut manager = redis::aio::ConnectionManager::new_with_config(client, config)
+        let mut manager = redis::aio::ConnectionManager::new_with_config(client.clone(), config)
             .await
             .map_err(store_error)?;
         // Loaded now, the first burst of calls does not all meet NOSCRIPT at once.
         SCRIPT.load_async(&mut manager).await.map_err(store_error)?;
-        Ok(Self::from_manager(manager))
+        Ok(Self::from_manager(manager).with_reset_source(vec![client]))
     }
 
     /// The store over a cluster client for `nodes`, with the script loaded.
@@ -94,7 +94,18 @@ impl RedisStore {
             .load_async(&mut connection)
             .await
             .map_err(store_error)?;
-        Ok(Self::new(super::Connection::Cluster(connection)))
+        // Resets are published cluster-wide: any one node hears them.
+        let listen = nodes
+            .iter()
+            .filter_map(|node| {
+                #[cfg(feature = "tls")]
+                if let Some(tls) = tls {
+                    return redis::Client::build_with_tls(*node, tls.certificates()).ok();
+                }
+                redis::Client::open(*node).ok()
+            })
+            .collect();
+        Ok(Self::new(super::Connection::Cluster(connection)).with_reset_source(listen))
     }
 
     /// Connects to the Redis at `url` (`rediss://[user:password@]host:port[/db]`) over TLS,

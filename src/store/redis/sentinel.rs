@@ -321,6 +321,18 @@ impl SentinelConnection {
         }
     }
 
+    /// Sends one command to the master.
+    pub(super) async fn query(&self, cmd: &Cmd) -> Result<redis::Value, StoreError> {
+        let (generation, mut connection) = self.connection().await?;
+        let result = cmd.query_async(&mut connection).await;
+        if let Err(error) = &result
+            && lost_master(error)
+        {
+            self.forget(generation);
+        }
+        result.map_err(store_error)
+    }
+
     /// Runs a script call on the master.
     pub(super) async fn evalsha(&self, call: &Cmd) -> Result<Vec<i64>, StoreError> {
         let (generation, mut connection) = self.connection().await?;

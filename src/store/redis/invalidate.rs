@@ -1,0 +1,127 @@
+//! Resets reach every replica's block cache: a reset `PUBLISH`es the key on the channel
+//! `<prefix>:reset`, and each store whose block cache holds a denial listens there
+//! (a background task, started with the first denial it remembers, that reconnects).
+//!
+//! The bound: a replica forgets a reset key's denials as soon as the message arrives.
+//! Each time the task (re)subscribes it forgets every denial, since it may have missed
+//! resets meanwhile; while it is not subscribed (Redis unreachable, a connection that died
+//! without closing), a denial lasts at most its `retry_after`, as it always did.
+//! In Redis Cluster a `PUBLISH` reaches every node, so one subscription to any node hears
+//! every reset.
+
+use std::{
+    sync::{
+        Arc, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use futures_util::StreamExt;
+
+use super::block_cache::BlockCache;
+
+/// How long the task waits before connecting again after a failure.
+const RECONNECT_DELAY: Duration = Duration::from_millis(200);
+/// How often an idle task checks whether its cache is gone.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+
+/// The channel resets of keys under `prefix` are announced on.
+pub(crate) fn channel(prefix: &str) -> String {
+    format!("{prefix}:reset")
+}
+
+/// Where to subscribe: the nodes to try, in order, and the channel.
+#[derive(Clone)]
+pub(crate) struct Source {
+    clients: Arc<[redis::Client]>,
+    channel: Arc<str>,
+}
+
+impl Source {
+    pub(crate) fn new(clients: Arc<[redis::Client]>, prefix: &str) -> Self {
+        Self {
+            clients,
+            channel: channel(prefix).into(),
+        }
+    }
+}
+
+/// Starts the listening task of a block cache.
+#[derive(Default)]
+pub(crate) struct Listener {
+    source: Option<Source>,
+}
+
+impl Listener {
+    pub(crate) fn set_source(&mut self, source: Option<Source>) {
+        self.source = source;
+    }
+
+    /// Spawns the task for `cache` unless it runs (`listening`) or there is no source or
+    /// runtime.
+    pub(crate) fn start(&mut self, cache: &Arc<BlockCache>, listening: &Arc<AtomicBool>) {
+        let Some(source) = &self.source else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if listening.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let running = Running(listening.clone());
+        runtime.spawn(listen(Arc::downgrade(cache), source.clone(), running));
+    }
+}
+
+/// Clears the flag when the task ends, also when its runtime shuts down (the next denial
+/// then starts a new one).
+struct Running(Arc<AtomicBool>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// Subscribes and forgets the denials of every key announced, until the cache is gone.
+async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
+    loop {
+        for client in source.clients.iter() {
+            if cache.strong_count() == 0 {
+                return;
+            }
+            let Ok(mut pubsub) = client.get_async_pubsub().await else {
+                continue;
+            };
+            if pubsub.subscribe(&*source.channel).await.is_err() {
+                continue;
+            }
+            match cache.upgrade() {
+                // Resets may have been missed while not subscribed.
+                Some(cache) => cache.reset_all(),
+                None => return,
+            }
+            let mut messages = pubsub.on_message();
+            loop {
+                match tokio::time::timeout(IDLE_CHECK, messages.next()).await {
+                    Ok(Some(message)) => {
+                        let Some(cache) = cache.upgrade() else {
+                            return;
+                        };
+                        if let Ok(key) = std::str::from_utf8(message.get_payload_bytes()) {
+                            cache.reset(key);
+                        }
+                    }
+                    // The connection closed: subscribe again.
+                    Ok(None) => break,
+                    Err(_idle) if cache.strong_count() == 0 => return,
+                    Err(_idle) => {}
+                }
+            }
+            tracing::debug!("block cache: reset subscription lost, subscribing again");
+        }
+        tokio::time::sleep(RECONNECT_DELAY).await;
+    }
+}
