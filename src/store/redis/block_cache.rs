@@ -170,3 +170,42 @@ impl BlockCache {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn denial() -> Decision {
+        Decision::new(vec![LimitDecision {
+            allowed: false,
+            limit: 1,
+            remaining: 0,
+            reset_after_ms: 60_000,
+            retry_after_ms: 60_000,
+        }])
+    }
+
+    /// A denial Redis gave before a reset, answered after it (its call was in flight),
+    /// is not remembered; one asked for after the reset is.
+    #[test]
+    fn a_denial_from_before_a_reset_is_not_remembered() {
+        let cache = Arc::new(BlockCache::new(100));
+        let limits = [Limit::fixed_window(1, Duration::from_secs(60)).unwrap()];
+        let fingerprint = BlockCache::fingerprint(&limits);
+        let key = Key::new("k");
+        let asked = cache.generation();
+        cache.reset(key.as_str());
+        cache.insert(key.clone(), fingerprint, 1, 0, &denial(), asked);
+        assert!(cache.get(&key, fingerprint, 1, 1).is_none());
+        let asked = cache.generation();
+        cache.insert(key.clone(), fingerprint, 1, 0, &denial(), asked);
+        assert!(cache.get(&key, fingerprint, 1, 1).is_some());
+        // A reset of another key leaves it; one of this key drops it.
+        cache.reset(Key::new("other").as_str());
+        assert!(cache.get(&key, fingerprint, 1, 1).is_some());
+        cache.reset(key.as_str());
+        assert!(cache.get(&key, fingerprint, 1, 1).is_none());
+    }
+}
