@@ -21,8 +21,10 @@ use futures_util::StreamExt;
 
 use super::block_cache::BlockCache;
 
-/// How long the task waits before connecting again after a failure.
+/// How long the task waits before connecting again after a failure, doubling up to
+/// [`MAX_RECONNECT_DELAY`] while it keeps failing (say, an ACL without `+subscribe`).
 const RECONNECT_DELAY: Duration = Duration::from_millis(200);
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(60);
 /// How often an idle task checks whether its cache is gone.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
@@ -87,6 +89,8 @@ impl Drop for Running {
 
 /// Subscribes and forgets the denials of every key announced, until the cache is gone.
 async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
+    let mut delay = RECONNECT_DELAY;
+    let mut warned = false;
     loop {
         for client in source.clients.iter() {
             if cache.strong_count() == 0 {
@@ -95,9 +99,19 @@ async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
             let Ok(mut pubsub) = client.get_async_pubsub().await else {
                 continue;
             };
-            if pubsub.subscribe(&*source.channel).await.is_err() {
+            if let Err(error) = pubsub.subscribe(&*source.channel).await {
+                if !warned && error.to_string().contains("NOPERM") {
+                    warned = true;
+                    tracing::warn!(
+                        channel = &*source.channel,
+                        "block cache: may not subscribe to the reset channel (+subscribe and \
+                         the channel in the ACL); resets reach this store's denials only \
+                         when their retry_after ends",
+                    );
+                }
                 continue;
             }
+            delay = RECONNECT_DELAY;
             match cache.upgrade() {
                 // Resets may have been missed while not subscribed.
                 Some(cache) => cache.reset_all(),
@@ -122,6 +136,10 @@ async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
             }
             tracing::debug!("block cache: reset subscription lost, subscribing again");
         }
-        tokio::time::sleep(RECONNECT_DELAY).await;
+        if cache.strong_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(MAX_RECONNECT_DELAY);
     }
 }
