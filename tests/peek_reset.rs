@@ -395,6 +395,86 @@ mod redis_store {
     }
 }
 
+/// As the README documents: the least-privilege line peeks; resetting needs `+del
+/// +publish`, and hearing resets `+subscribe` and the channel. A store that may not
+/// subscribe says so once.
+#[cfg(feature = "redis")]
+mod acl_users {
+    use tollgate::store::RedisStore;
+
+    use super::*;
+    use support::{RedisServer, acl, logs::Logs};
+
+    async fn connect(server: &RedisServer, user: &str, extra: &[&str]) -> RedisStore {
+        let mut rules = acl::documented_rules(user, "tollgate");
+        // Redis 6.0 has no channel rules: every user may use every channel.
+        let channels = support::redis_server_version() >= (6, 2);
+        rules.extend(
+            extra
+                .iter()
+                .filter(|rule| channels || !rule.starts_with('&'))
+                .map(|rule| (*rule).to_owned()),
+        );
+        acl::set_user(server, &rules);
+        RedisStore::connect(&acl::url_for(server, user))
+            .await
+            .unwrap()
+            .with_clock(ManualClock::new(NOW_MS))
+    }
+
+    #[tokio::test]
+    async fn acl_users_peek_and_reset_as_documented() {
+        let (logs, _guard) = Logs::capture();
+        let server = RedisServer::start();
+        let limits = [Limit::fixed_window(1, HOUR).unwrap()];
+        let key = Key::new("client");
+
+        // The documented line alone: peeks, may not reset, warns that it cannot listen.
+        let plain = connect(&server, "plain", &[]).await;
+        assert!(plain.peek(&key, &limits, 1).await.unwrap().is_allowed());
+        let error = plain.reset(&key, &limits).await.unwrap_err();
+        assert!(
+            support::chain(&error).contains("NOPERM"),
+            "{}",
+            support::chain(&error)
+        );
+        assert!(plain.check(&key, &limits, 1).await.unwrap().is_allowed());
+        assert!(!plain.check(&key, &limits, 1).await.unwrap().is_allowed());
+        let start = Instant::now();
+        while !logs
+            .text()
+            .contains("may not subscribe to the reset channel")
+        {
+            assert!(start.elapsed() < PROPAGATION, "no warning: {}", logs.text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // With the documented additions, a reset reaches the other store's block cache.
+        let extra = ["+del", "+publish", "+subscribe", "&tollgate:reset"];
+        let a = connect(&server, "admin-a", &extra).await;
+        let b = connect(&server, "admin-b", &extra).await;
+        let key = Key::new("other-client");
+        assert!(b.check(&key, &limits, 1).await.unwrap().is_allowed());
+        assert!(!b.check(&key, &limits, 1).await.unwrap().is_allowed());
+        eventually("B subscribes", PROPAGATION, || async {
+            let out = server
+                .cli(&["PUBSUB", "NUMSUB", "tollgate:reset"])
+                .unwrap_or_default();
+            out.lines().nth(1).is_some_and(|n| n.trim() == "1")
+        })
+        .await;
+        let _ = b.check(&key, &limits, 1).await.unwrap();
+        assert!(b.check(&key, &limits, 1).is_ready(), "not cached");
+        a.reset(&key, &limits).await.unwrap();
+        eventually("B allows after the reset", PROPAGATION, || async {
+            b.check(&key, &limits, 1).await.unwrap().is_allowed()
+        })
+        .await;
+        // Said once, however often the plain store retried.
+        assert_eq!(logs.text().matches("may not subscribe").count(), 1);
+    }
+}
+
 #[cfg(feature = "cluster")]
 mod cluster_store {
     use tollgate::store::RedisStore;

@@ -167,6 +167,22 @@ mod tests {
                 Check::pending(async move { Ok(decision) })
             }
         }
+
+        fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+            if self.stalled.load(Ordering::SeqCst) {
+                Check::pending(std::future::pending())
+            } else {
+                self.memory.peek(key, limits, cost)
+            }
+        }
+
+        fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+            if self.stalled.load(Ordering::SeqCst) {
+                Box::pin(std::future::pending())
+            } else {
+                self.memory.reset(key, limits)
+            }
+        }
     }
 
     fn poll_once(check: &mut Check) -> Poll<Result<Decision, StoreError>> {
@@ -214,6 +230,48 @@ mod tests {
             decisions.push(decision.expect("decided by the store").is_allowed());
         }
         assert_eq!(decisions, [true, true, true, false, false]);
+    }
+
+    /// Peek and reset wait at most the timeout, and reach the store while the circuit is
+    /// open: an operator's reset is never skipped.
+    #[tokio::test(start_paused = true)]
+    async fn peek_and_reset_time_out_and_ignore_the_breaker() {
+        let clock = ManualClock::new(1_000_000);
+        let breaker = Breaker::with_clock(
+            CircuitBreaker::new(1, Duration::from_secs(60)),
+            Arc::new(clock.clone()),
+        );
+        let store = Arc::new(Stalling::default());
+        let guarded = Guarded::new(
+            Arc::new(store.clone()),
+            Some(Duration::from_millis(100)),
+            Some(Arc::new(breaker)),
+        );
+        let key = Key::new("k");
+        let limits = [Limit::fixed_window(3, Duration::from_secs(3600)).unwrap()];
+        store.stalled.store(true, Ordering::SeqCst);
+        // Bounded here too, so that a missing timeout fails rather than hangs.
+        let bound = Duration::from_secs(10);
+        let peeked = tokio::time::timeout(bound, guarded.peek(&key, &limits, 1)).await;
+        let error = peeked.expect("peek is bounded by the timeout").unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Timeout);
+        let reset = tokio::time::timeout(bound, guarded.reset(&key, &limits)).await;
+        let error = reset.expect("reset is bounded by the timeout").unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Timeout);
+        // Open the circuit with a failed request.
+        assert!(guarded.check(&key, &limits, 1).await.is_err());
+        assert!(
+            guarded
+                .check(&key, &limits, 1)
+                .await
+                .unwrap_err()
+                .is_circuit_open()
+        );
+        store.stalled.store(false, Ordering::SeqCst);
+        store.memory.decide(&key, &limits, 3);
+        assert!(!guarded.peek(&key, &limits, 1).await.unwrap().is_allowed());
+        guarded.reset(&key, &limits).await.unwrap();
+        assert!(guarded.peek(&key, &limits, 1).await.unwrap().is_allowed());
     }
 
     #[tokio::test(start_paused = true)]

@@ -18,6 +18,7 @@ use std::{
 };
 
 use futures_util::StreamExt;
+use redis::{ErrorKind, ServerErrorKind};
 
 use super::block_cache::BlockCache;
 
@@ -96,11 +97,18 @@ async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
             if cache.strong_count() == 0 {
                 return;
             }
-            let Ok(mut pubsub) = client.get_async_pubsub().await else {
-                continue;
+            let mut pubsub = match client.get_async_pubsub().await {
+                Ok(pubsub) => pubsub,
+                Err(error) => {
+                    tracing::debug!(%error, "block cache: cannot connect to hear resets");
+                    continue;
+                }
             };
             if let Err(error) = pubsub.subscribe(&*source.channel).await {
-                if !warned && error.to_string().contains("NOPERM") {
+                tracing::debug!(%error, "block cache: cannot subscribe to hear resets");
+                let refused = error.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+                    || error.to_string().contains("NOPERM");
+                if refused && !warned {
                     warned = true;
                     tracing::warn!(
                         channel = &*source.channel,
