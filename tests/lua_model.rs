@@ -258,6 +258,89 @@ proptest! {
         })?;
     }
 
+    /// Peeks inside one script call among checks of the same key (a batch, as a caller
+    /// that coalesced them would send): each peek answers what a check at that point
+    /// would, and leaves the state for the requests after it exactly as it found it.
+    #[test]
+    fn peeks_in_a_batch_leave_the_state_to_the_requests_after_them(
+        limits in limits_strategy(),
+        requests in prop::collection::vec((0u32..8, any::<bool>()), 1..30),
+        before in prop::collection::vec(0u32..8, 0..10),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let now = START;
+        let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        for &cost in &before {
+            algorithm::check(&mut states, &limits, now, cost);
+        }
+        let expected: Vec<Decision> = requests
+            .iter()
+            .map(|&(cost, peek)| {
+                if peek {
+                    algorithm::peek(&states, &limits, now, cost)
+                } else {
+                    algorithm::check(&mut states, &limits, now, cost)
+                }
+            })
+            .collect();
+        runtime.block_on(async {
+            let clock = ManualClock::new(now);
+            let store = case_store(&clock, false).await;
+            let key = Key::new("batch");
+            for &cost in &before {
+                store.check(&key, &limits, cost).await.unwrap();
+            }
+            let redis_keys: Vec<String> = limits.iter().map(|l| store.redis_key(&key, l)).collect();
+            // The script's ARGV as documented in lua/main.lua: one group, every request
+            // naming it, negated for a peek.
+            let mut call = redis::cmd("EVAL");
+            call.arg(tollgate::store::SCRIPT_SOURCE).arg(redis_keys.len() * requests.len());
+            for _ in &requests {
+                for redis_key in &redis_keys {
+                    call.arg(redis_key);
+                }
+            }
+            call.arg(now).arg(1).arg(limits.len());
+            for limit in &limits {
+                let code = ALGORITHMS.iter().position(|a| *a == limit.algorithm()).unwrap() + 1;
+                call.arg(code)
+                    .arg(limit.limit())
+                    .arg(limit.window().as_millis() as u64)
+                    .arg(limit.capacity());
+            }
+            call.arg(requests.len());
+            for &(cost, peek) in &requests {
+                call.arg(cost).arg(if peek { -1 } else { 1 });
+            }
+            let mut redis = raw_connection().await;
+            let reply: Vec<i64> = call.query_async(&mut redis).await.unwrap();
+            // (allowed, remaining, reset_after, retry_after) per limit of each request.
+            let got: Vec<Vec<(bool, u64, u64, u64)>> = reply
+                .chunks_exact(4 * limits.len())
+                .map(|request| {
+                    request
+                        .chunks_exact(4)
+                        .map(|v| (v[0] == 1, v[1] as u64, v[2] as u64, v[3] as u64))
+                        .collect()
+                })
+                .collect();
+            let expected: Vec<Vec<(bool, u64, u64, u64)>> = expected
+                .iter()
+                .map(|d| {
+                    d.limits()
+                        .iter()
+                        .map(|l| (l.allowed, l.remaining, l.reset_after_ms, l.retry_after_ms))
+                        .collect()
+                })
+                .collect();
+            prop_assert_eq!(&got, &expected, "{:?} after {:?} with {:?}", requests, before, limits);
+            // And what the batch saved is what the model kept.
+            let after = store.peek(&key, &limits, 0).await.unwrap();
+            prop_assert_eq!(after, algorithm::peek(&states, &limits, now, 0));
+            Ok(())
+        })?;
+    }
+
     /// The block cache answers repeated denials locally: the same decisions and the same
     /// `retry_after` as Redis without it; `remaining` may lag behind, never ahead.
     #[test]
