@@ -68,6 +68,15 @@
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
 //! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
 //!
+//! # Peek and reset
+//!
+//! [`RateLimitLayer::limiter`] returns a [`Limiter`] for handlers and admin code: its
+//! [`peek`](Limiter::peek) answers the decision a request would get now, with nothing
+//! written, and its [`reset`](Limiter::reset) gives a key a fresh budget under the
+//! layer's rules in force, on every replica at once (the Redis store's block caches hear
+//! resets over pub/sub). [`Limiter::key_of`] makes the key with the layer's own extractor.
+//! Stores implement [`Store::peek`] and [`Store::reset`].
+//!
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit

@@ -536,3 +536,58 @@ mod cluster_store {
         .await;
     }
 }
+
+/// Behind Sentinel: peek and reset on the master, and a reset heard by another store's
+/// block cache (its listener subscribes on the master the sentinels name).
+#[cfg(feature = "sentinel")]
+mod sentinel_store {
+    use tollgate::store::{RedisStore, SentinelConfig};
+
+    use super::*;
+    use support::sentinel::{MASTER_NAME, SentinelSetup};
+
+    async fn connect(setup: &SentinelSetup) -> RedisStore {
+        let config = SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME);
+        RedisStore::connect_sentinel(&config)
+            .await
+            .unwrap()
+            .with_clock(ManualClock::new(NOW_MS))
+    }
+
+    #[tokio::test]
+    async fn sentinel_stores_peek_reset_and_tell_each_other() {
+        let setup = Arc::new(SentinelSetup::start());
+        let master = setup.index_of(setup.master_port().unwrap());
+        let store = connect(&setup).await;
+        let probe = store.clone();
+        let nodes = setup.clone();
+        peek_and_reset(&store, move |key, limit| {
+            let found = nodes.servers[master]
+                .cli(&["EXISTS", &probe.redis_key(&key, &limit)])
+                .unwrap();
+            async move { Some(found.trim() == "1") }
+        })
+        .await;
+
+        let a = connect(&setup).await;
+        let b = connect(&setup).await;
+        let limits = [Limit::fixed_window(1, HOUR).unwrap()];
+        let key = Key::new("sentinel-client");
+        assert!(b.check(&key, &limits, 1).await.unwrap().is_allowed());
+        assert!(!b.check(&key, &limits, 1).await.unwrap().is_allowed());
+        eventually("B subscribes", PROPAGATION, || async {
+            let out = setup.servers[master]
+                .cli(&["PUBSUB", "NUMSUB", "tollgate:reset"])
+                .unwrap_or_default();
+            out.lines().nth(1).is_some_and(|n| n.trim() == "1")
+        })
+        .await;
+        let _ = b.check(&key, &limits, 1).await.unwrap();
+        assert!(b.check(&key, &limits, 1).is_ready(), "not cached");
+        a.reset(&key, &limits).await.unwrap();
+        eventually("B allows after the reset", PROPAGATION, || async {
+            b.check(&key, &limits, 1).await.unwrap().is_allowed()
+        })
+        .await;
+    }
+}

@@ -1,11 +1,11 @@
 //! Connecting to Redis as it is run: one node or a cluster, over TLS (`rediss://`, a
 //! custom CA, client certificates) with feature `tls`, as an ACL user named in the URL.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use redis::aio::ConnectionManagerConfig;
 
-use super::{RedisStore, SCRIPT, store_error};
+use super::{RedisStore, SCRIPT, invalidate::Nodes, store_error};
 use crate::{StoreError, StoreErrorKind};
 
 /// How long one connection attempt may take: a Redis that is down fails calls quickly and
@@ -65,7 +65,7 @@ impl RedisStore {
             .map_err(store_error)?;
         // Loaded now, the first burst of calls does not all meet NOSCRIPT at once.
         SCRIPT.load_async(&mut manager).await.map_err(store_error)?;
-        Ok(Self::from_manager(manager).with_reset_source(vec![client]))
+        Ok(Self::from_manager(manager).with_reset_source(Nodes::Fixed(Arc::new([client]))))
     }
 
     /// The store over a cluster client for `nodes`, with the script loaded.
@@ -105,7 +105,8 @@ impl RedisStore {
                 redis::Client::open(*node).ok()
             })
             .collect();
-        Ok(Self::new(super::Connection::Cluster(connection)).with_reset_source(listen))
+        Ok(Self::new(super::Connection::Cluster(connection))
+            .with_reset_source(Nodes::Fixed(listen)))
     }
 
     /// Connects to the Redis at `url` (`rediss://[user:password@]host:port[/db]`) over TLS,

@@ -7,7 +7,10 @@
 //! resets meanwhile; while it is not subscribed (Redis unreachable, a connection that died
 //! without closing), a denial lasts at most its `retry_after`, as it always did.
 //! In Redis Cluster a `PUBLISH` reaches every node, so one subscription to any node hears
-//! every reset.
+//! every reset; behind Sentinel the task subscribes on the master the sentinels name (a
+//! `PUBLISH` on a master reaches its replicas too, so a demoted one still hears it). A
+//! store made from a connection manager or a pool has no address to subscribe to and
+//! does not listen.
 
 use std::{
     sync::{
@@ -34,17 +37,37 @@ pub(crate) fn channel(prefix: &str) -> String {
     format!("{prefix}:reset")
 }
 
-/// Where to subscribe: the nodes to try, in order, and the channel.
+/// The nodes a store hears resets from.
+#[derive(Clone)]
+pub(crate) enum Nodes {
+    /// These, tried in order: the one node, or a cluster's nodes.
+    Fixed(Arc<[redis::Client]>),
+    /// The master the sentinels name at each (re)subscription.
+    #[cfg(feature = "sentinel")]
+    Sentinel(Arc<super::sentinel::SentinelConnection>),
+}
+
+impl Nodes {
+    async fn clients(&self) -> Vec<redis::Client> {
+        match self {
+            Self::Fixed(clients) => clients.to_vec(),
+            #[cfg(feature = "sentinel")]
+            Self::Sentinel(sentinel) => sentinel.master_client().await.into_iter().collect(),
+        }
+    }
+}
+
+/// Where to subscribe: the nodes and the channel.
 #[derive(Clone)]
 pub(crate) struct Source {
-    clients: Arc<[redis::Client]>,
+    nodes: Nodes,
     channel: Arc<str>,
 }
 
 impl Source {
-    pub(crate) fn new(clients: Arc<[redis::Client]>, prefix: &str) -> Self {
+    pub(crate) fn new(nodes: Nodes, prefix: &str) -> Self {
         Self {
-            clients,
+            nodes,
             channel: channel(prefix).into(),
         }
     }
@@ -93,7 +116,7 @@ async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
     let mut delay = RECONNECT_DELAY;
     let mut warned = false;
     loop {
-        for client in source.clients.iter() {
+        for client in source.nodes.clients().await {
             if cache.strong_count() == 0 {
                 return;
             }

@@ -98,7 +98,7 @@ pub struct RedisStore {
     coalescer: Arc<OnceLock<Coalescer>>,
     block_cache: Option<Arc<BlockCache>>,
     /// The nodes the block cache hears resets from (none: a connection given as is).
-    reset_source: Option<Arc<[redis::Client]>>,
+    reset_source: Option<invalidate::Nodes>,
 }
 
 #[derive(Clone)]
@@ -208,8 +208,8 @@ impl RedisStore {
     }
 
     /// Listens for resets on `nodes` (see [`invalidate`]).
-    pub(crate) fn with_reset_source(mut self, nodes: Vec<redis::Client>) -> Self {
-        self.reset_source = Some(nodes.into());
+    pub(crate) fn with_reset_source(mut self, nodes: invalidate::Nodes) -> Self {
+        self.reset_source = Some(nodes);
         self.listen_for_resets();
         self
     }
