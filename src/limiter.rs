@@ -71,10 +71,11 @@ impl<K> Limiter<K> {
         self.cell.active.load().rules.clone()
     }
 
-    /// The decision a request of `cost` from `key` would get now from the enforced
-    /// limits (allowed, and per limit remaining, reset and retry_after, `remaining` as
-    /// that request would leave it), with nothing written: no key created, no expiry
-    /// moved. Cost 0 reads what is left.
+    /// The decision a request of `cost` from `key` would get now from the layer's
+    /// limits ([`Rules::limits`], also while the whole layer is in shadow), with nothing
+    /// written: no key created, no expiry moved. Per limit: allowed, `remaining` as that
+    /// request would leave it, `reset_after` and `retry_after`. Cost 0 reads what is
+    /// left.
     ///
     /// # Errors
     ///
