@@ -427,3 +427,48 @@ async fn a_reset_through_one_gateway_reaches_another() {
     a.stop().await.unwrap();
     b.stop().await.unwrap();
 }
+
+/// Header keys hashed with an HMAC secret (`key_secret_env`): the admin endpoint is given
+/// the API key itself and finds the same store key the requests were counted under.
+#[tokio::test]
+async fn hmac_hashed_header_keys_are_found_from_the_api_key() {
+    let text = r#"
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+[store]
+key_secret_env = "PATH"
+[[routes]]
+path = "/keyed"
+[[routes.limits]]
+key = "header:x-api-key"
+algorithm = "sliding_window"
+limit = 2
+window = "1h"
+"#;
+    let gw = server::start(Config::parse(text).unwrap()).await.unwrap();
+    let client = client();
+    let request = |key: &'static str| {
+        let url = public(&gw, "/keyed");
+        let client = client.clone();
+        async move {
+            send(&client, Method::GET, &url, &[("x-api-key", key)])
+                .await
+                .status
+                .as_u16()
+        }
+    };
+    for want in [200, 200, 429] {
+        assert_eq!(request("secret-key").await, want);
+    }
+    let path = "/ratelimit/keyed?key=secret-key";
+    let spent = send(&client, Method::GET, &admin(&gw, path), &[]).await;
+    assert!(
+        spent.text().contains(r#""allowed":false"#),
+        "{}",
+        spent.text()
+    );
+    let reset = send(&client, Method::DELETE, &admin(&gw, path), &[]).await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    assert_eq!(request("secret-key").await, 200);
+    gw.stop().await.unwrap();
+}
