@@ -21,13 +21,16 @@ end
 -- A limit with a lockout that denied a request (out[n + 1..4] its result): starts a block
 -- unless one runs, and reports it: retry_after and reset_after at least the time left,
 -- and remaining as minus the time left (the caller reads remaining 0, and the time the
--- block lasts, which its cache of denials needs).
-local function lockout_deny(out, n, key, D, now)
+-- block lasts, which its cache of denials needs). A peek reports the block it would
+-- start and starts none.
+local function lockout_deny(out, n, key, D, now, peek)
   local left = lockout_left(key, now)
   if left == 0 then
     left = D
-    blocks[key] = now + D
-    set_expiring(key, now + D, D)
+    if not peek then
+      blocks[key] = now + D
+      set_expiring(key, now + D, D)
+    end
   end
   out[n + 2] = -left
   out[n + 3] = math.max(out[n + 3], left)

@@ -4,11 +4,14 @@
 -- ARGV[2]: the number of limit groups G (each distinct list of limits in the call, sent
 --          once); then for each group: its number of limits M, and for each limit:
 --          algorithm code, limit, window ms, capacity (burst), lockout ms (0: none).
--- Then the number of requests N, and for each request: cost, group (1-based).
+-- Then the number of requests N, and for each request: cost, group (1-based). A
+-- negative group -g peeks: the request is decided against group g, and its answer is
+-- the one it would get, but nothing is committed or saved (no block is started either).
 -- A request's keys are its limits' keys, then one block key per limit with a lockout, in
 -- the order of those limits (lockout.lua).
 -- Returns, for each limit of each request in order: allowed (0/1), remaining (minus the
--- time left on a lockout block when one blocks it), reset_after ms, retry_after ms. A request is allowed when all its limits are.
+-- time left on a lockout block when one blocks it), reset_after ms, retry_after ms. A
+-- request is allowed when all its limits are.
 --
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
@@ -76,7 +79,10 @@ local k = 1
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
 for _ = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
-  local group = groups[ARGV[a + 2] + 0]
+  local g = ARGV[a + 2] + 0
+  local peek = g < 0
+  if peek then g = -g end
+  local group = groups[g]
   a = a + 2
   local m = #group
   local all_fit = true
@@ -111,9 +117,14 @@ for _ = 1, ARGV[a] + 0 do
     local limit = group[i]
     local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
     local s = held[i]
+    local kept -- a peek's copy of the state, put back once answered
     if all_fit then
+      if peek then
+        kept = {}
+        for f, v in pairs(s) do kept[f] = v end
+      end
       alg.commit(s, now, L, W, B, cost)
-      if not s.changed then
+      if not peek and not s.changed then
         s.changed = limit
         changed[#changed + 1] = s
       end
@@ -123,9 +134,13 @@ for _ = 1, ARGV[a] + 0 do
     out[n + 3] = alg.reset_after(s, now, L, W, B)
     out[n + 4] = retries[i]
     if limit.D > 0 and not fits[i] then
-      lockout_deny(out, n, KEYS[k + limit.bk], limit.D, now)
+      lockout_deny(out, n, KEYS[k + limit.bk], limit.D, now, peek)
     end
     n = n + 4
+    if kept then
+      for f in pairs(s) do s[f] = nil end
+      for f, v in pairs(kept) do s[f] = v end
+    end
   end
   k = k + group.keys
 end

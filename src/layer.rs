@@ -14,6 +14,7 @@ use crate::{
     decide::Shared,
     headers::HeaderStyle,
     key::PeerIp,
+    limiter::Limiter,
     rejection::DefaultRejection,
     rules::{Cell, Rules, RulesHandle},
     service::RateLimit,
@@ -321,6 +322,18 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// that the handle does not change. See [`rules`](crate::rules).
     pub fn rules_handle(&self) -> RulesHandle {
         RulesHandle::new(self.settings.cell().clone())
+    }
+
+    /// A handle to [peek](Limiter::peek) at and [reset](Limiter::reset) a key's budgets
+    /// under this layer's rules in force, on its store. Take it once the layer is
+    /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
+    pub fn limiter(&self) -> Limiter<K> {
+        let store = Guarded::new(
+            self.settings.store.clone(),
+            self.settings.timeout,
+            self.settings.breaker.clone(),
+        );
+        Limiter::new(self.key.clone(), self.settings.cell().clone(), store)
     }
 }
 

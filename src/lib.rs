@@ -75,6 +75,15 @@
 //! resolver or a cached async [`PlanLookup`]. Each plan keeps its own state; requests
 //! without a known plan get the default plan. See [`plan`].
 //!
+//! # Peek and reset
+//!
+//! [`RateLimitLayer::limiter`] returns a [`Limiter`] for handlers and admin code: its
+//! [`peek`](Limiter::peek) answers the decision a request would get now, with nothing
+//! written, and its [`reset`](Limiter::reset) gives a key a fresh budget under the
+//! layer's rules in force, on every replica at once (the Redis store's block caches hear
+//! resets over pub/sub). [`Limiter::key_of`] makes the key with the layer's own extractor.
+//! Stores implement [`Store::peek`] and [`Store::reset`].
+//!
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit
@@ -145,6 +154,7 @@ pub mod headers;
 pub mod key;
 mod layer;
 mod limit;
+mod limiter;
 pub mod metrics;
 pub mod plan;
 mod policy;
@@ -161,6 +171,7 @@ pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
+pub use limiter::Limiter;
 pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};

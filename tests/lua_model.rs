@@ -284,6 +284,62 @@ proptest! {
         })?;
     }
 
+    /// A peek (the script's negative group index) answers exactly what the model's
+    /// `peek` does, which is what a check would answer, among checks of the same keys,
+    /// and writes nothing: each key's value and TTL are the same after as before.
+    #[test]
+    fn a_peek_decides_like_the_model_and_writes_nothing(
+        limits in limits_strategy(),
+        steps in steps_strategy(),
+        peeks in prop::collection::vec(any::<bool>(), 60),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut states: [Vec<State>; 2] =
+            std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        let expected: Vec<(u64, Decision)> = steps
+            .iter()
+            .enumerate()
+            .map(|(i, &(wait, cost, key))| {
+                now = next_now(now, wait, previous.as_ref());
+                let decision = if peeks[i] {
+                    algorithm::peek(&states[key], &limits, now, cost)
+                } else {
+                    algorithm::check(&mut states[key], &limits, now, cost)
+                };
+                previous = Some(decision.clone());
+                (now, decision)
+            })
+            .collect();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let mut redis = raw_connection().await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = if peeks[i] {
+                    let redis_keys: Vec<String> =
+                        limits.iter().map(|l| store.redis_key(&keys[key], l)).collect();
+                    let before = dump(&mut redis, &redis_keys).await;
+                    let got = store.peek(&keys[key], &limits, cost).await.unwrap();
+                    let after = dump(&mut redis, &redis_keys).await;
+                    for ((value, ttl), (value_after, ttl_after)) in before.iter().zip(&after) {
+                        prop_assert_eq!(value, value_after, "step {} of {:?}", i, steps);
+                        // Redis's own clock runs on: the TTL may only have shrunk.
+                        prop_assert!(ttl_after <= ttl && (*ttl < 0) == (*ttl_after < 0));
+                    }
+                    got
+                } else {
+                    store.check(&keys[key], &limits, cost).await.unwrap()
+                };
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
     /// Without any lockout, `check_with_lockouts` is `check`.
     #[test]
     fn no_lockout_decides_like_check(limits in limits_strategy(), steps in steps_strategy()) {
@@ -317,6 +373,90 @@ proptest! {
             }
             previous = Some(decision);
         }
+    }
+
+    /// Peeks inside one script call among checks of the same key (a batch, as a caller
+    /// that coalesced them would send): each peek answers what a check at that point
+    /// would, and leaves the state for the requests after it exactly as it found it.
+    #[test]
+    fn peeks_in_a_batch_leave_the_state_to_the_requests_after_them(
+        limits in limits_strategy(),
+        requests in prop::collection::vec((0u32..8, any::<bool>()), 1..30),
+        before in prop::collection::vec(0u32..8, 0..10),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let now = START;
+        let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        for &cost in &before {
+            algorithm::check(&mut states, &limits, now, cost);
+        }
+        let expected: Vec<Decision> = requests
+            .iter()
+            .map(|&(cost, peek)| {
+                if peek {
+                    algorithm::peek(&states, &limits, now, cost)
+                } else {
+                    algorithm::check(&mut states, &limits, now, cost)
+                }
+            })
+            .collect();
+        runtime.block_on(async {
+            let clock = ManualClock::new(now);
+            let store = case_store(&clock, false).await;
+            let key = Key::new("batch");
+            for &cost in &before {
+                store.check(&key, &limits, cost).await.unwrap();
+            }
+            let redis_keys: Vec<String> = limits.iter().map(|l| store.redis_key(&key, l)).collect();
+            // The script's ARGV as documented in lua/main.lua: one group, every request
+            // naming it, negated for a peek.
+            let mut call = redis::cmd("EVAL");
+            call.arg(tollgate::store::SCRIPT_SOURCE).arg(redis_keys.len() * requests.len());
+            for _ in &requests {
+                for redis_key in &redis_keys {
+                    call.arg(redis_key);
+                }
+            }
+            call.arg(now).arg(1).arg(limits.len());
+            for limit in &limits {
+                let code = ALGORITHMS.iter().position(|a| *a == limit.algorithm()).unwrap() + 1;
+                call.arg(code)
+                    .arg(limit.limit())
+                    .arg(limit.window().as_millis() as u64)
+                    .arg(limit.capacity())
+                    .arg(0); // no lockout
+            }
+            call.arg(requests.len());
+            for &(cost, peek) in &requests {
+                call.arg(cost).arg(if peek { -1 } else { 1 });
+            }
+            let mut redis = raw_connection().await;
+            let reply: Vec<i64> = call.query_async(&mut redis).await.unwrap();
+            // (allowed, remaining, reset_after, retry_after) per limit of each request.
+            let got: Vec<Vec<(bool, u64, u64, u64)>> = reply
+                .chunks_exact(4 * limits.len())
+                .map(|request| {
+                    request
+                        .chunks_exact(4)
+                        .map(|v| (v[0] == 1, v[1] as u64, v[2] as u64, v[3] as u64))
+                        .collect()
+                })
+                .collect();
+            let expected: Vec<Vec<(bool, u64, u64, u64)>> = expected
+                .iter()
+                .map(|d| {
+                    d.limits()
+                        .iter()
+                        .map(|l| (l.allowed, l.remaining, l.reset_after_ms, l.retry_after_ms))
+                        .collect()
+                })
+                .collect();
+            prop_assert_eq!(&got, &expected, "{:?} after {:?} with {:?}", requests, before, limits);
+            // And what the batch saved is what the model kept.
+            let after = store.peek(&key, &limits, 0).await.unwrap();
+            prop_assert_eq!(after, algorithm::peek(&states, &limits, now, 0));
+            Ok(())
+        })?;
     }
 
     /// The block cache answers repeated denials locally: the same decisions and the same
@@ -600,6 +740,35 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     } else {
         store.with_block_cache(0)
     }
+}
+
+/// A plain connection to the shared server, to look at keys.
+async fn raw_connection() -> redis::aio::MultiplexedConnection {
+    let server = SERVER.with(|s| s.url());
+    let client = redis::Client::open(server).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.
+async fn dump(
+    redis: &mut redis::aio::MultiplexedConnection,
+    keys: &[String],
+) -> Vec<(Option<Vec<u8>>, i64)> {
+    let mut out = Vec::new();
+    for key in keys {
+        let value: Option<Vec<u8>> = redis::cmd("DUMP")
+            .arg(key)
+            .query_async(redis)
+            .await
+            .unwrap();
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(redis)
+            .await
+            .unwrap();
+        out.push((value, ttl));
+    }
+    out
 }
 
 thread_local! {

@@ -61,8 +61,10 @@ impl std::error::Error for ConfigError {}
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) listen: SocketAddr,
-    /// Where `/metrics` is served, if anywhere.
+    /// Where `/metrics` and `/ratelimit/` are served, if anywhere.
     pub(crate) admin_listen: Option<SocketAddr>,
+    /// The bearer token `/ratelimit/` asks for (`admin_token_env`).
+    pub(crate) admin_token: Option<KeySecret>,
     pub(crate) trusted_proxies: Vec<IpNet>,
     pub(crate) server: ServerConfig,
     pub(crate) store: StoreConfig,
@@ -257,6 +259,7 @@ impl fmt::Display for KeySpec {
 struct RawConfig {
     listen: String,
     admin_listen: Option<String>,
+    admin_token_env: Option<String>,
     #[serde(default)]
     trusted_proxies: Vec<String>,
     #[serde(default)]
@@ -386,6 +389,7 @@ impl RawConfig {
                 format!("must differ from listen (both are {listen})"),
             ));
         }
+        let admin_token = admin_token(self.admin_token_env.as_deref(), admin_listen.is_some())?;
         let trusted_proxies = self
             .trusted_proxies
             .iter()
@@ -399,6 +403,7 @@ impl RawConfig {
         Ok(Config {
             listen,
             admin_listen,
+            admin_token,
             trusted_proxies,
             server,
             store,
@@ -780,6 +785,24 @@ fn check_tls(backend: &Backend, tls: &StoreTls) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// `admin_token_env`: the admin endpoints' bearer token, read from that environment
+/// variable, which must be set and not empty (an empty token would open them).
+fn admin_token(var: Option<&str>, admin: bool) -> Result<Option<KeySecret>, ConfigError> {
+    let Some(var) = var else {
+        return Ok(None);
+    };
+    if !admin {
+        return Err(ConfigError::new("admin_token_env", "needs admin_listen"));
+    }
+    match std::env::var_os(var) {
+        Some(token) if !token.is_empty() => Ok(Some(KeySecret(token.into_encoded_bytes()))),
+        _ => Err(ConfigError::new(
+            "admin_token_env",
+            format!("the environment variable {var:?} is not set or is empty"),
+        )),
+    }
 }
 
 /// `store.hash_header_keys` (default true) and `store.key_secret_env`: API keys are hashed

@@ -31,6 +31,7 @@ use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
+    admin,
     config::{
         Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, RoutePlans,
         SentinelBackend, StoreConfig,
@@ -55,11 +56,17 @@ const DECISION_BUCKETS: &[f64] = &[
 
 /// The routes, longest prefix first.
 #[derive(Debug)]
-struct Gateway {
+pub(crate) struct Gateway {
     routes: Vec<(String, RouteService)>,
+    /// Each route's rate-limit layers, for the admin endpoints.
+    admin: Vec<admin::Entry>,
 }
 
 impl Gateway {
+    pub(crate) fn admin(&self) -> &[admin::Entry] {
+        &self.admin
+    }
+
     fn route(&self, path: &str) -> Option<&RouteService> {
         self.routes
             .iter()
@@ -96,6 +103,17 @@ impl std::fmt::Debug for Live {
 }
 
 impl Live {
+    /// The route table in force.
+    pub(crate) fn gateway(&self) -> Arc<Gateway> {
+        self.gateway.load_full()
+    }
+
+    /// The admin bearer token in force (`admin_token_env`), if any.
+    pub(crate) fn admin_token(&self) -> Option<Vec<u8>> {
+        let config = self.config.lock().unwrap_or_else(|e| e.into_inner());
+        config.admin_token.as_ref().map(|t| t.0.clone())
+    }
+
     /// The version of the config in force: 1 as started, one more per applied reload.
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)
@@ -299,8 +317,9 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         tasks.push(follow.spawn(live.clone(), signal.clone()));
     }
     if let (Some(listener), Some(handle)) = (admin, prometheus) {
-        let admin_app =
-            Router::new().route("/metrics", get(move || async move { handle.render() }));
+        let admin_app = Router::new()
+            .route("/metrics", get(move || async move { handle.render() }))
+            .merge(admin::router(live.clone()));
         tasks.push(tokio::spawn(serve(
             listener,
             admin_app,
@@ -406,17 +425,18 @@ fn build_gateway(
         trusted_proxies: config.trusted_proxies.clone(),
         upstream_timeout: config.server.upstream_timeout,
     });
+    let mut admin = Vec::new();
     let mut routes: Vec<(String, RouteService)> = config
         .routes
         .iter()
         .map(|route| {
-            let service = route_service(route, config, store, &policy, &proxy);
+            let service = route_service(route, config, store, &policy, &proxy, &mut admin);
             (route.path.clone(), service)
         })
         .collect();
     // Longest prefix first; two different prefixes of one length never both match.
     routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
-    Gateway { routes }
+    Gateway { routes, admin }
 }
 
 /// Resolves when shutdown is asked for, or when the [`Running`] handle is dropped.
@@ -468,6 +488,7 @@ fn route_service(
     store: &Arc<dyn Store>,
     policy: &FailurePolicy,
     proxy: &Arc<proxy::Settings>,
+    admin: &mut Vec<admin::Entry>,
 ) -> RouteService {
     let mut service: RouteService = match &route.upstream {
         Some(upstream) => {
@@ -511,7 +532,13 @@ fn route_service(
         if let Some(delay) = route.delay {
             layer = layer.max_wait(delay);
         }
-        service = keyed(layer, key, config, service);
+        service = keyed(
+            layer,
+            key,
+            config,
+            service,
+            Some((&route.path, &mut *admin)),
+        );
     }
     service
 }
@@ -522,23 +549,40 @@ fn keyed(
     key: KeySpec,
     config: &Config,
     service: RouteService,
+    admin: Option<(&str, &mut Vec<admin::Entry>)>,
 ) -> RouteService {
     match key {
-        KeySpec::Ip => BoxCloneSyncService::new(
-            layer
-                .key(ClientIp::new(config.trusted_proxies.iter().copied()))
-                .layer(service),
-        ),
+        KeySpec::Ip => {
+            let layer = layer.key(ClientIp::new(config.trusted_proxies.iter().copied()));
+            if let Some((path, admin)) = admin {
+                admin.push(admin::Entry::ip(path, layer.limiter()));
+            }
+            BoxCloneSyncService::new(layer.layer(service))
+        }
         KeySpec::Header(name) => {
-            let key = HeaderKey::from(name);
+            let key = HeaderKey::from(name.clone());
             let key = match &config.store.header_keys {
                 HeaderKeys::Plain => key,
                 HeaderKeys::Sha256 => key.hashed(),
                 HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
             };
-            BoxCloneSyncService::new(layer.key(key).layer(service))
+            let layer = layer.key(key);
+            if let Some((path, admin)) = admin {
+                admin.push(admin::Entry::header(
+                    path,
+                    KeySpec::Header(name),
+                    layer.limiter(),
+                ));
+            }
+            BoxCloneSyncService::new(layer.layer(service))
         }
-        KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
+        KeySpec::Global => {
+            let layer = layer.key(GlobalKey);
+            if let Some((path, admin)) = admin {
+                admin.push(admin::Entry::global(path, layer.limiter()));
+            }
+            BoxCloneSyncService::new(layer.layer(service))
+        }
     }
 }
 
@@ -584,7 +628,8 @@ fn plan_layer(
     if let Some(delay) = route.delay {
         layer = layer.max_wait(delay);
     }
-    keyed(layer, plans.key.clone(), config, service)
+    // Not on the admin endpoints: they read and reset a route's own limits.
+    keyed(layer, plans.key.clone(), config, service, None)
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.

@@ -226,6 +226,36 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
     Decision::from_limits(decisions)
 }
 
+/// The decision [`check`] would make, with `states` left as they are: what a store's
+/// `peek` answers. `remaining` is what the request would leave (cost 0: what is left).
+///
+/// # Panics
+///
+/// As [`check`].
+pub fn peek(states: &[State], limits: &[Limit], now: u64, cost: u32) -> Decision {
+    check(&mut states.to_vec(), limits, now, cost)
+}
+
+/// [`peek`] for limits with lockouts: the decision
+/// [`check_with_lockouts`] would give, with the blocks as they are in `blocked_until`
+/// (one per limit, 0: none); neither the states nor the blocks change, so a peek that
+/// would be denied starts no block.
+pub fn peek_with_lockouts(
+    states: &[State],
+    blocked_until: &[u64],
+    limits: &[Limit],
+    now: u64,
+    cost: u32,
+) -> Decision {
+    check_with_lockouts(
+        &mut states.to_vec(),
+        &mut blocked_until.to_vec(),
+        limits,
+        now,
+        cost,
+    )
+}
+
 /// [`check`] for the usual single limit: the same steps, without the list of states to
 /// restore that several limits need (pushing, zipping and dropping it cost a request
 /// about 150 instructions).

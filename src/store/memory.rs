@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 
 mod lockout;
 
-use super::{Check, Store};
+use super::{Check, Reset, Store};
 use crate::{
     Decision, Limit,
     algorithm::{self, State},
@@ -350,6 +350,16 @@ impl Store for MemoryStore {
         Check::ready(Ok(self.decide(key, limits, cost)))
     }
 
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let now = self.inner.clock.now_ms();
+        Check::ready(Ok(self.inner.peek(key, limits, cost, now)))
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        self.inner.reset(key, limits);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// A carried-over limit keeps its fingerprint with new parameters: the sweeps judge
     /// its state's expiry by the new ones, as the next decision will.
     fn limits_changed(&self, limits: &[Limit]) {
@@ -460,6 +470,66 @@ impl Inner {
                     .insert_unique(hash, entry, |e| self.hash(&e.key))
                     .into_mut()
             }
+        }
+    }
+
+    /// [`decide`](Self::decide) on copies of the states: nothing is inserted, marked
+    /// used or changed.
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        let hash = self.hash(key);
+        let shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let slots = shard.table.find(hash, |e| e.key == *key).map(|e| &e.slots);
+        let states: SmallVec<[State; 2]> = limits
+            .iter()
+            .map(|limit| {
+                slots
+                    .and_then(|slots| slots.find(fingerprint(limit)).map(|i| &slots[i]))
+                    .map_or_else(|| State::new(limit.algorithm()), |slot| slot.state.clone())
+            })
+            .collect();
+        let blocked: SmallVec<[u64; 2]> = limits
+            .iter()
+            .map(|limit| match limit.lockout_ms() {
+                0 => 0,
+                _ => shard.blocks.until(hash, key, fingerprint(limit)),
+            })
+            .collect();
+        drop(shard);
+        if limits.iter().any(|limit| limit.lockout_ms() > 0) {
+            return algorithm::peek_with_lockouts(&states, &blocked, limits, now, cost);
+        }
+        algorithm::peek(&states, limits, now, cost)
+    }
+
+    /// Drops the state of `key` under `limits` (the key too once it holds none), under
+    /// the shard's lock: one step for every limit.
+    fn reset(&self, key: &Key, limits: &[Limit]) {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            blocks,
+            ..
+        } = &mut *shard;
+        for limit in limits {
+            blocks.remove(hash, key, fingerprint(limit));
+        }
+        let Ok(mut occupied) = table.find_entry(hash, |e| e.key == *key) else {
+            return;
+        };
+        let slots = &mut occupied.get_mut().slots;
+        slots.retain(|slot| {
+            let reset = limits
+                .iter()
+                .any(|limit| fingerprint(limit) == slot.tagged & !REFERENCED);
+            if reset {
+                known.release(slot);
+            }
+            !reset
+        });
+        if slots.is_empty() {
+            occupied.remove();
         }
     }
 

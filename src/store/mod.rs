@@ -11,7 +11,7 @@ mod prefix;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
-use std::{fmt, sync::Arc};
+use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
 pub use check::Check;
 pub(crate) use guarded::Guarded;
@@ -24,7 +24,10 @@ pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 
-use crate::{Limit, key::Key};
+use crate::{Limit, StoreError, key::Key};
+
+/// What [`Store::reset`] returns: the reset, done once it resolves.
+pub type Reset = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'static>>;
 
 /// Decides requests: checks `cost` against every limit for `key` in one atomic step,
 /// all-or-nothing, and records it when allowed.
@@ -42,6 +45,25 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn limits_changed(&self, limits: &[Limit]) {
         let _ = limits;
     }
+
+    /// The decision [`check`](Self::check) would make now for a request of `cost`
+    /// (`remaining` as that request would leave it; cost 0 reads what is left), with
+    /// nothing written: no key created, no expiry moved. For admin tools and handlers
+    /// that show a client its budget. The default answers
+    /// [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let _ = (key, limits, cost);
+        Check::ready(Err(StoreError::unsupported("peek")))
+    }
+
+    /// Clears the state of `key` under `limits` in one atomic step: its next request
+    /// finds a full budget. A store that answers some requests without asking where the
+    /// state lives (the Redis store's block cache) forgets them too, on every replica.
+    /// The default answers [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        let _ = (key, limits);
+        Box::pin(std::future::ready(Err(StoreError::unsupported("reset"))))
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -51,5 +73,13 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn limits_changed(&self, limits: &[Limit]) {
         (**self).limits_changed(limits);
+    }
+
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        (**self).peek(key, limits, cost)
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        (**self).reset(key, limits)
     }
 }

@@ -40,7 +40,7 @@ impl Blocks {
     }
 
     /// When the block of `key` under the limit with `fingerprint` ends (0: never blocked).
-    fn until(&self, key_hash: u64, key: &Key, fingerprint: u64) -> u64 {
+    pub(super) fn until(&self, key_hash: u64, key: &Key, fingerprint: u64) -> u64 {
         self.table
             .find(Self::hash(key_hash, fingerprint), |b| {
                 b.fingerprint == fingerprint && b.key == *key
@@ -93,6 +93,17 @@ impl Blocks {
             },
             |b| b.hash,
         );
+    }
+
+    /// Ends the block of `key` under the limit with `fingerprint`, if any (a reset).
+    pub(super) fn remove(&mut self, key_hash: u64, key: &Key, fingerprint: u64) {
+        let hash = Self::hash(key_hash, fingerprint);
+        if let Ok(block) = self
+            .table
+            .find_entry(hash, |b| b.fingerprint == fingerprint && b.key == *key)
+        {
+            block.remove();
+        }
     }
 
     /// Drops the blocks that have ended.

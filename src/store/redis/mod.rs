@@ -6,9 +6,11 @@ use std::{
 };
 
 mod acl;
+mod admin;
 mod batch;
 mod block_cache;
 mod connect;
+mod invalidate;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 
@@ -28,7 +30,7 @@ use self::{
     batch::{Coalescer, CoalescerConfig, Submitted},
     block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE},
 };
-use super::{Check, Store};
+use super::{Check, Reset, Store};
 use crate::{
     ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
     clock::{Clock, MonotonicClock},
@@ -96,6 +98,8 @@ pub struct RedisStore {
     /// cell. Clones share it.
     coalescer: Arc<OnceLock<Coalescer>>,
     block_cache: Option<Arc<BlockCache>>,
+    /// The nodes the block cache hears resets from (none: a connection given as is).
+    reset_source: Option<invalidate::Nodes>,
 }
 
 #[derive(Clone)]
@@ -200,6 +204,24 @@ impl RedisStore {
             coalescer_config: CoalescerConfig::default(),
             coalescer: Arc::default(),
             block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
+            reset_source: None,
+        }
+    }
+
+    /// Listens for resets on `nodes` (see [`invalidate`]).
+    pub(crate) fn with_reset_source(mut self, nodes: invalidate::Nodes) -> Self {
+        self.reset_source = Some(nodes);
+        self.listen_for_resets();
+        self
+    }
+
+    /// Points the block cache at the reset channel of the current prefix.
+    fn listen_for_resets(&self) {
+        if let Some(cache) = &self.block_cache {
+            let source = self.reset_source.as_ref();
+            cache.listen_to(
+                source.map(|nodes| invalidate::Source::new(nodes.clone(), &self.prefix)),
+            );
         }
     }
 
@@ -213,6 +235,7 @@ impl RedisStore {
     pub fn with_prefix(mut self, prefix: &str) -> Result<Self, ConfigError> {
         super::validate_prefix(prefix)?;
         self.prefix = prefix.into();
+        self.listen_for_resets();
         Ok(self)
     }
 
@@ -264,6 +287,7 @@ impl RedisStore {
     /// stays denied until T.
     pub fn with_block_cache(mut self, entries: usize) -> Self {
         self.block_cache = (entries > 0).then(|| Arc::new(BlockCache::new(entries)));
+        self.listen_for_resets();
         self
     }
 
@@ -326,6 +350,7 @@ impl RedisStore {
             cost,
             group,
             quotas: limits.iter().map(Limit::limit).collect(),
+            peek: false,
             slot,
         }
     }
@@ -348,7 +373,7 @@ impl Store for RedisStore {
                 if let Some(decision) = cache.get(key, fingerprint, cost, now) {
                     return Check::ready(Ok(decision));
                 }
-                Some((cache.clone(), key.clone(), fingerprint))
+                Some((cache.clone(), key.clone(), fingerprint, cache.generation()))
             }
             _ => None,
         };
@@ -378,16 +403,24 @@ impl Store for RedisStore {
                     parse(&reply, &encoded.quotas)?
                 }
             };
-            if let Some((cache, key, fingerprint)) = block_cache {
+            if let Some((cache, key, fingerprint, generation)) = block_cache {
                 if decision.is_allowed() {
                     cache.forget(&key, fingerprint);
                 } else {
                     let now = local_now_ms(clock.as_ref());
-                    cache.insert(key, fingerprint, cost, now, &decision);
+                    cache.insert(key, fingerprint, cost, now, &decision, generation);
                 }
             }
             Ok(decision)
         })
+    }
+
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        self.peek_check(key, limits, cost)
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        self.reset_state(key, limits)
     }
 }
 
@@ -418,6 +451,8 @@ pub(crate) struct Encoded {
     /// lockout ms each.
     group: SmallVec<[u64; LIMIT_FIELDS]>,
     quotas: SmallVec<[u32; 2]>,
+    /// Decided without committing: sent with its group index negated.
+    peek: bool,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
 }
@@ -464,7 +499,12 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     }
     cmd.arg(requests.len());
     for (request, group) in requests.iter().zip(group_of) {
-        cmd.arg(request.cost).arg(group);
+        cmd.arg(request.cost);
+        if request.peek {
+            cmd.arg(-(group as i64));
+        } else {
+            cmd.arg(group);
+        }
     }
     cmd
 }
