@@ -5,8 +5,13 @@
 --          once); then for each group: its number of limits M, and for each limit:
 --          algorithm code, limit, window ms, capacity (burst).
 -- Then the number of requests N, and for each request: cost, group (1-based).
+-- A negative cost is an adjustment after a response, of -cost units, followed by one more
+-- argument `at`: at >= 0 gives the units back (a refund) to the state a decision made at
+-- `at` ms (its now) charged them to; at = -1 charges them late (a top-up), counted even
+-- over the limit. An adjustment's limits all answer allowed, with the state after it.
 -- Returns, for each limit of each request in order: allowed (0/1), remaining,
--- reset_after ms, retry_after ms. A request is allowed when all its limits are.
+-- reset_after ms, retry_after ms. A request is allowed when all its limits are. Then,
+-- once, at the very end: the `now` the call decided at (ms), for a later refund's `at`.
 --
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
@@ -56,16 +61,53 @@ end
 
 local states = {} -- key -> state, loaded on first use
 local changed = {} -- states committed to, in order: saved at the end
-local out = { 0, 0, 0, 0 } -- sized for one request with one limit: no regrowth
+local out = { 0, 0, 0, 0, 0 } -- sized for one request with one limit and `now`: no regrowth
 local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
+
+-- An adjustment (a negative cost) of `units` to the limits of `group`, whose keys start
+-- at KEYS[k]: a refund (at >= 0) or a top-up (at = -1). Returns the new `n`.
+local function adjust(group, k, units, at, n)
+  for i = 1, #group do
+    local limit = group[i]
+    local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
+    local key = KEYS[k + i - 1]
+    local s = states[key]
+    if s == nil then
+      s = alg.load(key, now, L, W, B)
+      states[key] = s
+    end
+    if at >= 0 then
+      alg.refund(s, now, L, W, B, units, at)
+    else
+      alg.top_up(s, now, L, W, B, units)
+    end
+    if not s.changed then
+      s.changed = limit
+      changed[#changed + 1] = s
+    end
+    out[n + 1] = 1
+    out[n + 2] = alg.remaining(s, now, L, W, B)
+    out[n + 3] = alg.reset_after(s, now, L, W, B)
+    out[n + 4] = 0
+    n = n + 4
+  end
+  return n
+end
+
 for _ = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
   local group = groups[ARGV[a + 2] + 0]
   a = a + 2
   local m = #group
+  if cost < 0 then
+    n = adjust(group, k, -cost, ARGV[a + 1] + 0, n)
+    a = a + 1
+    k = k + m
+    m = 0 -- nothing more to decide
+  end
   local all_fit = true
   for i = 1, m do
     local limit = group[i]
@@ -114,4 +156,5 @@ for i = 1, #changed do
   limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
 if n == 0 then return {} end -- no requests: nothing of the presized table
+out[n + 1] = now
 return out

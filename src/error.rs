@@ -51,6 +51,9 @@ pub enum StoreErrorKind {
     Response,
     /// Too many decisions are already waiting for the store.
     Overloaded,
+    /// The store does not implement this operation (a custom store without
+    /// [`Store::adjust`](crate::Store::adjust)).
+    Unsupported,
 }
 
 /// A store failed to decide; the layer's failure policy chooses what the request gets.
@@ -128,6 +131,7 @@ impl fmt::Display for StoreError {
             StoreErrorKind::Unavailable => "rate limit store unavailable",
             StoreErrorKind::Response => "rate limit store answered with an error",
             StoreErrorKind::Overloaded => "rate limit store overloaded",
+            StoreErrorKind::Unsupported => "rate limit store does not support this operation",
         };
         f.write_str(what)
     }

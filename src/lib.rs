@@ -127,6 +127,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod adjustment;
 pub mod algorithm;
 mod breaker;
 pub mod clock;
@@ -145,6 +146,7 @@ pub mod rules;
 mod service;
 pub mod store;
 
+pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
 pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};

@@ -49,7 +49,7 @@ pub use token_bucket::TokenBucket;
 
 use smallvec::SmallVec;
 
-use crate::{Algorithm, Decision, Limit, LimitDecision, decision::LimitDecisions};
+use crate::{Adjustment, Algorithm, Decision, Limit, LimitDecision, decision::LimitDecisions};
 
 /// The state one algorithm keeps for one key and limit. `State::new` is the state of a key
 /// that does not exist yet.
@@ -83,6 +83,12 @@ pub(crate) trait Model {
     fn reset_after(&self, now: u64, limit: &Limit) -> u64;
     /// When the state is worth nothing more than a missing key (its TTL).
     fn expires_at(&self, limit: &Limit) -> u64;
+    /// Gives back `units` charged by a decision made at `at`, to the state they were
+    /// charged to, if it is still there; never more than the state holds.
+    fn refund(&mut self, now: u64, limit: &Limit, units: u64, at: u64);
+    /// Charges `units` already spent, even when they do not fit; each algorithm bounds
+    /// the debt it keeps.
+    fn top_up(&mut self, now: u64, limit: &Limit, units: u64);
 }
 
 macro_rules! dispatch {
@@ -178,6 +184,70 @@ impl Model for State {
     fn expires_at(&self, limit: &Limit) -> u64 {
         dispatch!(self, s => s.expires_at(limit))
     }
+
+    fn refund(&mut self, now: u64, limit: &Limit, units: u64, at: u64) {
+        dispatch!(self, s => s.refund(now, limit, units, at));
+    }
+
+    fn top_up(&mut self, now: u64, limit: &Limit, units: u64) {
+        dispatch!(self, s => s.top_up(now, limit, units));
+    }
+}
+
+/// Applies `adjustment` to every limit's state at `now` (ms): units given back after a
+/// request (a refund), or charged late (a top-up). The decision is the state after it:
+/// every limit allowed, with its `remaining` and `reset_after`.
+///
+/// What each algorithm does:
+/// - a refund returns units to the state they were charged to, and does nothing once that
+///   state is gone: the same fixed window (or sliding-window-counter window, current or
+///   previous), the log entry written at [`Decision::decided_at_ms`], tokens back into
+///   the bucket (at most its capacity), the GCRA arrival time moved back (never before
+///   now). It never gives back more than was charged.
+/// - a top-up is counted even over the limit: windowed algorithms count at most their
+///   limit in a window (the debt ends with the window); the token bucket goes down to
+///   minus its capacity, the arrival time up to twice the tolerance ahead (one burst of
+///   debt, then refilled at the usual rate).
+///
+/// # Panics
+///
+/// As [`check`].
+pub fn adjust(
+    states: &mut [State],
+    limits: &[Limit],
+    now: u64,
+    adjustment: Adjustment,
+) -> Decision {
+    assert_eq!(states.len(), limits.len(), "one state per limit");
+    let decisions = states
+        .iter_mut()
+        .zip(limits)
+        .map(|(state, limit)| {
+            assert_eq!(
+                state.algorithm(),
+                limit.algorithm(),
+                "state of another algorithm"
+            );
+            state.normalize(now, limit);
+            match adjustment {
+                Adjustment::Refund {
+                    units,
+                    charged_at_ms,
+                } => {
+                    state.refund(now, limit, u64::from(units), charged_at_ms);
+                }
+                Adjustment::TopUp { units } => state.top_up(now, limit, u64::from(units)),
+            }
+            LimitDecision {
+                allowed: true,
+                limit: limit.limit(),
+                remaining: state.remaining(now, limit),
+                reset_after_ms: state.reset_after(now, limit),
+                retry_after_ms: 0,
+            }
+        })
+        .collect();
+    Decision::from_limits(decisions).decided_at(now)
 }
 
 /// Decides one request of `cost` against `limits` at `now` (ms), all-or-nothing, and
@@ -221,7 +291,7 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
             }
         }
     }
-    Decision::from_limits(decisions)
+    Decision::from_limits(decisions).decided_at(now)
 }
 
 /// [`check`] for the usual single limit: the same steps, without the list of states to
@@ -246,7 +316,7 @@ fn check_one(state: &mut State, limit: &Limit, now: u64, cost: u64) -> Decision 
     }
     let mut decisions = LimitDecisions::new();
     decisions.push(decision);
-    Decision::from_limits(decisions)
+    Decision::from_limits(decisions).decided_at(now)
 }
 
 /// One limit's part of a decision: brings `state` up to `now`, then says whether `cost`

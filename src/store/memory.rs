@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 
 use super::{Check, Store};
 use crate::{
-    Decision, Limit,
+    Adjustment, Decision, Limit,
     algorithm::{self, State},
     clock::{Clock, MonotonicClock},
     key::Key,
@@ -303,6 +303,13 @@ impl MemoryStore {
         self.inner.decide(key, limits, cost, now)
     }
 
+    /// Applies `adjustment` now, synchronously: what [`Store::adjust`] answers. A refund
+    /// for a key this store no longer holds (expired or evicted) changes nothing.
+    pub fn adjust_now(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Decision {
+        let now = self.inner.clock.now_ms();
+        self.inner.adjust(key, limits, adjustment, now)
+    }
+
     /// How many keys hold state (expired state not yet swept included).
     pub fn len(&self) -> usize {
         self.inner.shards.iter().map(|s| lock(s).table.len()).sum()
@@ -339,6 +346,10 @@ impl Store for MemoryStore {
 
     /// A carried-over limit keeps its fingerprint with new parameters: the sweeps judge
     /// its state's expiry by the new ones, as the next decision will.
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        Check::ready(Ok(self.adjust_now(key, limits, adjustment)))
+    }
+
     fn limits_changed(&self, limits: &[Limit]) {
         for shard in &self.inner.shards {
             let known = &mut lock(shard).known;
@@ -426,6 +437,73 @@ impl Inner {
         let decision = algorithm::check(&mut states, limits, now, cost);
         for (&i, state) in indexes.iter().zip(states) {
             slots[i].state = state;
+        }
+        decision
+    }
+
+    /// [`MemoryStore::adjust_now`]: the limits' states, as [`decide`](Self::decide) finds
+    /// them, through [`algorithm::adjust`]. A refund makes no state for a key or limit
+    /// that has none (nothing is there to give back to); a top-up does.
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment, now: u64) -> Decision {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            max_keys,
+            hand,
+            ..
+        } = &mut *shard;
+        let refund = matches!(adjustment, Adjustment::Refund { .. });
+        let fresh = || -> SmallVec<[State; 2]> {
+            limits.iter().map(|l| State::new(l.algorithm())).collect()
+        };
+        let entry = match table.find_entry(hash, |e| e.key == *key) {
+            Ok(occupied) => occupied.into_mut(),
+            Err(_) if refund => return algorithm::adjust(&mut fresh(), limits, now, adjustment),
+            Err(absent) => {
+                let table = absent.into_table();
+                if table.len() >= *max_keys {
+                    evict(table, known, hand, now);
+                }
+                let entry = Entry {
+                    key: key.clone(),
+                    slots: Slots::new(),
+                };
+                table
+                    .insert_unique(hash, entry, |e| self.hash(&e.key))
+                    .into_mut()
+            }
+        };
+        let slots = &mut entry.slots;
+        let mut indexes: SmallVec<[Option<usize>; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match slots.find(fingerprint(limit)) {
+                Some(index) => Some(index),
+                None if refund => None,
+                None => {
+                    slots.push(Slot::new(limit, known));
+                    Some(slots.len() - 1)
+                }
+            };
+            indexes.push(index);
+        }
+        let mut states: SmallVec<[State; 2]> = indexes
+            .iter()
+            .zip(limits)
+            .map(|(index, limit)| {
+                let fresh = State::new(limit.algorithm());
+                match index {
+                    Some(i) => std::mem::replace(&mut slots[*i].state, fresh),
+                    None => fresh,
+                }
+            })
+            .collect();
+        let decision = algorithm::adjust(&mut states, limits, now, adjustment);
+        for (index, state) in indexes.iter().zip(states) {
+            if let Some(i) = index {
+                slots[*i].state = state;
+            }
         }
         decision
     }

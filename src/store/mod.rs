@@ -24,7 +24,7 @@ pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 
-use crate::{Limit, key::Key};
+use crate::{Adjustment, Limit, StoreError, StoreErrorKind, key::Key};
 
 /// Decides requests: checks `cost` against every limit for `key` in one atomic step,
 /// all-or-nothing, and records it when allowed.
@@ -42,6 +42,18 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn limits_changed(&self, limits: &[Limit]) {
         let _ = limits;
     }
+
+    /// Gives back or charges units after a request was decided (see [`Adjustment`]),
+    /// for every limit of `key` in one atomic step. The decision is the state after it.
+    /// Counting after the response ([`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when),
+    /// late costs) needs it; the default fails with [`StoreErrorKind::Unsupported`].
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        let _ = (key, limits, adjustment);
+        Check::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot give back or charge units after a decision",
+        )))
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -51,5 +63,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn limits_changed(&self, limits: &[Limit]) {
         (**self).limits_changed(limits);
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        (**self).adjust(key, limits, adjustment)
     }
 }
