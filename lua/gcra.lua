@@ -68,7 +68,7 @@ local function define_gcra()
     local tolerance = B * W
     local a = 0
     if s.tat >= now then a = (s.tat - now) * L + s.frac end
-    local spent = math.min(units, B) * W
+    local spent = math.min(units, 2 * B) * W
     if a >= 2 * tolerance or spent == 0 then return end
     a = math.min(a + spent, 2 * tolerance)
     s.tat = now + math.floor(a / L)

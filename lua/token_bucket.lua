@@ -68,7 +68,7 @@ local function define_token_bucket()
 
   -- Out of the bucket even below zero (a debt), down to minus its capacity.
   function token_bucket.top_up(s, now, L, W, B, units)
-    s.tokens = math.min(math.max(s.tokens - math.min(units, B) * W, -B * W), s.tokens)
+    s.tokens = math.min(math.max(s.tokens - math.min(units, 2 * B) * W, -B * W), s.tokens)
   end
   return token_bucket
 end

@@ -253,10 +253,10 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     }
 }
 
-impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
-    type Service = RateLimit<S, K, C, R>;
-
-    fn layer(&self, inner: S) -> Self::Service {
+impl<K, C: Clone, R: Clone> RateLimitLayer<K, C, R> {
+    /// What a service made by this layer holds: the key extractor, the cost, and the
+    /// state its response futures share (also for [`CountAfterLayer`](crate::count_after::CountAfterLayer)).
+    pub(crate) fn parts(&self) -> (Arc<K>, C, Arc<Shared<R>>) {
         let shared = Shared {
             rules: self.settings.cell().clone(),
             store: Guarded::new(
@@ -268,7 +268,16 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             name: self.settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
         };
-        RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
+        (self.key.clone(), self.cost.clone(), Arc::new(shared))
+    }
+}
+
+impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
+    type Service = RateLimit<S, K, C, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let (key, cost, shared) = self.parts();
+        RateLimit::from_parts(inner, key, cost, shared)
     }
 }
 

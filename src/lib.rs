@@ -131,6 +131,7 @@ mod adjustment;
 pub mod algorithm;
 mod breaker;
 pub mod clock;
+pub mod count_after;
 mod decide;
 mod decision;
 mod error;
@@ -148,6 +149,7 @@ pub mod store;
 
 pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
+pub use count_after::CountAfterLayer;
 pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;

@@ -105,7 +105,7 @@ impl Model for Gcra {
         } else {
             (self.tat - now) * scale + self.frac
         };
-        let spent = units.min(u64::from(limit.burst())) * limit.window_ms();
+        let spent = units.min(2 * u64::from(limit.burst())) * limit.window_ms();
         if ahead >= 2 * tolerance || spent == 0 {
             return;
         }

@@ -109,7 +109,8 @@ impl Model for TokenBucket {
     /// Out of the bucket even when it holds too few, down to minus its capacity.
     fn top_up(&mut self, _now: u64, limit: &Limit, units: u64) {
         let capacity = Self::capacity(limit);
-        let spent = (units.min(u64::from(limit.burst())) * limit.window_ms()) as i64;
+        // A full bucket and the deepest debt are two capacities apart.
+        let spent = (units.min(2 * u64::from(limit.burst())) * limit.window_ms()) as i64;
         self.tokens = (self.tokens() - spent).max(-capacity).min(self.tokens());
     }
 }
