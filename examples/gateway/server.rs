@@ -32,8 +32,8 @@ use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
     config::{
-        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, SentinelBackend,
-        StoreConfig,
+        Backend, Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit,
+        SentinelBackend, StoreConfig,
     },
     path,
     proxy::{self, Proxy},
@@ -505,11 +505,12 @@ fn route_service(
             .on_store_error(policy.clone())
             .timeout(Some(config.store.timeout))
             .name(name);
+        let after = route.count_after.as_ref();
         service = match key {
-            KeySpec::Ip => BoxCloneSyncService::new(
-                layer
-                    .key(ClientIp::new(config.trusted_proxies.iter().copied()))
-                    .layer(service),
+            KeySpec::Ip => wrap(
+                layer.key(ClientIp::new(config.trusted_proxies.iter().copied())),
+                after,
+                service,
             ),
             KeySpec::Header(name) => {
                 let key = HeaderKey::from(name);
@@ -518,12 +519,32 @@ fn route_service(
                     HeaderKeys::Sha256 => key.hashed(),
                     HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
                 };
-                BoxCloneSyncService::new(layer.key(key).layer(service))
+                wrap(layer.key(key), after, service)
             }
-            KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
+            KeySpec::Global => wrap(layer.key(GlobalKey), after, service),
         };
     }
     service
+}
+
+/// `service` behind `layer`, counting after the response when the route says so
+/// (`count_when`, `cost_header`).
+fn wrap<K>(
+    layer: RateLimitLayer<K>,
+    after: Option<&CountAfter>,
+    service: RouteService,
+) -> RouteService
+where
+    K: tollgate::key::KeyExtractor<axum::body::Body> + Send + Sync + 'static,
+{
+    match after {
+        None => BoxCloneSyncService::new(layer.layer(service)),
+        Some(after) => {
+            let after = after.clone();
+            let layer = layer.late_cost(move |response: &Response| after.cost(response));
+            BoxCloneSyncService::new(layer.layer(service))
+        }
+    }
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.
