@@ -325,7 +325,10 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// only failed logins count). The request is still checked first, so a key over its
     /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
     /// while requests are in flight, and what a dropped response or an error counts.
-    pub fn count_when<P>(self, predicate: P) -> CountAfterLayer<K, C, R, CountWhen<P>> {
+    pub fn count_when<P, B>(self, predicate: P) -> CountAfterLayer<K, C, R, CountWhen<P>>
+    where
+        P: Fn(&Response<B>) -> bool,
+    {
         CountAfterLayer {
             layer: self,
             recount: CountWhen(predicate),
@@ -336,7 +339,10 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// request used): the difference to the up-front [cost](Self::cost) is given back or
     /// charged late, even over the limit. `None` keeps the up-front cost. See
     /// [`count_after`](crate::count_after).
-    pub fn late_cost<F>(self, cost: F) -> CountAfterLayer<K, C, R, LateCost<F>> {
+    pub fn late_cost<F, B>(self, cost: F) -> CountAfterLayer<K, C, R, LateCost<F>>
+    where
+        F: Fn(&Response<B>) -> Option<u32>,
+    {
         CountAfterLayer {
             layer: self,
             recount: LateCost(cost),
@@ -346,7 +352,10 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
     /// the tokens used), read when the body ends; `cost` gets `None` when the body had no
     /// trailers. The service answers with a [`CountedBody`].
-    pub fn late_cost_from_trailers<F>(self, cost: F) -> CountAfterLayer<K, C, R, TrailerCost<F>> {
+    pub fn late_cost_from_trailers<F>(self, cost: F) -> CountAfterLayer<K, C, R, TrailerCost<F>>
+    where
+        F: Fn(Option<&HeaderMap>) -> Option<u32>,
+    {
         CountAfterLayer {
             layer: self,
             recount: TrailerCost(cost),
