@@ -498,3 +498,52 @@ async fn late_cost_from_grpc_trailers_redis() {
     let server = support::RedisServer::start();
     late_cost_from_grpc_trailers(redis(&server, "grpc").await).await;
 }
+
+/// Adjustments at the edges (the largest units, times far away or at zero) never panic
+/// or fail, on the memory store and Redis alike, and decide alike; a refund never leaves
+/// more than a full budget.
+#[tokio::test]
+async fn extreme_adjustments_are_harmless() {
+    let server = support::RedisServer::start();
+    let clock = ManualClock::new(NOW_MS);
+    let memory = MemoryStore::new().with_clock(clock.clone());
+    let redis = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_prefix("extreme")
+        .unwrap()
+        .with_clock(clock.clone())
+        .with_block_cache(0);
+    let adjustments = [
+        Adjustment::TopUp { units: u32::MAX },
+        Adjustment::Refund {
+            units: u32::MAX,
+            charged_at_ms: u64::MAX,
+        },
+        Adjustment::Refund {
+            units: u32::MAX,
+            charged_at_ms: 0,
+        },
+        Adjustment::Refund {
+            units: u32::MAX,
+            charged_at_ms: NOW_MS,
+        },
+        Adjustment::TopUp { units: 1 },
+        Adjustment::Refund {
+            units: u32::MAX,
+            charged_at_ms: NOW_MS,
+        },
+    ];
+    for limit in every_algorithm(4) {
+        let limits = [limit.clone()];
+        let key = Key::new(format!("{:?}", limit.algorithm()));
+        let charged = memory.check(&key, &limits, 2).await.unwrap();
+        assert_eq!(charged, redis.check(&key, &limits, 2).await.unwrap());
+        for adjustment in adjustments {
+            let want = memory.adjust(&key, &limits, adjustment).await.unwrap();
+            let got = redis.adjust(&key, &limits, adjustment).await.unwrap();
+            assert_eq!(got, want, "{adjustment:?} on {limit:?}");
+            assert!(got.remaining().unwrap() <= 4, "{adjustment:?} on {limit:?}");
+        }
+    }
+}

@@ -98,7 +98,7 @@ impl Model for SlidingWindow {
     /// units goes, unless it is the log's only one (the script never empties a key,
     /// which would delete it: see `save` in the Lua).
     fn refund(&mut self, now: u64, limit: &Limit, units: u64, at: u64) {
-        if at + limit.window_ms() <= now {
+        if at.saturating_add(limit.window_ms()) <= now {
             return;
         }
         let Some(index) = self.entries.iter().position(|&(t, _)| t == at) else {

@@ -110,7 +110,7 @@ impl Model for SlidingWindowCounter {
         let units = u32::try_from(units).unwrap_or(u32::MAX);
         if self.start == charged {
             self.current -= units.min(self.current);
-        } else if self.start == charged + window {
+        } else if self.start == charged.saturating_add(window) {
             self.previous -= units.min(self.previous);
         }
     }
