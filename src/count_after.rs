@@ -190,11 +190,11 @@ where
         let frame = ready!(this.inner.poll_frame(cx));
         match &frame {
             Some(Ok(frame)) => {
-                if let Some(trailers) = frame.trailers_ref() {
-                    if let Some((charged, read)) = this.pending.take() {
-                        let cost = charged.cost;
-                        charged.settle(read(Some(trailers)).unwrap_or(cost));
-                    }
+                if let Some(trailers) = frame.trailers_ref()
+                    && let Some((charged, read)) = this.pending.take()
+                {
+                    let cost = charged.cost;
+                    charged.settle(read(Some(trailers)).unwrap_or(cost));
                 }
             }
             None => {

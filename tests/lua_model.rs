@@ -697,3 +697,43 @@ proptest! {
         prop_assert_eq!(full.remaining(), Some(u64::from(limit.capacity())), "{:?}", limit);
     }
 }
+
+/// Found by `a_long_log_refunds_like_the_model`: a refund that finds its entry already
+/// emptied (kept as the log's only entry) changes nothing, in the model as in Lua, so
+/// that both keep the same entries (and `reset_after`).
+#[test]
+fn a_refund_of_an_emptied_entry_changes_nothing() {
+    let limits = [Limit::sliding_window(28, Duration::from_millis(50)).unwrap()];
+    let t = START;
+    let batches = vec![
+        (Wait::Ms(0), vec![(Op::Check(11), 0)]),
+        (Wait::Ms(2), vec![(Op::Refund(0, 11), 0), (Op::Check(1), 0)]),
+        (Wait::Back(2), vec![(Op::Check(11), 0)]),
+        (
+            Wait::Back(1),
+            vec![(Op::Refund(0, 1), 0), (Op::Check(13), 0)],
+        ),
+        (Wait::Ms(0), vec![(Op::Refund(2, 28), 0)]),
+    ];
+    let expected = model_adjusted(&limits, &batches);
+    assert_eq!(expected[3].0, t - 1);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let clock = ManualClock::new(START);
+        let store = case_store(&clock, false).await;
+        let key = Key::new("a");
+        for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+            clock.set(*now);
+            for (&(op, _), (adjustment, want)) in ops.iter().zip(want) {
+                let got = match op {
+                    Op::Check(cost) => store.check(&key, &limits, cost).await,
+                    _ => store.adjust(&key, &limits, *adjustment).await,
+                };
+                assert_eq!(&got.unwrap(), want, "{op:?} at {now}");
+            }
+        }
+    });
+}

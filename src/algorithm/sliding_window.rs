@@ -105,6 +105,10 @@ impl Model for SlidingWindow {
             return;
         };
         let taken = units.min(self.entries[index].1);
+        if taken == 0 {
+            // An entry already emptied (kept as the only one) stays as it is.
+            return;
+        }
         self.entries[index].1 -= taken;
         self.count -= taken;
         if self.entries[index].1 == 0 && self.entries.len() > 1 {
