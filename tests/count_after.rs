@@ -547,3 +547,55 @@ async fn extreme_adjustments_are_harmless() {
         }
     }
 }
+
+/// A layer with a shadow limit refunds it as it refunds the enforced ones: the shadow
+/// limit keeps counting what the enforced limits count.
+#[tokio::test]
+async fn shadow_limits_are_refunded_too() {
+    use tollgate::key::KeyExtractor;
+
+    let store = memory();
+    let enforced = Limit::fixed_window(3, HOUR)
+        .unwrap()
+        .named("enforced")
+        .unwrap();
+    let shadow = Limit::fixed_window(5, HOUR)
+        .unwrap()
+        .named("watched")
+        .unwrap();
+    let layer = RateLimitLayer::new(enforced.clone())
+        .shadow_limit(shadow.clone())
+        .key(GlobalKey)
+        .store(store.clone())
+        .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+    let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
+        let status = if request.uri().path() == "/fail" {
+            StatusCode::UNAUTHORIZED
+        } else {
+            StatusCode::OK
+        };
+        Ok::<_, Infallible>(
+            Response::builder()
+                .status(status)
+                .body(Body::empty())
+                .unwrap(),
+        )
+    }));
+    let key = GlobalKey.extract(&Request::new(())).unwrap();
+    let left = |limit: &Limit| {
+        store
+            .decide(&key, std::slice::from_ref(limit), 0)
+            .remaining()
+    };
+    for _ in 0..10 {
+        let request = Request::get("/").body(Body::empty()).unwrap();
+        let response = service.ready().await.unwrap().call(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    assert_eq!((left(&enforced), left(&shadow)), (Some(3), Some(5)));
+    for _ in 0..2 {
+        let request = Request::get("/fail").body(Body::empty()).unwrap();
+        service.ready().await.unwrap().call(request).await.unwrap();
+    }
+    assert_eq!((left(&enforced), left(&shadow)), (Some(1), Some(3)));
+}
