@@ -56,14 +56,16 @@ local function define_fixed_window()
     return s.start + W - now
   end
 
-  -- Only into the window the units were charged to (at: that decision's now).
-  function fixed_window.refund(s, now, L, W, B, units, at)
-    if s.start == at - at % W then s.count = s.count - math.min(units, s.count) end
-  end
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- Only into the window the units were charged to (at: that decision's now).
+    function fixed_window.refund(s, now, L, W, B, units, at)
+      if s.start == at - at % W then s.count = s.count - math.min(units, s.count) end
+    end
 
-  -- Over the limit too, but a window never counts more than L: the debt ends with it.
-  function fixed_window.top_up(s, now, L, W, B, units)
-    s.count = math.max(s.count, math.min(s.count + units, L))
+    -- Over the limit too, but a window never counts more than L: the debt ends with it.
+    function fixed_window.top_up(s, now, L, W, B, units)
+      s.count = math.max(s.count, math.min(s.count + units, L))
+    end
   end
   return fixed_window
 end

@@ -67,44 +67,50 @@ local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
 
--- An adjustment (a negative cost) of `units` to the limits of `group`, whose keys start
--- at KEYS[k]: a refund (at >= 0) or a top-up (at = -1). Returns the new `n`.
-local function adjust(group, k, units, at, n)
-  for i = 1, #group do
-    local limit = group[i]
-    local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
-    local key = KEYS[k + i - 1]
-    local s = states[key]
-    if s == nil then
-      s = alg.load(key, now, L, W, B)
-      states[key] = s
-    end
-    if at >= 0 then
-      alg.refund(s, now, L, W, B, units, at)
-    else
-      alg.top_up(s, now, L, W, B, units)
-    end
-    if not s.changed then
-      s.changed = limit
-      changed[#changed + 1] = s
-    end
-    out[n + 1] = 1
-    out[n + 2] = alg.remaining(s, now, L, W, B)
-    out[n + 3] = alg.reset_after(s, now, L, W, B)
-    out[n + 4] = 0
-    n = n + 4
-  end
-  return n
-end
-
 for _ = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
   local group = groups[ARGV[a + 2] + 0]
   a = a + 2
   local m = #group
   if cost < 0 then
-    n = adjust(group, k, -cost, ARGV[a + 1] + 0, n)
+    -- An adjustment of -cost units: a refund (at >= 0) or a top-up (at = -1). Written
+    -- here rather than as a function, so that calls without one create no closure.
+    local units, at = -cost, ARGV[a + 1] + 0
     a = a + 1
+    for i = 1, m do
+      local limit = group[i]
+      local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
+      if alg.refund == nil then
+        -- The first adjustment of the call: the algorithm's adjustments, defined now.
+        adjusting = true
+        for code, defined in pairs(algorithms) do
+          if defined == alg then
+            local full = definitions[code]()
+            alg.refund, alg.top_up = full.refund, full.top_up
+          end
+        end
+      end
+      local key = KEYS[k + i - 1]
+      local s = states[key]
+      if s == nil then
+        s = alg.load(key, now, L, W, B)
+        states[key] = s
+      end
+      if at >= 0 then
+        alg.refund(s, now, L, W, B, units, at)
+      else
+        alg.top_up(s, now, L, W, B, units)
+      end
+      if not s.changed then
+        s.changed = limit
+        changed[#changed + 1] = s
+      end
+      out[n + 1] = 1
+      out[n + 2] = alg.remaining(s, now, L, W, B)
+      out[n + 3] = alg.reset_after(s, now, L, W, B)
+      out[n + 4] = 0
+      n = n + 4
+    end
     k = k + m
     m = 0 -- nothing more to decide
   end

@@ -60,15 +60,17 @@ local function define_token_bucket()
     return paused(s, now) + ceil_div(missing, L)
   end
 
-  -- Back into the bucket, at most its capacity (a debt and a full bucket are two
-  -- capacities apart: no refund gives back more).
-  function token_bucket.refund(s, now, L, W, B, units, at)
-    s.tokens = math.min(s.tokens + math.min(units, 2 * B) * W, B * W)
-  end
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- Back into the bucket, at most its capacity (a debt and a full bucket are two
+    -- capacities apart: no refund gives back more).
+    function token_bucket.refund(s, now, L, W, B, units, at)
+      s.tokens = math.min(s.tokens + math.min(units, 2 * B) * W, B * W)
+    end
 
-  -- Out of the bucket even below zero (a debt), down to minus its capacity.
-  function token_bucket.top_up(s, now, L, W, B, units)
-    s.tokens = math.min(math.max(s.tokens - math.min(units, 2 * B) * W, -B * W), s.tokens)
+    -- Out of the bucket even below zero (a debt), down to minus its capacity.
+    function token_bucket.top_up(s, now, L, W, B, units)
+      s.tokens = math.min(math.max(s.tokens - math.min(units, 2 * B) * W, -B * W), s.tokens)
+    end
   end
   return token_bucket
 end
