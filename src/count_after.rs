@@ -87,8 +87,15 @@ pub trait Recount<B>: Clone + Send + Sync + 'static {
 
 /// Keeps a request's units only when the predicate holds on its response. Made by
 /// [`RateLimitLayer::count_when`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct CountWhen<P>(P);
+
+// By hand: closures are not `Debug`.
+impl<F> fmt::Debug for CountWhen<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CountWhen(..)")
+    }
+}
 
 impl<B, P> Recount<B> for CountWhen<P>
 where
@@ -107,8 +114,15 @@ where
 
 /// Charges what the response says the request cost (`None`: its up-front cost). Made by
 /// [`RateLimitLayer::late_cost`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct LateCost<F>(F);
+
+// By hand: closures are not `Debug`.
+impl<F> fmt::Debug for LateCost<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LateCost(..)")
+    }
+}
 
 impl<B, F> Recount<B> for LateCost<F>
 where
@@ -128,8 +142,15 @@ where
 /// Charges what the response's trailers say the request cost, once its body ends
 /// (`None`, or no trailers: its up-front cost). Made by
 /// [`RateLimitLayer::late_cost_from_trailers`]; responses get a [`CountedBody`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct TrailerCost<F>(F);
+
+// By hand: closures are not `Debug`.
+impl<F> fmt::Debug for TrailerCost<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TrailerCost(..)")
+    }
+}
 
 impl<B, F> Recount<B> for TrailerCost<F>
 where

@@ -240,6 +240,8 @@ async fn a_dropped_response_and_an_error_keep_the_units() {
         .key(HeaderKey::new("x-user").unwrap())
         .store(memory())
         .count_when(|_: &Response<Body>| false);
+    // Debug, though a closure is not.
+    assert!(format!("{layer:?}").contains("CountWhen(..)"));
     let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
         match request.uri().path() {
             "/hang" => std::future::pending().await,
