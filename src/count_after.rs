@@ -140,7 +140,8 @@ where
 }
 
 /// Charges what the response's trailers say the request cost, once its body ends
-/// (`None`, or no trailers: its up-front cost). Made by
+/// (`None`, or no trailers: its up-front cost). A trailers-only gRPC response
+/// (`grpc-status` in its headers) is read at once, its headers as its trailers. Made by
 /// [`RateLimitLayer::late_cost_from_trailers`]; responses get a [`CountedBody`].
 #[derive(Clone, Copy)]
 pub struct TrailerCost<F>(F);
@@ -159,6 +160,16 @@ where
     type Body = CountedBody<B, F>;
 
     fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<Self::Body> {
+        // A trailers-only gRPC answer (an error status, most often) carries its trailers
+        // in its headers: they are read now.
+        let charged = match charged {
+            Some(charged) if response.headers().contains_key("grpc-status") => {
+                let cost = charged.cost;
+                charged.settle((self.0)(Some(response.headers())).unwrap_or(cost));
+                None
+            }
+            charged => charged,
+        };
         response.map(|inner| CountedBody {
             inner,
             pending: charged.map(|charged| (charged, self.0.clone())),
@@ -371,8 +382,11 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     }
 
     /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
-    /// the tokens used), read when the body ends; `cost` gets `None` when the body had no
-    /// trailers. The service answers with a [`CountedBody`].
+    /// the tokens used, or `grpc-status` to count only failed calls), read when the body
+    /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
+    /// response (`grpc-status` in its headers, as tonic answers an error) is read at
+    /// once, its headers standing for its trailers. The service answers with a
+    /// [`CountedBody`].
     pub fn late_cost_from_trailers<F>(self, cost: F) -> CountAfterLayer<K, C, R, TrailerCost<F>>
     where
         F: Fn(Option<&HeaderMap>) -> Option<u32>,

@@ -601,3 +601,67 @@ async fn shadow_limits_are_refunded_too() {
     }
     assert_eq!((left(&enforced), left(&shadow)), (Some(1), Some(3)));
 }
+
+/// Counting gRPC calls by their status: it is in the trailers (HTTP status is 200 either
+/// way), or in the headers of a trailers-only answer (tonic's errors), which are read as
+/// its trailers. Counting failures: successful `Check`s give their unit back, three
+/// NOT_FOUND ones count, and then the key is RESOURCE_EXHAUSTED even for a call that
+/// would succeed. Counting successes (billing completed calls): the other way round.
+async fn grpc_calls_count_by_status(count_failures: bool) {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+    let layer = RateLimitLayer::new(Limit::fixed_window(3, HOUR).unwrap())
+        .key(HeaderKey::new("x-api-key").unwrap())
+        .store(memory())
+        .late_cost_from_trailers(move |trailers: Option<&http::HeaderMap>| {
+            let ok = trailers?.get("grpc-status")? == "0";
+            // None keeps the unit, Some(0) gives it back.
+            (ok == count_failures).then_some(0)
+        });
+    let incoming =
+        tonic::transport::server::TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = incoming.local_addr().unwrap();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    let router = tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(health);
+    tokio::spawn(router.serve_with_incoming(incoming));
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    let call = |service: &str| {
+        let mut request = tonic::Request::new(HealthCheckRequest {
+            service: service.into(),
+        });
+        request
+            .metadata_mut()
+            .insert("x-api-key", "k".parse().unwrap());
+        request
+    };
+    let (free, counted) = if count_failures {
+        ("", "unknown")
+    } else {
+        ("unknown", "")
+    };
+    for _ in 0..10 {
+        let _ = client.check(call(free)).await;
+    }
+    for _ in 0..3 {
+        let _ = client.check(call(counted)).await;
+    }
+    let status = client.check(call(free)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+}
+
+#[tokio::test]
+async fn only_failed_grpc_calls_count() {
+    grpc_calls_count_by_status(true).await;
+}
+
+#[tokio::test]
+async fn only_successful_grpc_calls_count() {
+    grpc_calls_count_by_status(false).await;
+}
