@@ -631,7 +631,19 @@ async fn grpc_calls_count_by_status(count_failures: bool) {
         .connect()
         .await
         .unwrap();
-    let mut client = HealthClient::new(channel);
+    let mut client = HealthClient::new(channel.clone());
+    // The same calls to a service the server does not have: tonic answers UNIMPLEMENTED
+    // trailers-only (its status in the headers).
+    let mut unimplemented = HealthClient::new(
+        tower::ServiceBuilder::new()
+            .map_request(move |mut request: Request<tonic::body::Body>| {
+                *request.uri_mut() = format!("http://{addr}/grpc.health.v1.Nope/Check")
+                    .parse()
+                    .unwrap();
+                request
+            })
+            .service(channel),
+    );
     let call = |service: &str| {
         let mut request = tonic::Request::new(HealthCheckRequest {
             service: service.into(),
@@ -648,6 +660,12 @@ async fn grpc_calls_count_by_status(count_failures: bool) {
     };
     for _ in 0..10 {
         let _ = client.check(call(free)).await;
+    }
+    if !count_failures {
+        for _ in 0..10 {
+            let status = unimplemented.check(call("")).await.unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
+        }
     }
     for _ in 0..3 {
         let _ = client.check(call(counted)).await;
