@@ -600,12 +600,15 @@ impl<R, M> Parts<R, M> {
                 (next, [enforced, shadow])
             }
         };
-        let charged = (charges.iter().any(Option::is_some) && matches!(next, Next::Call(Some(_))))
-            .then(|| Charged {
-                after: self.after.clone(),
-                key: asked.key,
-                cost: asked.cost,
-                charges,
+        // Called without a decision too: a layer whose limits are all in shadow.
+        let charged =
+            (charges.iter().any(Option::is_some) && matches!(next, Next::Call(_))).then(|| {
+                Charged {
+                    after: self.after.clone(),
+                    key: asked.key,
+                    cost: asked.cost,
+                    charges,
+                }
             });
         (next, charged)
     }

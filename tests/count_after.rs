@@ -600,6 +600,26 @@ async fn shadow_limits_are_refunded_too() {
         service.ready().await.unwrap().call(request).await.unwrap();
     }
     assert_eq!((left(&enforced), left(&shadow)), (Some(1), Some(3)));
+
+    // A layer in shadow: its limits are refunded all the same.
+    let store = memory();
+    let watched = Limit::fixed_window(2, HOUR).unwrap();
+    let mut service = RateLimitLayer::new(watched.clone())
+        .shadow(true)
+        .key(GlobalKey)
+        .store(store.clone())
+        .count_when(|_: &Response<Body>| false)
+        .layer(service_fn(|_: Request<Body>| async {
+            Ok::<_, Infallible>(Response::new(Body::empty()))
+        }));
+    for _ in 0..5 {
+        let request = Request::new(Body::empty());
+        service.ready().await.unwrap().call(request).await.unwrap();
+    }
+    let left = store
+        .decide(&key, std::slice::from_ref(&watched), 0)
+        .remaining();
+    assert_eq!(left, Some(2));
 }
 
 /// Counting gRPC calls by their status: it is in the trailers (HTTP status is 200 either
