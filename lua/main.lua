@@ -7,11 +7,17 @@
 -- Then the number of requests N, and for each request: cost, group (1-based). A
 -- negative group -g peeks: the request is decided against group g, and its answer is
 -- the one it would get, but nothing is committed or saved (no block is started either).
+-- A negative cost is an adjustment after a response, of -cost units, followed by one more
+-- argument `at`: at >= 0 gives the units back (a refund) to the state a decision made at
+-- `at` ms (its now) charged them to; at = -1 charges them late (a top-up), counted even
+-- over the limit. An adjustment's limits all answer allowed, with the state after it (a
+-- lockout block is neither read nor started by one).
 -- A request's keys are its limits' keys, then one block key per limit with a lockout, in
 -- the order of those limits (lockout.lua).
 -- Returns, for each limit of each request in order: allowed (0/1), remaining (minus the
 -- time left on a lockout block when one blocks it), reset_after ms, retry_after ms. A
--- request is allowed when all its limits are.
+-- request is allowed when all its limits are. Then, once, at the very end: the `now` the
+-- call decided at (ms), for a later refund's `at`.
 --
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
@@ -72,11 +78,12 @@ end
 
 local states = {} -- key -> state, loaded on first use
 local changed = {} -- states committed to, in order: saved at the end
-local out = { 0, 0, 0, 0 } -- sized for one request with one limit: no regrowth
+local out = { 0, 0, 0, 0, 0 } -- sized for one request with one limit and `now`: no regrowth
 local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
+
 for _ = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
   local g = ARGV[a + 2] + 0
@@ -85,6 +92,47 @@ for _ = 1, ARGV[a] + 0 do
   local group = groups[g]
   a = a + 2
   local m = #group
+  if cost < 0 then
+    -- An adjustment of -cost units: a refund (at >= 0) or a top-up (at = -1). Written
+    -- here rather than as a function, so that calls without one create no closure.
+    local units, at = -cost, ARGV[a + 1] + 0
+    a = a + 1
+    for i = 1, m do
+      local limit = group[i]
+      local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
+      if alg.refund == nil then
+        -- The first adjustment of the call: the algorithm's adjustments, defined now.
+        adjusting = true
+        for code, defined in pairs(algorithms) do
+          if defined == alg then
+            local full = definitions[code]()
+            alg.refund, alg.top_up = full.refund, full.top_up
+          end
+        end
+      end
+      local key = KEYS[k + i - 1]
+      local s = states[key]
+      if s == nil then
+        s = alg.load(key, now, L, W, B)
+        states[key] = s
+      end
+      if at >= 0 then
+        alg.refund(s, now, L, W, B, units, at)
+      else
+        alg.top_up(s, now, L, W, B, units)
+      end
+      if not s.changed then
+        s.changed = limit
+        changed[#changed + 1] = s
+      end
+      out[n + 1] = 1
+      out[n + 2] = alg.remaining(s, now, L, W, B)
+      out[n + 3] = alg.reset_after(s, now, L, W, B)
+      out[n + 4] = 0
+      n = n + 4
+    end
+    m = 0 -- nothing more to decide (k moves past the request's keys below)
+  end
   local all_fit = true
   for i = 1, m do
     local limit = group[i]
@@ -151,4 +199,5 @@ for i = 1, #changed do
   limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
 if n == 0 then return {} end -- no requests: nothing of the presized table
+out[n + 1] = now
 return out

@@ -70,7 +70,10 @@ impl LimitDecision {
 /// What a store decided for one request over all of its limits, all-or-nothing: the
 /// request is allowed only when every limit has room, and a denied request consumes
 /// nothing from any of them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Equality compares the outcome (allowed and every limit's numbers), not
+/// [`decided_at_ms`](Self::decided_at_ms).
+#[derive(Debug, Clone)]
 pub struct Decision {
     allowed: bool,
     limits: LimitDecisions,
@@ -81,7 +84,17 @@ pub struct Decision {
     /// days) fits beside `allowed`, so a `Decision` is no larger than without it; a cache
     /// that reads a saturated value only forgets a denial early.
     blocked_ms: u32,
+    /// The store's time of the decision (ms), where a refund finds the units' state.
+    at_ms: Option<u64>,
 }
+
+impl PartialEq for Decision {
+    fn eq(&self, other: &Self) -> bool {
+        self.allowed == other.allowed && self.limits == other.limits
+    }
+}
+
+impl Eq for Decision {}
 
 impl Decision {
     /// A decision from per-limit outcomes, in the order of the limits.
@@ -95,6 +108,7 @@ impl Decision {
             allowed,
             limits,
             blocked_ms: 0,
+            at_ms: None,
         }
     }
 
@@ -110,6 +124,21 @@ impl Decision {
         u64::from(self.blocked_ms)
     }
 
+    /// The same decision, made at `at_ms` on the store's clock.
+    #[must_use]
+    pub fn decided_at(mut self, at_ms: u64) -> Self {
+        self.at_ms = Some(at_ms);
+        self
+    }
+
+    /// When the store made this decision, on its own clock (ms): the memory store's clock,
+    /// Redis `TIME` or the clock given to the Redis store. A
+    /// [refund](crate::Adjustment::Refund) names it to find the window or log entry the
+    /// units were charged to. `None` from a store that does not say.
+    pub fn decided_at_ms(&self) -> Option<u64> {
+        self.at_ms
+    }
+
     /// A decision that allows the request without any limit (used by the fail-open
     /// policy and when no key applies).
     pub fn unlimited() -> Self {
@@ -117,6 +146,7 @@ impl Decision {
             allowed: true,
             limits: SmallVec::new(),
             blocked_ms: 0,
+            at_ms: None,
         }
     }
 

@@ -51,8 +51,9 @@ pub enum StoreErrorKind {
     Response,
     /// Too many decisions are already waiting for the store.
     Overloaded,
-    /// The store does not implement this operation (a [`Store`](crate::Store) without
-    /// [`peek`](crate::Store::peek) or [`reset`](crate::Store::reset)).
+    /// The store does not implement this operation (a custom [`Store`](crate::Store)
+    /// without [`peek`](crate::Store::peek), [`reset`](crate::Store::reset) or
+    /// [`adjust`](crate::Store::adjust)).
     Unsupported,
 }
 
@@ -140,7 +141,7 @@ impl fmt::Display for StoreError {
             StoreErrorKind::Unavailable => "rate limit store unavailable",
             StoreErrorKind::Response => "rate limit store answered with an error",
             StoreErrorKind::Overloaded => "rate limit store overloaded",
-            StoreErrorKind::Unsupported => "rate limit store does not support this",
+            StoreErrorKind::Unsupported => "rate limit store does not support this operation",
         };
         f.write_str(what)
     }

@@ -337,10 +337,16 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     }
 }
 
-impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
-    type Service = RateLimit<S, K, C, R>;
+impl<K, C: Clone, R: Clone> RateLimitLayer<K, C, R> {
+    /// What a service made by this layer holds: the key extractor, the cost, and the
+    /// state its response futures share (also for [`CountAfterLayer`](crate::count_after::CountAfterLayer)).
+    pub(crate) fn parts(&self) -> (Arc<K>, C, Arc<Shared<R>>) {
+        self.parts_waiting(true)
+    }
 
-    fn layer(&self, inner: S) -> Self::Service {
+    /// [`parts`](Self::parts), with the layer's [`max_wait`](Self::max_wait) or without
+    /// it (`wait` false: denials are answered at once).
+    pub(crate) fn parts_waiting(&self, wait: bool) -> (Arc<K>, C, Arc<Shared<R>>) {
         let shared = Shared {
             rules: self.settings.cell().clone(),
             store: Guarded::new(
@@ -351,9 +357,22 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             rejection: self.rejection.clone(),
             name: self.settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
-            waiting: self.settings.waiting.clone(),
+            waiting: if wait {
+                self.settings.waiting.clone()
+            } else {
+                None
+            },
         };
-        RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
+        (self.key.clone(), self.cost.clone(), Arc::new(shared))
+    }
+}
+
+impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
+    type Service = RateLimit<S, K, C, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let (key, cost, shared) = self.parts();
+        RateLimit::from_parts(inner, key, cost, shared)
     }
 }
 

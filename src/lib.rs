@@ -143,9 +143,11 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod adjustment;
 pub mod algorithm;
 mod breaker;
 pub mod clock;
+pub mod count_after;
 mod decide;
 mod decision;
 mod error;
@@ -164,7 +166,9 @@ mod service;
 pub mod store;
 mod wait;
 
+pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
+pub use count_after::CountAfterLayer;
 pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;

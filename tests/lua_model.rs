@@ -775,3 +775,254 @@ thread_local! {
     static SERVER: support::RedisServer = support::RedisServer::start();
     static CASE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
+
+/// One step of a history with adjustments after responses.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Check(u32),
+    /// Gives back `units` of the `n`-th last allowed check of the key (its time), or of
+    /// a time that no check had when there is none.
+    Refund(usize, u32),
+    TopUp(u32),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u32..8).prop_map(Op::Check),
+        3 => (0usize..4, 1u32..8).prop_map(|(n, u)| Op::Refund(n, u)),
+        2 => (1u32..12).prop_map(Op::TopUp),
+    ]
+}
+
+/// Batches of steps decided at one moment (submitted together, so that the coalescer
+/// sends each batch as one script call): (wait before it, [(op, key)]).
+fn adjusted_batches_strategy() -> impl Strategy<Value = Vec<(Wait, Vec<(Op, usize)>)>> {
+    let wait = prop_oneof![
+        2 => Just(Wait::Ms(0)),
+        2 => (0u64..50).prop_map(Wait::Ms),
+        2 => (0u64..4_000).prop_map(Wait::Ms),
+        1 => (-1i64..=1).prop_map(Wait::RetryAfter),
+        1 => (1u64..30).prop_map(Wait::Back),
+    ];
+    prop::collection::vec(
+        (
+            wait,
+            prop::collection::vec((op_strategy(), 0usize..2), 1..4),
+        ),
+        1..30,
+    )
+}
+
+/// What the model does with the same batches: the decisions, in order, and the times of
+/// allowed checks per key (for the refunds).
+fn model_adjusted(
+    limits: &[Limit],
+    batches: &[(Wait, Vec<(Op, usize)>)],
+) -> Vec<(u64, Vec<(tollgate::Adjustment, Decision)>)> {
+    let mut states: [Vec<State>; 2] =
+        std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+    let mut allowed_at: [Vec<u64>; 2] = Default::default();
+    let mut now = START;
+    let mut previous: Option<Decision> = None;
+    let mut out = Vec::new();
+    for (wait, ops) in batches {
+        now = next_now(now, *wait, previous.as_ref());
+        let mut decided = Vec::new();
+        for &(op, key) in ops {
+            let (adjustment, decision) = match op {
+                Op::Check(cost) => {
+                    let d = algorithm::check(&mut states[key], limits, now, cost);
+                    if d.is_allowed() && cost > 0 {
+                        allowed_at[key].push(now);
+                    }
+                    previous = Some(d.clone());
+                    // Marked as a check: a top-up of 0 is never sent.
+                    (tollgate::Adjustment::TopUp { units: 0 }, d.clone())
+                }
+                Op::Refund(n, units) => {
+                    let times = &allowed_at[key];
+                    let at = times.len().checked_sub(n + 1).map_or(now + 7, |i| times[i]);
+                    let a = tollgate::Adjustment::Refund {
+                        units,
+                        charged_at_ms: at,
+                    };
+                    (a, algorithm::adjust(&mut states[key], limits, now, a))
+                }
+                Op::TopUp(units) => {
+                    let a = tollgate::Adjustment::TopUp { units };
+                    (a, algorithm::adjust(&mut states[key], limits, now, a))
+                }
+            };
+            decided.push((adjustment, decision));
+        }
+        out.push((now, decided));
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Refunds and top-ups (negative costs in the script) decide like the model, mixed
+    /// with checks in one script call and alone, and every decision names the time it
+    /// was made at (what a refund sends back).
+    #[test]
+    fn lua_adjusts_like_the_model(limits in limits_strategy(), batches in adjusted_batches_strategy()) {
+        let expected = model_adjusted(&limits, &batches);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+                clock.set(*now);
+                let calls: Vec<_> = ops
+                    .iter()
+                    .zip(want)
+                    .map(|(&(op, key), (adjustment, _))| match op {
+                        Op::Check(cost) => store.check(&keys[key], &limits, cost),
+                        _ => store.adjust(&keys[key], &limits, *adjustment),
+                    })
+                    .collect();
+                let got = futures_util::future::join_all(calls).await;
+                for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
+                    let got = got.unwrap();
+                    prop_assert_eq!(&got, want, "{:?} at {} in {:?} with {:?}", op, now, batches, limits);
+                    prop_assert_eq!(got.decided_at_ms(), Some(*now));
+                }
+            }
+            Ok(())
+        })?;
+    }
+
+    /// The long log with refunds: many weighted entries, refunds of entries in the
+    /// middle (every newer entry is numbered anew), the clock sometimes behind.
+    #[test]
+    fn a_long_log_refunds_like_the_model(
+        limit in 20u32..200,
+        window_ms in 50u64..2_000,
+        batches in prop::collection::vec(
+            (
+                prop_oneof![4 => (0u64..15).prop_map(Wait::Ms), 1 => (1u64..30).prop_map(Wait::Back)],
+                prop::collection::vec(
+                    (prop_oneof![
+                        3 => (1u32..30).prop_map(Op::Check),
+                        2 => (0usize..12, 1u32..40).prop_map(|(n, u)| Op::Refund(n, u)),
+                        1 => (1u32..30).prop_map(Op::TopUp),
+                    ], Just(0usize)),
+                    1..3,
+                ),
+            ),
+            1..80,
+        ),
+    ) {
+        let limits = [Limit::sliding_window(limit, Duration::from_millis(window_ms)).unwrap()];
+        let expected = model_adjusted(&limits, &batches);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let key = Key::new("a");
+            for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+                clock.set(*now);
+                let calls: Vec<_> = ops
+                    .iter()
+                    .zip(want)
+                    .map(|(&(op, _), (adjustment, _))| match op {
+                        Op::Check(cost) => store.check(&key, &limits, cost),
+                        _ => store.adjust(&key, &limits, *adjustment),
+                    })
+                    .collect();
+                let got = futures_util::future::join_all(calls).await;
+                for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
+                    prop_assert_eq!(&got.unwrap(), want, "{:?} at {} with {:?}", op, now, limits);
+                }
+            }
+            Ok(())
+        })?;
+    }
+
+    /// A refund of a check's own units, right after it, undoes it exactly: every later
+    /// decision is the one it would have been without the pair (`reset_after` aside: a
+    /// log may keep an emptied entry). And top-ups keep the state bounded: after any of
+    /// them the key is full again within two windows (two bursts' refill for buckets).
+    #[test]
+    fn a_refund_undoes_its_check(
+        limit in limit_strategy(),
+        steps in forward_steps_strategy(),
+        cost in 1u32..8,
+        tail in prop::collection::vec((0u64..300, 0u32..8), 1..12),
+    ) {
+        let limits = std::slice::from_ref(&limit);
+        let history = model_run(limits, &steps);
+        let mut states = [State::new(limit.algorithm())];
+        for ((now, cost, _), _) in history.iter().zip(&steps) {
+            algorithm::check(&mut states, limits, *now, *cost);
+        }
+        let now = history.last().map_or(START, |(t, _, _)| *t);
+        let mut undone = states.clone();
+        let d = algorithm::check(&mut undone, limits, now, cost);
+        if d.is_allowed() {
+            let at = d.decided_at_ms().unwrap();
+            algorithm::adjust(&mut undone, limits, now, tollgate::Adjustment::Refund { units: cost, charged_at_ms: at });
+        }
+        let outcome = |mut states: [State; 1]| -> Vec<(bool, u64, u64)> {
+            let mut t = now;
+            tail.iter().map(|&(wait, cost)| {
+                t += wait;
+                let d = algorithm::check(&mut states, limits, t, cost);
+                (d.is_allowed(), d.retry_after().as_millis() as u64, d.remaining().unwrap())
+            }).collect()
+        };
+        prop_assert_eq!(outcome(undone), outcome(states.clone()), "{:?}", limit);
+
+        let mut indebted = states;
+        for _ in 0..5 {
+            algorithm::adjust(&mut indebted, limits, now, tollgate::Adjustment::TopUp { units: u32::MAX });
+        }
+        let w = limit.window().as_millis() as u64;
+        let refill = 2 * w * u64::from(limit.capacity()).div_ceil(u64::from(limit.limit()));
+        let full = algorithm::check(&mut indebted, limits, now + refill + 1, 0);
+        prop_assert_eq!(full.remaining(), Some(u64::from(limit.capacity())), "{:?}", limit);
+    }
+}
+
+/// Found by `a_long_log_refunds_like_the_model`: a refund that finds its entry already
+/// emptied (kept as the log's only entry) changes nothing, in the model as in Lua, so
+/// that both keep the same entries (and `reset_after`).
+#[test]
+fn a_refund_of_an_emptied_entry_changes_nothing() {
+    let limits = [Limit::sliding_window(28, Duration::from_millis(50)).unwrap()];
+    let t = START;
+    let batches = vec![
+        (Wait::Ms(0), vec![(Op::Check(11), 0)]),
+        (Wait::Ms(2), vec![(Op::Refund(0, 11), 0), (Op::Check(1), 0)]),
+        (Wait::Back(2), vec![(Op::Check(11), 0)]),
+        (
+            Wait::Back(1),
+            vec![(Op::Refund(0, 1), 0), (Op::Check(13), 0)],
+        ),
+        (Wait::Ms(0), vec![(Op::Refund(2, 28), 0)]),
+    ];
+    let expected = model_adjusted(&limits, &batches);
+    assert_eq!(expected[3].0, t - 1);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let clock = ManualClock::new(START);
+        let store = case_store(&clock, false).await;
+        let key = Key::new("a");
+        for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+            clock.set(*now);
+            for (&(op, _), (adjustment, want)) in ops.iter().zip(want) {
+                let got = match op {
+                    Op::Check(cost) => store.check(&key, &limits, cost).await,
+                    _ => store.adjust(&key, &limits, *adjustment).await,
+                };
+                assert_eq!(&got.unwrap(), want, "{op:?} at {now}");
+            }
+        }
+    });
+}

@@ -189,6 +189,8 @@ pub(crate) struct Route {
     pub(crate) limits: Vec<RouteLimit>,
     /// Every limit of the route in shadow: decided and counted, never rejecting.
     pub(crate) shadow: bool,
+    /// Counting after the response (`count_when`, `cost_header`); `None`: as decided.
+    pub(crate) count_after: Option<CountAfter>,
     /// A request its limits would deny waits up to this long instead (`max_wait`).
     pub(crate) delay: Option<Duration>,
     /// Limits chosen per request by a header: `[[routes.plans]]`.
@@ -211,6 +213,43 @@ pub(crate) struct RoutePlans {
 pub(crate) struct RoutePlan {
     pub(crate) name: String,
     pub(crate) limits: Option<Vec<Limit>>,
+}
+
+/// When a route's requests stay counted, read from the response: `count_when` and
+/// `cost_header`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CountAfter {
+    pub(crate) when: CountWhen,
+    /// A response header holding the request's cost (a whole number of units); absent or
+    /// not a number: the request costs 1.
+    pub(crate) cost_header: Option<HeaderName>,
+}
+
+/// `count_when`: which responses keep their request's units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CountWhen {
+    Always,
+    /// Status 400 or above (failed logins, and the 429s of the route's inner layers).
+    Failure,
+    /// Status below 400.
+    Success,
+}
+
+impl CountAfter {
+    /// The units a request finally costs, from its response: `None` keeps the 1 charged.
+    pub(crate) fn cost(&self, response: &http::Response<axum::body::Body>) -> Option<u32> {
+        let failed = response.status().as_u16() >= 400;
+        let counts = match self.when {
+            CountWhen::Always => true,
+            CountWhen::Failure => failed,
+            CountWhen::Success => !failed,
+        };
+        if !counts {
+            return Some(0);
+        }
+        let value = response.headers().get(self.cost_header.as_ref()?)?;
+        value.to_str().ok()?.trim().parse().ok()
+    }
 }
 
 /// An upstream base URL: `http://host:port` with an optional base path that is put in
@@ -312,6 +351,10 @@ struct RawRoute {
     /// Every limit of the route in shadow.
     #[serde(default)]
     shadow: bool,
+    /// `always` (default), `failure` or `success`: which responses keep their units.
+    count_when: Option<String>,
+    /// A response header with the request's cost, charged after the response.
+    cost_header: Option<String>,
     /// A humantime duration: how long a request its limits would deny may wait instead.
     delay: Option<String>,
     /// The header whose value names the plan.
@@ -909,6 +952,8 @@ impl RawRoute {
             .as_deref()
             .map(|delay| parse_delay(&format!("{at}.delay"), delay))
             .transpose()?;
+        let count_after =
+            count_after(&at, self.count_when.as_deref(), self.cost_header.as_deref())?;
         Ok(Route {
             path,
             upstream,
@@ -916,6 +961,7 @@ impl RawRoute {
             shadow: self.shadow,
             plans,
             delay,
+            count_after,
         })
     }
 }
@@ -1034,6 +1080,39 @@ fn validate_plans(
         key: key.unwrap_or(KeySpec::Global),
         plans,
     }))
+}
+
+/// A route's `count_when` and `cost_header`: `None` when neither changes anything.
+fn count_after(
+    at: &str,
+    when: Option<&str>,
+    cost_header: Option<&str>,
+) -> Result<Option<CountAfter>, ConfigError> {
+    let when = match when {
+        None | Some("always") => CountWhen::Always,
+        Some("failure") => CountWhen::Failure,
+        Some("success") => CountWhen::Success,
+        Some(other) => {
+            return Err(ConfigError::new(
+                format!("{at}.count_when"),
+                format!("must be \"always\", \"failure\" or \"success\" (got {other:?})"),
+            ));
+        }
+    };
+    let cost_header = cost_header
+        .map(|name| {
+            HeaderName::try_from(name).map_err(|_| {
+                ConfigError::new(
+                    format!("{at}.cost_header"),
+                    format!("must be a header name (got {name:?})"),
+                )
+            })
+        })
+        .transpose()?;
+    if when == CountWhen::Always && cost_header.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(CountAfter { when, cost_header }))
 }
 
 impl RawLimit {

@@ -33,7 +33,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 use crate::{
     admin,
     config::{
-        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, RoutePlans,
+        Backend, Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit, RoutePlans,
         SentinelBackend, StoreConfig,
     },
     path,
@@ -537,18 +537,21 @@ fn route_service(
             key,
             config,
             service,
+            route.count_after.as_ref(),
             Some((&route.path, &mut *admin)),
         );
     }
     service
 }
 
-/// `layer` keyed by `key`, around `service`.
+/// `layer` keyed by `key`, around `service`, counting after the response when the route
+/// says so, and listed on the admin endpoints when `admin` is given.
 fn keyed(
     layer: RateLimitLayer,
     key: KeySpec,
     config: &Config,
     service: RouteService,
+    after: Option<&CountAfter>,
     admin: Option<(&str, &mut Vec<admin::Entry>)>,
 ) -> RouteService {
     match key {
@@ -557,7 +560,7 @@ fn keyed(
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::ip(path, layer.limiter()));
             }
-            BoxCloneSyncService::new(layer.layer(service))
+            wrap(layer, after, service)
         }
         KeySpec::Header(name) => {
             let key = HeaderKey::from(name.clone());
@@ -574,13 +577,33 @@ fn keyed(
                     layer.limiter(),
                 ));
             }
-            BoxCloneSyncService::new(layer.layer(service))
+            wrap(layer, after, service)
         }
         KeySpec::Global => {
             let layer = layer.key(GlobalKey);
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::global(path, layer.limiter()));
             }
+            wrap(layer, after, service)
+        }
+    }
+}
+
+/// `service` behind `layer`, counting after the response when the route says so
+/// (`count_when`, `cost_header`).
+fn wrap<K>(
+    layer: RateLimitLayer<K>,
+    after: Option<&CountAfter>,
+    service: RouteService,
+) -> RouteService
+where
+    K: tollgate::key::KeyExtractor<axum::body::Body> + Send + Sync + 'static,
+{
+    match after {
+        None => BoxCloneSyncService::new(layer.layer(service)),
+        Some(after) => {
+            let after = after.clone();
+            let layer = layer.late_cost(move |response: &Response| after.cost(response));
             BoxCloneSyncService::new(layer.layer(service))
         }
     }
@@ -628,8 +651,10 @@ fn plan_layer(
     if let Some(delay) = route.delay {
         layer = layer.max_wait(delay);
     }
-    // Not on the admin endpoints: they read and reset a route's own limits.
-    keyed(layer, plans.key.clone(), config, service, None)
+    // Counted as decided (a count-after layer decides under the layer's own limits, not
+    // its plans), and not on the admin endpoints: they read and reset a route's own
+    // limits.
+    keyed(layer, plans.key.clone(), config, service, None, None)
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.

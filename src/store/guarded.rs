@@ -11,7 +11,7 @@ use std::{sync::Arc, time::Duration};
 
 use super::{Check, Reset, Store};
 use crate::{
-    Decision, Limit, StoreError,
+    Adjustment, Decision, Limit, StoreError,
     breaker::{Admission, Breaker, Feedback},
     key::Key,
 };
@@ -65,6 +65,29 @@ impl Guarded {
         Err(self.wait(check, admission))
     }
 
+    /// [`Store::adjust`] under the same timeout and breaker as a check: a refund or top-up
+    /// after a response. Ready, or the call to wait for.
+    pub(crate) fn adjust_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        adjustment: Adjustment,
+    ) -> Result<Result<Decision, StoreError>, Check> {
+        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
+        if admission == Admission::Skip {
+            return Ok(Err(StoreError::circuit_open()));
+        }
+        match self.store.adjust(key, limits, adjustment).into_ready() {
+            Ok(result) => {
+                if let Some(breaker) = &self.breaker {
+                    breaker.record(admission, result.is_ok());
+                }
+                Ok(result)
+            }
+            Err(check) => Err(self.wait(check, admission)),
+        }
+    }
+
     /// `check` under the timeout, reporting to the breaker. Kept out of line: the ready
     /// path above is the hot one.
     #[inline(never)]
@@ -111,6 +134,13 @@ impl Guarded {
 impl Store for Guarded {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         match self.check_now(key, limits, cost) {
+            Ok(result) => Check::ready(result),
+            Err(check) => check,
+        }
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        match self.adjust_now(key, limits, adjustment) {
             Ok(result) => Check::ready(result),
             Err(check) => check,
         }

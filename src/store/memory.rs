@@ -25,7 +25,7 @@ mod lockout;
 
 use super::{Check, Reset, Store};
 use crate::{
-    Decision, Limit,
+    Adjustment, Decision, Limit,
     algorithm::{self, State},
     clock::{Clock, MonotonicClock},
     key::Key,
@@ -310,6 +310,13 @@ impl MemoryStore {
         self.inner.decide(key, limits, cost, now)
     }
 
+    /// Applies `adjustment` now, synchronously: what [`Store::adjust`] answers. A refund
+    /// for a key this store no longer holds (expired or evicted) changes nothing.
+    pub fn adjust_now(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Decision {
+        let now = self.inner.clock.now_ms();
+        self.inner.adjust(key, limits, adjustment, now)
+    }
+
     /// How many keys hold state (expired state not yet swept included).
     pub fn len(&self) -> usize {
         self.inner.shards.iter().map(|s| lock(s).table.len()).sum()
@@ -362,6 +369,10 @@ impl Store for MemoryStore {
 
     /// A carried-over limit keeps its fingerprint with new parameters: the sweeps judge
     /// its state's expiry by the new ones, as the next decision will.
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        Check::ready(Ok(self.adjust_now(key, limits, adjustment)))
+    }
+
     fn limits_changed(&self, limits: &[Limit]) {
         for shard in &self.inner.shards {
             let known = &mut lock(shard).known;
@@ -531,6 +542,60 @@ impl Inner {
         if slots.is_empty() {
             occupied.remove();
         }
+    }
+
+    /// [`MemoryStore::adjust_now`]: the limits' states, as [`decide`](Self::decide) finds
+    /// them, through [`algorithm::adjust`]. A refund makes no state for a key or limit
+    /// that has none (nothing is there to give back to); a top-up does.
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment, now: u64) -> Decision {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            max_keys,
+            hand,
+            ..
+        } = &mut *shard;
+        let refund = matches!(adjustment, Adjustment::Refund { .. });
+        if refund && table.find(hash, |e| e.key == *key).is_none() {
+            let mut fresh: SmallVec<[State; 2]> =
+                limits.iter().map(|l| State::new(l.algorithm())).collect();
+            return algorithm::adjust(&mut fresh, limits, now, adjustment);
+        }
+        let slots = &mut self
+            .entry(table, known, *max_keys, hand, key, hash, now)
+            .slots;
+        let mut indexes: SmallVec<[Option<usize>; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match slots.find(fingerprint(limit)) {
+                Some(index) => Some(index),
+                None if refund => None,
+                None => {
+                    slots.push(Slot::new(limit, known));
+                    Some(slots.len() - 1)
+                }
+            };
+            indexes.push(index);
+        }
+        let mut states: SmallVec<[State; 2]> = indexes
+            .iter()
+            .zip(limits)
+            .map(|(index, limit)| {
+                let fresh = State::new(limit.algorithm());
+                match index {
+                    Some(i) => std::mem::replace(&mut slots[*i].state, fresh),
+                    None => fresh,
+                }
+            })
+            .collect();
+        let decision = algorithm::adjust(&mut states, limits, now, adjustment);
+        for (index, state) in indexes.iter().zip(states) {
+            if let Some(i) = index {
+                slots[*i].state = state;
+            }
+        }
+        decision
     }
 
     /// While a sweep round is under way, sweeps the next [`SWEEP_BUCKETS`] buckets of the

@@ -24,7 +24,7 @@ pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
 
-use crate::{Limit, StoreError, key::Key};
+use crate::{Adjustment, Limit, StoreError, StoreErrorKind, key::Key};
 
 /// What [`Store::reset`] returns: the reset, done once it resolves.
 pub type Reset = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'static>>;
@@ -64,6 +64,18 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         let _ = (key, limits);
         Box::pin(std::future::ready(Err(StoreError::unsupported("reset"))))
     }
+
+    /// Gives back or charges units after a request was decided (see [`Adjustment`]),
+    /// for every limit of `key` in one atomic step. The decision is the state after it.
+    /// Counting after the response ([`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when),
+    /// late costs) needs it; the default fails with [`StoreErrorKind::Unsupported`].
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        let _ = (key, limits, adjustment);
+        Check::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot give back or charge units after a decision",
+        )))
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -81,5 +93,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
         (**self).reset(key, limits)
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        (**self).adjust(key, limits, adjustment)
     }
 }

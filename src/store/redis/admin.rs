@@ -3,7 +3,9 @@
 
 use redis::{Cmd, RedisResult, Value};
 
-use super::{Connection, RedisStore, invalidate, invoke, parse, script_call, store_error};
+use super::{
+    Connection, RedisStore, invalidate, invoke, parse, script_call, split_now, store_error,
+};
 use crate::{Decision, Limit, StoreError, key::Key, store::Check, store::Reset};
 
 impl RedisStore {
@@ -29,7 +31,8 @@ impl RedisStore {
         Check::pending(async move {
             let now = clock.as_ref().map(|c| c.now_ms());
             let reply = invoke(connection, script_call(now, &[&encoded])).await?;
-            parse(&reply, &encoded.quotas)
+            let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
+            parse(values, &encoded.quotas, at)
         })
     }
 

@@ -5,7 +5,7 @@ use std::{mem, sync::Arc};
 use parking_lot::RwLock;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use super::{Connection, Encoded, invoke, parse, ping, script_call};
+use super::{Connection, Encoded, invoke, parse, ping, script_call, split_now};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
 /// How the batching task behaves.
@@ -184,14 +184,16 @@ async fn send(
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
     let result = invoke(connection, script_call(now, &requests)).await;
+    let total: usize = batch.iter().map(|(r, _)| r.quotas.len() * 4).sum();
     let mut offset = 0;
     for (request, reply) in batch {
         let decision = match &result {
             Ok(values) => {
+                let (values, at) = split_now(values, total);
                 let len = request.quotas.len() * 4;
                 let share = values.get(offset..offset + len).unwrap_or_default();
                 offset += len;
-                parse(share, &request.quotas)
+                parse(share, &request.quotas, at)
             }
             Err(error) => Err(error.clone()),
         };

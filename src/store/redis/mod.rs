@@ -32,7 +32,7 @@ use self::{
 };
 use super::{Check, Reset, Store};
 use crate::{
-    ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
+    Adjustment, ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
     clock::{Clock, MonotonicClock},
     decision::LimitDecisions,
     key::Key,
@@ -324,6 +324,12 @@ impl RedisStore {
     }
 
     fn encode(&self, key: &Key, limits: &[Limit], cost: u32) -> Encoded {
+        self.encode_as(key, limits, cost, None)
+    }
+
+    /// [`encode`](Self::encode), for a request (`at` = None) or an adjustment of `cost`
+    /// units (`at`: the refund's decision time, or -1 for a top-up).
+    fn encode_as(&self, key: &Key, limits: &[Limit], cost: u32, at: Option<i64>) -> Encoded {
         let mut keys: SmallVec<[String; 2]> =
             limits.iter().map(|l| self.redis_key(key, l)).collect();
         // After the limits' keys, the block key of each limit with a lockout.
@@ -348,6 +354,7 @@ impl RedisStore {
         Encoded {
             keys,
             cost,
+            at,
             group,
             quotas: limits.iter().map(Limit::limit).collect(),
             peek: false,
@@ -400,7 +407,8 @@ impl Store for RedisStore {
                 Call::Direct(encoded) => {
                     let now = clock.as_ref().map(|c| c.now_ms());
                     let reply = invoke(connection, script_call(now, &[&encoded])).await?;
-                    parse(&reply, &encoded.quotas)?
+                    let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
+                    parse(values, &encoded.quotas, at)?
                 }
             };
             if let Some((cache, key, fingerprint, generation)) = block_cache {
@@ -422,6 +430,10 @@ impl Store for RedisStore {
     fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
         self.reset_state(key, limits)
     }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        self.adjust_call(key, limits, adjustment)
+    }
 }
 
 /// The numbers the script's ARGV has per limit.
@@ -436,6 +448,56 @@ fn lockout_key(limit_key: &str) -> String {
     out
 }
 
+impl RedisStore {
+    /// [`Store::adjust`]: one script call (coalesced with the decisions waiting at the
+    /// same moment, so it keeps its place in their order). A refund drops the key's
+    /// cached denial here (it may fit earlier now); other replicas' block caches keep
+    /// theirs until its `retry_after`, denying no more than they would have.
+    fn adjust_call(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        let (units, at) = match adjustment {
+            Adjustment::Refund {
+                units,
+                charged_at_ms,
+            } => (units, i64::try_from(charged_at_ms).unwrap_or(i64::MAX)),
+            Adjustment::TopUp { units } => (units, -1),
+        };
+        if units == 0 {
+            // Nothing to move, and "-0" would read as a request of cost 0.
+            return Check::ready(Ok(Decision::unlimited()));
+        }
+        if let (Some(cache), Adjustment::Refund { .. }) = (&self.block_cache, adjustment) {
+            cache.forget(key, BlockCache::fingerprint(limits));
+        }
+        let encoded = self.encode_as(key, limits, units, Some(at));
+        let call = match self.coalescer() {
+            Some(coalescer) => match coalescer.submit(encoded) {
+                Submitted::Queued(reply) => Call::Queued(reply),
+                Submitted::Refused(error) => return Check::ready(Err(error)),
+                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
+            },
+            None => Call::Direct(encoded),
+        };
+        let connection = self.connection.clone();
+        let clock = self.clock.clone();
+        Check::pending(async move {
+            match call {
+                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the batch task stopped",
+                    ))
+                }),
+                Call::Direct(encoded) => {
+                    let now = clock.as_ref().map(|c| c.now_ms());
+                    let reply = invoke(connection, script_call(now, &[&encoded])).await?;
+                    let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
+                    parse(values, &encoded.quotas, at)
+                }
+            }
+        })
+    }
+}
+
 /// How a decision reaches Redis.
 enum Call {
     Queued(oneshot::Receiver<Result<Decision, StoreError>>),
@@ -447,6 +509,8 @@ enum Call {
 pub(crate) struct Encoded {
     keys: SmallVec<[String; 2]>,
     cost: u32,
+    /// An adjustment of `cost` units rather than a request: the script's `at` argument.
+    at: Option<i64>,
     /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity,
     /// lockout ms each.
     group: SmallVec<[u64; LIMIT_FIELDS]>,
@@ -477,7 +541,8 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     }
     let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
     let group_args: usize = groups.iter().map(|g| 1 + g.len()).sum();
-    let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len();
+    let adjustments = requests.iter().filter(|r| r.at.is_some()).count();
+    let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
     let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
@@ -499,12 +564,12 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     }
     cmd.arg(requests.len());
     for (request, group) in requests.iter().zip(group_of) {
-        cmd.arg(request.cost);
-        if request.peek {
-            cmd.arg(-(group as i64));
-        } else {
-            cmd.arg(group);
-        }
+        match request.at {
+            None if request.peek => cmd.arg(request.cost).arg(-(group as i64)),
+            None => cmd.arg(request.cost).arg(group),
+            // A negative cost, then `at` (see lua/main.lua).
+            Some(at) => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
+        };
     }
     cmd
 }
@@ -581,8 +646,13 @@ async fn evalsha<C: ConnectionLike>(connection: &mut C, call: &Cmd) -> RedisResu
     }
 }
 
-/// One request's share of the script's reply: four integers per limit.
-pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreError> {
+/// One request's share of the script's reply: four integers per limit; `now` is the time
+/// the script decided at (the reply's last value).
+pub(crate) fn parse(
+    reply: &[i64],
+    quotas: &[u32],
+    now: Option<i64>,
+) -> Result<Decision, StoreError> {
     if reply.len() != quotas.len() * 4 {
         return Err(StoreError::new(
             StoreErrorKind::Response,
@@ -618,7 +688,19 @@ pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreErro
             }
         })
         .collect();
-    Ok(Decision::from_limits(decisions).blocked_for(blocked_ms))
+    let decision = Decision::from_limits(decisions).blocked_for(blocked_ms);
+    Ok(match now.and_then(|now| u64::try_from(now).ok()) {
+        Some(now) => decision.decided_at(now),
+        None => decision,
+    })
+}
+
+/// A reply's per-request values and the `now` the script appended (see lua/main.lua).
+pub(crate) fn split_now(reply: &[i64], values: usize) -> (&[i64], Option<i64>) {
+    match reply.len().checked_sub(values) {
+        Some(1) => (&reply[..values], reply.last().copied()),
+        _ => (reply, None),
+    }
 }
 
 fn store_error(error: RedisError) -> StoreError {
