@@ -11,11 +11,13 @@ mod batch;
 mod block_cache;
 mod connect;
 mod invalidate;
+mod permits;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
+pub(crate) use self::permits::HeldPermit;
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 
