@@ -61,7 +61,26 @@ use crate::{
     headers::ceil_secs,
     key::{Key, KeyExtractor, PeerIp},
     rejection::{DefaultRejection, OnRejection},
+    store::Store,
 };
+
+/// Permits shared between replicas, as a [`Store`] keeps them: what
+/// [`Store::in_flight_permits`] returns for [`InFlightLayer::shared_store`].
+#[derive(Debug, Clone)]
+pub struct SharedPermits(Backend);
+
+#[derive(Debug, Clone)]
+enum Backend {
+    #[cfg(feature = "redis")]
+    Redis(crate::store::RedisStore),
+}
+
+#[cfg(feature = "redis")]
+impl SharedPermits {
+    pub(crate) fn redis(store: crate::store::RedisStore) -> Self {
+        Self(Backend::Redis(store))
+    }
+}
 
 /// The `Retry-After` a request denied by an [`InFlightLayer`] gets by default: 1 s. No
 /// one knows when a request in flight will end; a second is a short wait for a client and
@@ -88,8 +107,8 @@ struct Shared {
     /// The permits counted in this process: the store, or the fallback of
     /// [`FailurePolicy::Local`].
     local: LocalPermits,
-    #[cfg(feature = "redis")]
-    redis: Option<crate::store::RedisStore>,
+    /// Where the permits are shared between replicas; `None`: in `local`.
+    permits: Option<SharedPermits>,
     lease: Duration,
     timeout: Option<Duration>,
     on_store_error: FailurePolicy,
@@ -103,8 +122,7 @@ impl Clone for Shared {
             max: self.max,
             // A builder call makes a new layer, with permits of its own.
             local: LocalPermits::default(),
-            #[cfg(feature = "redis")]
-            redis: self.redis.clone(),
+            permits: self.permits.clone(),
             lease: self.lease,
             timeout: self.timeout,
             on_store_error: self.on_store_error.clone(),
@@ -154,8 +172,7 @@ impl InFlightLayer {
             shared: Arc::new(Shared {
                 max,
                 local: LocalPermits::default(),
-                #[cfg(feature = "redis")]
-                redis: None,
+                permits: None,
                 lease: DEFAULT_LEASE,
                 timeout: Some(crate::DEFAULT_TIMEOUT),
                 on_store_error: FailurePolicy::Allow,
@@ -202,7 +219,15 @@ impl<K, R> InFlightLayer<K, R> {
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn store(mut self, store: crate::store::RedisStore) -> Self {
-        self.change().redis = Some(store);
+        self.change().permits = Some(SharedPermits::redis(store));
+        self
+    }
+
+    /// Keeps the permits where `store` shares them ([`Store::in_flight_permits`]): in
+    /// Redis for a `RedisStore`, in the process for the memory store. For apps that hold
+    /// their store as an `Arc<dyn Store>`.
+    pub fn shared_store(mut self, store: &Arc<dyn Store>) -> Self {
+        self.change().permits = store.in_flight_permits();
         self
     }
 
@@ -326,7 +351,7 @@ where
             }
         };
         #[cfg(feature = "redis")]
-        if let Some(store) = &self.shared.redis {
+        if let Some(SharedPermits(Backend::Redis(store))) = &self.shared.permits {
             let acquire = store.acquire_permit(&key, self.shared.max, self.shared.lease);
             let timeout = self.shared.timeout;
             let acquire: BoxAcquire = Box::pin(async move {

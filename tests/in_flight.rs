@@ -307,7 +307,7 @@ async fn axum_responses_hold_their_permit_until_the_body_ends() {
 
 #[cfg(feature = "redis")]
 mod redis {
-    use tollgate::{clock::ManualClock, store::RedisStore};
+    use tollgate::{Store, clock::ManualClock, store::RedisStore};
 
     use super::{support::RedisServer, *};
 
@@ -330,7 +330,16 @@ mod redis {
     async fn cluster_allows_two_in_flight_per_client() {
         let cluster = support::cluster::RedisCluster::start();
         let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
-        two_in_flight(by_client(2).store(store)).await;
+        // As an app that holds its store as `Arc<dyn Store>` gives it.
+        let store: Arc<dyn Store> = Arc::new(store);
+        two_in_flight(by_client(2).shared_store(&store)).await;
+        // Two replicas (layers of their own) share the permits.
+        let app = App::new();
+        let mut one = app.service(&by_client(2).shared_store(&store));
+        let mut other = app.service(&by_client(2).shared_store(&store));
+        let _first = until_allowed(&mut one, "c").await;
+        let _second = until_allowed(&mut one, "c").await;
+        assert_denied(&send(&mut other, request("c")).await);
     }
 
     /// Held permits are keys with a TTL no longer than the lease, named with the key's

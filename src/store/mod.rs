@@ -64,6 +64,13 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         let _ = (key, limits);
         Box::pin(std::future::ready(Err(StoreError::unsupported("reset"))))
     }
+
+    /// Where [`InFlightLayer::shared_store`](crate::InFlightLayer::shared_store) keeps
+    /// the in-flight permits of layers on this store: `None` (the default) counts them in
+    /// the process; the Redis store shares them as leases.
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        None
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -81,5 +88,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
         (**self).reset(key, limits)
+    }
+
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        (**self).in_flight_permits()
     }
 }

@@ -424,6 +424,10 @@ impl Store for RedisStore {
     fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
         self.reset_state(key, limits)
     }
+
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        Some(crate::in_flight::SharedPermits::redis(self.clone()))
+    }
 }
 
 /// The numbers the script's ARGV has per limit.
