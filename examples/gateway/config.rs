@@ -193,6 +193,9 @@ pub(crate) struct Route {
     pub(crate) delay: Option<Duration>,
     /// Limits chosen per request by a header: `[[routes.plans]]`.
     pub(crate) plans: Option<RoutePlans>,
+    /// At most this many requests in flight per key (the key of the route's first
+    /// limit, else of its plans, else the client IP): `max_in_flight`.
+    pub(crate) max_in_flight: Option<u32>,
 }
 
 /// A route's plans: each request is limited by the plan its `plan_header` names, or by
@@ -314,6 +317,8 @@ struct RawRoute {
     shadow: bool,
     /// A humantime duration: how long a request its limits would deny may wait instead.
     delay: Option<String>,
+    /// At most this many requests in flight per key.
+    max_in_flight: Option<u32>,
     /// The header whose value names the plan.
     plan_header: Option<String>,
     /// The plan of requests without the header or with an unknown plan.
@@ -909,6 +914,12 @@ impl RawRoute {
             .as_deref()
             .map(|delay| parse_delay(&format!("{at}.delay"), delay))
             .transpose()?;
+        if self.max_in_flight == Some(0) {
+            return Err(ConfigError::new(
+                format!("{at}.max_in_flight"),
+                "must be at least 1 (0 would deny every request)",
+            ));
+        }
         Ok(Route {
             path,
             upstream,
@@ -916,6 +927,7 @@ impl RawRoute {
             shadow: self.shadow,
             plans,
             delay,
+            max_in_flight: self.max_in_flight,
         })
     }
 }
