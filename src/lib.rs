@@ -62,6 +62,12 @@
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
 //!
+//! # Requests in flight
+//!
+//! [`InFlightLayer`] allows at most N requests *running* at once per key (streams, long
+//! answers), on memory, Redis and Redis Cluster: a request holds a permit until its
+//! response body ends or is dropped. Stack it with a `RateLimitLayer`. See [`in_flight`].
+//!
 //! # Changing rules while running
 //!
 //! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`] that swaps the layer's

@@ -488,3 +488,54 @@ mod redis {
         );
     }
 }
+
+/// A tonic server-streaming call held open counts until the client drops it.
+#[tokio::test]
+async fn a_tonic_stream_holds_its_permit_until_the_client_drops_it() {
+    use tonic::{Code, transport::Channel};
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+    let incoming =
+        tonic::transport::server::TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = incoming.local_addr().unwrap();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    let layer = InFlightLayer::new(1)
+        .unwrap()
+        .key(HeaderKey::new("x-api-key").unwrap());
+    let router = tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(health);
+    tokio::spawn(router.serve_with_incoming(incoming));
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    let watch = |key: &str| {
+        let mut request = tonic::Request::new(HealthCheckRequest::default());
+        request
+            .metadata_mut()
+            .insert("x-api-key", key.parse().unwrap());
+        request
+    };
+
+    let mut stream = client.watch(watch("k1")).await.unwrap().into_inner();
+    assert!(stream.message().await.unwrap().is_some());
+    let status = client.watch(watch("k1")).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(status.metadata().get("retry-after").unwrap(), "1");
+    // Another key streams meanwhile.
+    let _other = client.watch(watch("k2")).await.unwrap();
+
+    drop(stream);
+    let start = Instant::now();
+    loop {
+        match client.watch(watch("k1")).await {
+            Ok(_stream) => break,
+            Err(status) => assert_eq!(status.code(), Code::ResourceExhausted),
+        }
+        assert!(start.elapsed() < DEADLINE, "the permit never came back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
