@@ -542,6 +542,8 @@ where
 {
     type Output = Result<Response<InFlightBody<ResB>>, S::Error>;
 
+    // Without Redis nothing waits for a permit, and the loop never loops.
+    #[cfg_attr(not(feature = "redis"), allow(clippy::never_loop))]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
