@@ -466,6 +466,36 @@ mod redis {
         drop(held);
     }
 
+    /// A permit the script takes after the layer gave up waiting (Redis paused past the
+    /// timeout) is given back, not left to its 60 s lease.
+    #[tokio::test]
+    async fn a_permit_taken_after_the_timeout_is_given_back() {
+        let server = RedisServer::start();
+        let layer = by_client(1)
+            .store(store(&server).await)
+            .timeout(Some(Duration::from_millis(200)));
+        let app = App::new();
+        let mut service = app.service(&layer);
+        // The scripts loaded, so that the paused call is the script itself.
+        drop(send(&mut service, request("a")).await);
+        server.cli(&["CLIENT", "PAUSE", "1500"]).unwrap();
+        let answer = send(&mut service, request("a")).await;
+        // Failed open (the default policy): passed, holding nothing.
+        assert_eq!(answer.status(), StatusCode::OK);
+        assert!(!answer.body().holds_permit());
+        drop(answer);
+        let start = Instant::now();
+        let _held = loop {
+            let answer = send(&mut service, request("a")).await;
+            if answer.body().holds_permit() {
+                break answer;
+            }
+            assert!(start.elapsed() < DEADLINE, "the permit never came back");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_denied(&send(&mut service, request("a")).await);
+    }
+
     /// Local: while Redis is down, permits are counted in the process.
     #[tokio::test]
     async fn a_failing_redis_with_the_local_policy_counts_in_the_process() {
