@@ -23,6 +23,8 @@ pub use redis::SentinelConfig;
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
+#[cfg(feature = "redis")]
+pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 
 use crate::{Limit, StoreError, key::Key};
 

@@ -18,6 +18,7 @@ mod sentinel;
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
 pub(crate) use self::permits::HeldPermit;
+pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_RENEW_SOURCE};
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 

@@ -20,10 +20,12 @@ use tokio::sync::oneshot;
 use super::{Connection, RedisStore, store_error};
 use crate::{StoreError, StoreErrorKind, key::Key};
 
-/// Takes a permit. KEYS[1]: the permits of one key. ARGV: now in ms ("" reads Redis
+/// The in-flight script that takes a permit ([`Leases::acquire`](crate::algorithm::Leases::acquire)).
+///
+/// KEYS[1]: the permits of one key. ARGV: now in ms ("" reads Redis
 /// `TIME`), lease ms, max permits, the permit id. Returns `{1, held}` when taken,
 /// `{0, held}` when all `max` are held.
-const ACQUIRE: &str = r"
+pub const ACQUIRE: &str = r"
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
@@ -41,10 +43,12 @@ redis.call('PEXPIRE', KEYS[1], math.max(tonumber(last[2]) - now, 1))
 return {1, held + 1}
 ";
 
-/// Renews a permit. KEYS[1]: the permits of one key. ARGV: now ("" reads `TIME`), lease
+/// The in-flight script that renews a permit ([`Leases::renew`](crate::algorithm::Leases::renew)).
+///
+/// KEYS[1]: the permits of one key. ARGV: now ("" reads `TIME`), lease
 /// ms, the permit id. Returns 1, or 0 when the permit is gone (its lease ended and
 /// another request took its place).
-const RENEW: &str = r"
+pub const RENEW: &str = r"
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
