@@ -342,6 +342,17 @@ mod redis {
         assert_denied(&send(&mut other, request("c")).await);
     }
 
+    /// Through Sentinel (the scripts go as EVAL there).
+    #[cfg(feature = "sentinel")]
+    #[tokio::test]
+    async fn sentinel_allows_two_in_flight_per_client() {
+        use support::sentinel::{MASTER_NAME, SentinelSetup};
+        let setup = SentinelSetup::start();
+        let config = tollgate::store::SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME);
+        let store = RedisStore::connect_sentinel(&config).await.unwrap();
+        two_in_flight(by_client(2).store(store)).await;
+    }
+
     /// Held permits are keys with a TTL no longer than the lease, named with the key's
     /// hash tag.
     #[tokio::test]
