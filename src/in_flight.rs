@@ -38,6 +38,9 @@
 //!   within the [timeout](InFlightLayer::timeout), the layer's [`FailurePolicy`] applies:
 //!   allow (default), deny (503), or count the permits in the process until Redis answers
 //!   again.
+//! - If Redis loses the permits (a restart without persistence, a failover to a replica
+//!   that had not seen them), requests already running stop counting: their renewal
+//!   finds the permit gone and stops, logged at `warn`.
 
 use std::{
     collections::HashMap,
