@@ -62,6 +62,12 @@
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
 //!
+//! # Requests in flight
+//!
+//! [`InFlightLayer`] allows at most N requests *running* at once per key (streams, long
+//! answers), on memory, Redis and Redis Cluster: a request holds a permit until its
+//! response body ends or is dropped. Stack it with a `RateLimitLayer`. See [`in_flight`].
+//!
 //! # Changing rules while running
 //!
 //! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`] that swaps the layer's
@@ -153,6 +159,7 @@ mod decision;
 mod error;
 mod future;
 pub mod headers;
+pub mod in_flight;
 pub mod key;
 mod layer;
 mod limit;
@@ -173,6 +180,7 @@ pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
+pub use in_flight::InFlightLayer;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
 pub use limiter::Limiter;

@@ -605,6 +605,76 @@ async fn a_delayed_route_waits_instead_of_429(store: &str) {
     gw.stop().await.unwrap();
 }
 
+/// `max_in_flight = 2` on a route keyed by a header: two responses still streaming from
+/// the upstream hold both permits of their client, a third request gets 429 with
+/// `Retry-After: 1`, another client passes, and a body that ends frees its permit.
+async fn max_in_flight_holds_streaming_responses(store: &str) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let upstream = {
+        let gate = gate.clone();
+        Router::new().fallback(move || {
+            let gate = gate.clone();
+            async move {
+                Body::from_stream(futures_util::stream::once(async move {
+                    gate.acquire().await.unwrap().forget();
+                    Ok::<_, std::convert::Infallible>(Bytes::from_static(b"done"))
+                }))
+            }
+        })
+    };
+    let (upstream, _task) = serve(upstream).await;
+    let routes = format!(
+        "[[routes]]\npath = \"/\"\nupstream = \"http://{upstream}\"\nmax_in_flight = 2\n\
+         [[routes.limits]]\nkey = \"header:x-client\"\nalgorithm = \"fixed_window\"\n\
+         limit = 1000\nwindow = \"1h\"\n"
+    );
+    let gw = gateway(store, &routes).await;
+    let client = client();
+    let start = |who: &str| {
+        let request = http::Request::get(url(&gw, "/"))
+            .header("x-client", who)
+            .body(Body::empty())
+            .unwrap();
+        let response = client.request(request);
+        async move {
+            tokio::time::timeout(TIMEOUT, response)
+                .await
+                .expect("no answer in time")
+                .unwrap()
+        }
+    };
+    let first = start("a").await;
+    let _second = start("a").await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let third = start("a").await;
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(third.headers()["retry-after"], "1");
+    assert_eq!(start("b").await.status(), StatusCode::OK);
+
+    gate.add_permits(1);
+    let body = first.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"done");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let _held = loop {
+        let response = start("a").await;
+        if response.status() == StatusCode::OK {
+            break response;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the permit never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(start("a").await.status(), StatusCode::TOO_MANY_REQUESTS);
+    gate.add_permits(16);
+}
+
+#[tokio::test]
+async fn memory_max_in_flight_holds_streaming_responses() {
+    max_in_flight_holds_streaming_responses(MEMORY).await;
+}
+
 #[tokio::test]
 async fn memory_a_delayed_route_waits_instead_of_429() {
     a_delayed_route_waits_instead_of_429(MEMORY).await;
@@ -782,6 +852,10 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
         (
             "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\ndelay = \"soon\"".into(),
             &["routes[0].delay", "\"soon\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\nmax_in_flight = 0".into(),
+            &["routes[0].max_in_flight", "at least 1"],
         ),
         (
             "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\ndelay = \"2h\"".into(),
@@ -1478,6 +1552,14 @@ mod redis {
     async fn redis_a_delayed_route_waits_instead_of_429() {
         let redis = RedisServer::start();
         a_delayed_route_waits_instead_of_429(&store(&redis, "delay")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_max_in_flight_holds_streaming_responses() {
+        let redis = RedisServer::start();
+        max_in_flight_holds_streaming_responses(&store(&redis, "inflight")).await;
+        // The permits were taken in Redis (ZADD runs only in the in-flight scripts here).
+        assert!(redis.calls("zadd") >= 4, "{}", redis.calls("zadd"));
     }
 
     #[tokio::test]

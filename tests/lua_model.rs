@@ -1026,3 +1026,156 @@ fn a_refund_of_an_emptied_entry_changes_nothing() {
         }
     });
 }
+
+/// One step against the permits of one key (after a wait, with a lease): take a permit,
+/// renew the `n`-th permit taken so far, or give it back.
+#[derive(Debug, Clone, Copy)]
+enum LeaseOp {
+    Acquire,
+    Renew(usize),
+    Release(usize),
+}
+
+fn lease_steps_strategy() -> impl Strategy<Value = Vec<(LeaseWait, LeaseOp, u64)>> {
+    let op = prop_oneof![
+        3 => Just(LeaseOp::Acquire),
+        2 => (0usize..8).prop_map(LeaseOp::Renew),
+        1 => (0usize..8).prop_map(LeaseOp::Release),
+    ];
+    // Leases of seconds: a write sets the key's TTL (real time) to at least one lease, so
+    // no key expires while a case runs; waits as long as leases end them on the model's
+    // clock.
+    let wait = prop_oneof![
+        (0u64..3).prop_map(LeaseWait::Ms),
+        (0u64..10_000).prop_map(LeaseWait::Ms),
+        (-1i64..=1).prop_map(LeaseWait::ToFirstEnd),
+    ];
+    prop::collection::vec((wait, op, 1_000u64..8_000), 1..40)
+}
+
+/// How far the clock moves before a step.
+#[derive(Debug, Clone, Copy)]
+enum LeaseWait {
+    Ms(u64),
+    /// To the first lease end not yet passed, plus -1, 0 or +1 ms: where off-by-one
+    /// mistakes live.
+    ToFirstEnd(i64),
+}
+
+fn next_lease_now(now: u64, wait: LeaseWait, model: &algorithm::Leases) -> u64 {
+    match wait {
+        LeaseWait::Ms(ms) => now + ms,
+        LeaseWait::ToFirstEnd(delta) => model
+            .ends()
+            .map(|(_, end)| end)
+            .filter(|&end| end >= now)
+            .min()
+            .map_or(now, |end| now.max(end.saturating_add_signed(delta))),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+
+    /// The in-flight scripts take, renew and give back permits exactly like the model
+    /// (`algorithm::Leases`): the same answers, the same leases after every step, and a
+    /// TTL that ends with the last lease.
+    #[test]
+    fn in_flight_scripts_follow_the_lease_model(
+        max in 1u32..4,
+        steps in lease_steps_strategy(),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let mut redis = raw_connection().await;
+            let case = CASE.with(|c| {
+                c.set(c.get() + 1);
+                c.get()
+            });
+            let key = format!("leases{case}:{{k}}:inflight:{max}");
+            let acquire = redis::Script::new(tollgate::store::IN_FLIGHT_ACQUIRE_SOURCE);
+            let renew = redis::Script::new(tollgate::store::IN_FLIGHT_RENEW_SOURCE);
+            let mut model = algorithm::Leases::default();
+            let mut taken: Vec<String> = Vec::new();
+            let mut now = START;
+            for (i, &(wait, op, lease)) in steps.iter().enumerate() {
+                now = next_lease_now(now, wait, &model);
+                match op {
+                    LeaseOp::Acquire => {
+                        let id = format!("p{i}");
+                        let expected = model.acquire(now, lease, max, &id);
+                        let got: (i64, i64) = acquire
+                            .key(&key)
+                            .arg(now)
+                            .arg(lease)
+                            .arg(max)
+                            .arg(&id)
+                            .invoke_async(&mut redis)
+                            .await
+                            .unwrap();
+                        prop_assert_eq!(
+                            (got.0 == 1, u64::try_from(got.1).unwrap()),
+                            expected,
+                            "step {}", i
+                        );
+                        if expected.0 {
+                            taken.push(id);
+                        }
+                    }
+                    LeaseOp::Renew(n) | LeaseOp::Release(n) if taken.is_empty() => {
+                        let _ = n;
+                    }
+                    LeaseOp::Renew(n) => {
+                        let id = &taken[n % taken.len()];
+                        let expected = model.renew(now, lease, id);
+                        let got: i64 = renew
+                            .key(&key)
+                            .arg(now)
+                            .arg(lease)
+                            .arg(id)
+                            .invoke_async(&mut redis)
+                            .await
+                            .unwrap();
+                        prop_assert_eq!(got == 1, expected, "step {}", i);
+                    }
+                    LeaseOp::Release(n) => {
+                        let id = &taken[n % taken.len()];
+                        model.release(id);
+                        let _: i64 = redis::cmd("ZREM")
+                            .arg(&key)
+                            .arg(id)
+                            .query_async(&mut redis)
+                            .await
+                            .unwrap();
+                    }
+                }
+                let held: Vec<(String, u64)> = redis::cmd("ZRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query_async(&mut redis)
+                    .await
+                    .unwrap();
+                let mut held: Vec<(String, u64)> = held;
+                held.sort();
+                let expected: Vec<(String, u64)> =
+                    model.ends().map(|(id, end)| (id.to_owned(), end)).collect();
+                prop_assert_eq!(&held, &expected, "step {}", i);
+                // Every write set the TTL to the last lease's end; time in Redis runs on
+                // meanwhile, so the TTL is at most that (and the key exists while held).
+                let ttl: i64 = redis::cmd("PTTL")
+                    .arg(&key)
+                    .query_async(&mut redis)
+                    .await
+                    .unwrap();
+                if held.is_empty() {
+                    prop_assert_eq!(ttl, -2, "step {}: an empty set is no key", i);
+                } else {
+                    prop_assert!(ttl > 0, "step {}: held leases without a TTL ({})", i, ttl);
+                }
+            }
+            Ok(())
+        })?;
+    }
+}

@@ -195,6 +195,9 @@ pub(crate) struct Route {
     pub(crate) delay: Option<Duration>,
     /// Limits chosen per request by a header: `[[routes.plans]]`.
     pub(crate) plans: Option<RoutePlans>,
+    /// At most this many requests in flight per key (the key of the route's first
+    /// limit, else of its plans, else the client IP): `max_in_flight`.
+    pub(crate) max_in_flight: Option<u32>,
 }
 
 /// A route's plans: each request is limited by the plan its `plan_header` names, or by
@@ -357,6 +360,8 @@ struct RawRoute {
     cost_header: Option<String>,
     /// A humantime duration: how long a request its limits would deny may wait instead.
     delay: Option<String>,
+    /// At most this many requests in flight per key.
+    max_in_flight: Option<u32>,
     /// The header whose value names the plan.
     plan_header: Option<String>,
     /// The plan of requests without the header or with an unknown plan.
@@ -954,6 +959,12 @@ impl RawRoute {
             .transpose()?;
         let count_after =
             count_after(&at, self.count_when.as_deref(), self.cost_header.as_deref())?;
+        if self.max_in_flight == Some(0) {
+            return Err(ConfigError::new(
+                format!("{at}.max_in_flight"),
+                "must be at least 1 (0 would deny every request)",
+            ));
+        }
         Ok(Route {
             path,
             upstream,
@@ -962,6 +973,7 @@ impl RawRoute {
             plans,
             delay,
             count_after,
+            max_in_flight: self.max_in_flight,
         })
     }
 }

@@ -16,6 +16,7 @@ use std::{
 use arc_swap::ArcSwap;
 use axum::{
     Router,
+    body::Body,
     extract::{Request, State},
     http::{StatusCode, Uri, uri::PathAndQuery},
     response::Response,
@@ -24,7 +25,8 @@ use axum::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tollgate::{
-    FailurePolicy, MemoryStore, RateLimitLayer, Store,
+    FailurePolicy, InFlightLayer, MemoryStore, RateLimitLayer, Store,
+    in_flight::InFlightBody,
     key::{ClientIp, GlobalKey, HeaderKey},
 };
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
@@ -541,7 +543,65 @@ fn route_service(
             Some((&route.path, &mut *admin)),
         );
     }
+    if let Some(max) = route.max_in_flight {
+        service = in_flight(route, max, config, store, policy, service);
+    }
     service
+}
+
+/// The route's `max_in_flight`, outermost: a request it denies spends no rate budget.
+/// Keyed by the route's first limit's key, else its plans' key, else the client IP.
+fn in_flight(
+    route: &Route,
+    max: u32,
+    config: &Config,
+    store: &Arc<dyn Store>,
+    policy: &FailurePolicy,
+    service: RouteService,
+) -> RouteService {
+    let key = route
+        .limits
+        .first()
+        .map(|limit| limit.key.clone())
+        .or_else(|| route.plans.as_ref().map(|plans| plans.key.clone()))
+        .unwrap_or(KeySpec::Ip);
+    let layer = InFlightLayer::new(max)
+        .expect("max_in_flight validated with the config")
+        .shared_store(store)
+        .on_store_error(policy.clone())
+        .timeout(Some(config.store.timeout));
+    // The permit rides in the body until it ends: boxed into axum's body here.
+    fn boxed<S>(service: S) -> RouteService
+    where
+        S: tower::Service<
+                Request,
+                Response = http::Response<InFlightBody<Body>>,
+                Error = Infallible,
+            > + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        BoxCloneSyncService::new(service.map_response(|response| response.map(Body::new)))
+    }
+    match key {
+        KeySpec::Ip => boxed(
+            layer
+                .key(ClientIp::new(config.trusted_proxies.iter().copied()))
+                .layer(service),
+        ),
+        KeySpec::Header(name) => {
+            let key = HeaderKey::from(name);
+            let key = match &config.store.header_keys {
+                HeaderKeys::Plain => key,
+                HeaderKeys::Sha256 => key.hashed(),
+                HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
+            };
+            boxed(layer.key(key).layer(service))
+        }
+        KeySpec::Global => boxed(layer.key(GlobalKey).layer(service)),
+    }
 }
 
 /// `layer` keyed by `key`, around `service`, counting after the response when the route

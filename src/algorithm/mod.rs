@@ -37,6 +37,7 @@
 
 mod fixed_window;
 mod gcra;
+mod in_flight;
 mod lockout;
 mod sliding_window;
 mod sliding_window_counter;
@@ -44,6 +45,7 @@ mod token_bucket;
 
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
+pub use in_flight::Leases;
 pub use lockout::check_with_lockouts;
 pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;

@@ -23,6 +23,8 @@ pub use redis::SentinelConfig;
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
+#[cfg(feature = "redis")]
+pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 
 use crate::{Adjustment, Limit, StoreError, StoreErrorKind, key::Key};
 
@@ -76,6 +78,13 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
             "this store cannot give back or charge units after a decision",
         )))
     }
+
+    /// Where [`InFlightLayer::shared_store`](crate::InFlightLayer::shared_store) keeps
+    /// the in-flight permits of layers on this store: `None` (the default) counts them in
+    /// the process; the Redis store shares them as leases.
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        None
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -97,5 +106,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         (**self).adjust(key, limits, adjustment)
+    }
+
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        (**self).in_flight_permits()
     }
 }

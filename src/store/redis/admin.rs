@@ -74,7 +74,7 @@ impl RedisStore {
 }
 
 /// Sends one command on whatever connection the store has.
-async fn query(connection: Connection, cmd: &Cmd) -> Result<Value, StoreError> {
+pub(super) async fn query(connection: Connection, cmd: &Cmd) -> Result<Value, StoreError> {
     let result: RedisResult<Value> = match connection {
         Connection::Manager(mut manager) => cmd.query_async(&mut manager).await,
         #[cfg(feature = "cluster")]

@@ -11,11 +11,14 @@ mod batch;
 mod block_cache;
 mod connect;
 mod invalidate;
+mod permits;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
+pub(crate) use self::permits::HeldPermit;
+pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_RENEW_SOURCE};
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 
@@ -443,6 +446,10 @@ impl Store for RedisStore {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         self.adjust_call(key, limits, adjustment)
+    }
+
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        Some(crate::in_flight::SharedPermits::redis(self.clone()))
     }
 }
 

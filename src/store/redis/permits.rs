@@ -1,0 +1,245 @@
+//! Permits for [`InFlightLayer`](crate::InFlightLayer) in Redis: leases that expire.
+//!
+//! The permits of one key are a sorted set `<prefix>:{<key>}:inflight:<max>` of permit
+//! ids scored by the time (ms) their lease ends. Taking a permit drops the ended leases,
+//! counts the rest and adds one if there is room; a task renews it while the request
+//! runs and removes it when the response ends. A node that dies stops renewing, so its
+//! permits end at most one lease after its last renewal.
+
+use std::{
+    sync::{
+        LazyLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use redis::{RedisResult, Script, Value};
+use tokio::sync::oneshot;
+
+use super::{Connection, RedisStore, store_error};
+use crate::{StoreError, StoreErrorKind, key::Key};
+
+/// The in-flight script that takes a permit ([`Leases::acquire`](crate::algorithm::Leases::acquire)).
+///
+/// KEYS[1]: the permits of one key. ARGV: now in ms ("" reads Redis
+/// `TIME`), lease ms, max permits, the permit id. Returns `{1, held}` when taken,
+/// `{0, held}` when all `max` are held.
+pub const ACQUIRE: &str = r"
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local lease = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local held = redis.call('ZCARD', KEYS[1])
+if held >= tonumber(ARGV[3]) then
+  return {0, held}
+end
+redis.call('ZADD', KEYS[1], now + lease, ARGV[4])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(last[2]) - now, 1))
+return {1, held + 1}
+";
+
+/// The in-flight script that renews a permit ([`Leases::renew`](crate::algorithm::Leases::renew)).
+///
+/// KEYS[1]: the permits of one key. ARGV: now ("" reads `TIME`), lease
+/// ms, the permit id. Returns 1, or 0 when the permit is gone (its lease ended and
+/// another request took its place).
+pub const RENEW: &str = r"
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[3])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(last[2]) - now, 1))
+return 1
+";
+
+static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE));
+static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW));
+
+/// Permit ids: unique per process (a random start) and between processes (the start is
+/// 64 random bits from the standard library's hasher keys).
+fn next_id() -> String {
+    static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| {
+        use std::hash::{BuildHasher, RandomState};
+        AtomicU64::new(RandomState::new().hash_one(std::process::id()))
+    });
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{id:016x}")
+}
+
+/// A permit held in Redis. Dropping it ends the renewal task, which then removes the
+/// permit (best effort: when that fails, the lease ends it).
+#[derive(Debug)]
+pub(crate) struct HeldPermit {
+    _done: oneshot::Sender<()>,
+}
+
+/// A permit asked for but not yet known to be held: removed when dropped (a timeout, a
+/// client that hung up), because the script may have added it all the same.
+struct Asking {
+    release: Option<(Connection, String, String)>,
+}
+
+impl Drop for Asking {
+    fn drop(&mut self) {
+        if let Some((connection, key, id)) = self.release.take() {
+            spawn_release(connection, key, id);
+        }
+    }
+}
+
+fn spawn_release(connection: Connection, key: String, id: String) {
+    // Without a runtime the lease ends the permit.
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(release(connection, key, id));
+    }
+}
+
+async fn release(connection: Connection, key: String, id: String) {
+    let mut zrem = redis::cmd("ZREM");
+    zrem.arg(&key).arg(&id);
+    if let Err(error) = super::admin::query(connection, &zrem).await {
+        tracing::debug!(error = %error.chain(), "in-flight permit not released; its lease ends it");
+    }
+}
+
+impl RedisStore {
+    /// The sorted set of `key`'s permits under a limit of `max`.
+    fn permits_key(&self, key: &Key, max: u32) -> String {
+        let mut out = String::with_capacity(self.prefix.len() + key.as_str().len() + 24);
+        out.push_str(&self.prefix);
+        out.push_str(":{");
+        out.push_str(key.as_str());
+        out.push_str("}:inflight:");
+        out.push_str(itoa::Buffer::new().format(max));
+        out
+    }
+
+    /// Takes one of `max` permits of `key` for `lease`, renewed every third of it until
+    /// the returned permit is dropped; `None` when all are held.
+    pub(crate) fn acquire_permit(
+        &self,
+        key: &Key,
+        max: u32,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Option<HeldPermit>, StoreError>> + Send + 'static {
+        let connection = self.connection.clone();
+        let clock = self.clock.clone();
+        let set = self.permits_key(key, max);
+        let id = next_id();
+        let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
+        async move {
+            let mut asking = Asking {
+                release: Some((connection.clone(), set.clone(), id.clone())),
+            };
+            let now = clock.as_ref().map(|c| c.now_ms());
+            let args = [
+                now_arg(now),
+                lease_ms.to_string(),
+                max.to_string(),
+                id.clone(),
+            ];
+            let reply = run(&connection, &ACQUIRE_SCRIPT, ACQUIRE, &set, &args).await?;
+            let taken = match reply {
+                Value::Array(values) => matches!(values.first(), Some(Value::Int(1))),
+                other => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Response,
+                        format!("in-flight script returned {other:?}"),
+                    ));
+                }
+            };
+            // From here the renewal task (or nobody, when denied) owns the permit.
+            asking.release = None;
+            if !taken {
+                return Ok(None);
+            }
+            let (done, stopped) = oneshot::channel();
+            tokio::spawn(hold(connection, clock, set, id, lease_ms, stopped));
+            Ok(Some(HeldPermit { _done: done }))
+        }
+    }
+}
+
+fn now_arg(now: Option<u64>) -> String {
+    now.map_or_else(String::new, |now| now.to_string())
+}
+
+/// Renews the permit every third of its lease until `stopped` fires (its holder dropped
+/// it), then removes it.
+async fn hold(
+    connection: Connection,
+    clock: Option<std::sync::Arc<dyn crate::clock::Clock>>,
+    set: String,
+    id: String,
+    lease_ms: u64,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let every = Duration::from_millis((lease_ms / 3).max(1));
+    loop {
+        let sleep = std::pin::pin!(tokio::time::sleep(every));
+        match futures_util::future::select(&mut stopped, sleep).await {
+            futures_util::future::Either::Left(_) => break,
+            futures_util::future::Either::Right(_) => {}
+        }
+        let now = clock.as_ref().map(|c| c.now_ms());
+        let args = [now_arg(now), lease_ms.to_string(), id.clone()];
+        match run(&connection, &RENEW_SCRIPT, RENEW, &set, &args).await {
+            Ok(Value::Int(1)) => {}
+            Ok(_) => {
+                tracing::warn!("in-flight permit lost (its lease ended before renewal)");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(error = %error.chain(), "in-flight permit not renewed");
+            }
+        }
+    }
+    release(connection, set, id).await;
+}
+
+/// Runs `script` (`source`) on `key` with `args`: EVALSHA, loading the script on
+/// NOSCRIPT (Sentinel: EVAL, which Redis caches as well).
+async fn run(
+    connection: &Connection,
+    script: &Script,
+    source: &str,
+    key: &str,
+    args: &[String],
+) -> Result<Value, StoreError> {
+    let mut invocation = script.key(key);
+    for arg in args {
+        invocation.arg(arg);
+    }
+    let result: RedisResult<Value> = match connection.clone() {
+        Connection::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
+        #[cfg(feature = "cluster")]
+        Connection::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
+        #[cfg(feature = "bb8")]
+        Connection::Pool(pool) => {
+            let mut connection = pool.get().await.map_err(|e| match e {
+                bb8_redis::bb8::RunError::User(e) => store_error(e),
+                bb8_redis::bb8::RunError::TimedOut => StoreError::timeout(),
+            })?;
+            invocation.invoke_async(&mut *connection).await
+        }
+        #[cfg(feature = "sentinel")]
+        Connection::Sentinel(sentinel) => {
+            let mut eval = redis::cmd("EVAL");
+            eval.arg(source).arg(1).arg(key).arg(args);
+            return sentinel.query(&eval).await;
+        }
+    };
+    let _ = source;
+    result.map_err(store_error)
+}
