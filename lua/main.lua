@@ -8,6 +8,13 @@
 -- Returns, for each limit of each request in order: allowed (0/1), remaining,
 -- reset_after ms, retry_after ms. A request is allowed when all its limits are.
 --
+-- Leases (optional, lua/lease.lua): after the requests, the number of asks A and for
+-- each: request index (1-based), units wanted; then the number of returns R and for each:
+-- group index, index in KEYS of its first key, units, and one window start per limit of
+-- the group. Returns run before the requests. After the requests' results come, for each
+-- ask in order: units granted (0 when its request was denied), ms until the lease ends,
+-- and each limit's window start. Without these sections nothing changes.
+--
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
 -- its state stays in `states` in between (`now` does not move within a call).
@@ -43,6 +50,7 @@ for g = 1, ARGV[2] + 0 do
   local group = {}
   for i = 1, ARGV[a] + 0 do
     group[i] = {
+      code = ARGV[a + 1] + 0,
       alg = algorithm(ARGV[a + 1] + 0),
       L = ARGV[a + 2] + 0,
       W = ARGV[a + 3] + 0,
@@ -54,6 +62,9 @@ for g = 1, ARGV[2] + 0 do
   groups[g] = group
 end
 
+local asks = lease_sections(a + 1 + 2 * (ARGV[a] + 0), groups)
+local tail = {} -- the asks' results, after the requests'
+
 local states = {} -- key -> state, loaded on first use
 local changed = {} -- states committed to, in order: saved at the end
 local out = { 0, 0, 0, 0 } -- sized for one request with one limit: no regrowth
@@ -61,7 +72,7 @@ local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
-for _ = 1, ARGV[a] + 0 do
+for r = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
   local group = groups[ARGV[a + 2] + 0]
   a = a + 2
@@ -105,6 +116,10 @@ for _ = 1, ARGV[a] + 0 do
     out[n + 4] = retries[i]
     n = n + 4
   end
+  local asked = asks[r]
+  if asked then
+    lease_grant(group, held, now, all_fit and asked or 0, tail)
+  end
   k = k + m
 end
 
@@ -113,5 +128,8 @@ for i = 1, #changed do
   local limit = s.changed
   limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
-if n == 0 then return {} end -- no requests: nothing of the presized table
+for i = 1, #tail do
+  out[n + i] = tail[i]
+end
+if n + #tail == 0 then return {} end -- no requests: nothing of the presized table
 return out

@@ -412,6 +412,166 @@ proptest! {
     }
 }
 
+/// Up to two limits for leasing: mostly the window algorithms, sometimes another one
+/// (whose list then never gets a lease).
+fn lease_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    let algorithm = prop_oneof![
+        4 => Just(Algorithm::FixedWindow),
+        4 => Just(Algorithm::SlidingWindowCounter),
+        1 => algorithm_strategy(),
+    ];
+    let window = prop_oneof![1u64..20, 1u64..3_000];
+    prop::collection::vec((algorithm, 1u32..80, window), 1..=2).prop_map(|limits| {
+        let mut seen = std::collections::HashSet::new();
+        limits
+            .into_iter()
+            .map(|(a, l, w)| Limit::new(a, l, Duration::from_millis(w)).unwrap())
+            .filter(|l| seen.insert(format!("{l:?}")))
+            .collect()
+    })
+}
+
+/// The script's algorithm codes (`Algorithm::code`).
+fn code(algorithm: Algorithm) -> u64 {
+    match algorithm {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindow => 2,
+        Algorithm::SlidingWindowCounter => 3,
+        Algorithm::TokenBucket => 4,
+        Algorithm::Gcra => 5,
+        _ => unreachable!(),
+    }
+}
+
+/// One step of the lease test: a request (with an ask, and units of an earlier grant
+/// going back before it) or a return alone.
+#[derive(Debug, Clone)]
+struct LeaseStep {
+    wait: Wait,
+    cost: u32,
+    ask: u64,
+    back: Option<(usize, u64)>,
+    alone: bool,
+}
+
+fn lease_steps_strategy() -> impl Strategy<Value = Vec<LeaseStep>> {
+    let wait = prop_oneof![
+        3 => Just(Wait::Ms(0)),
+        3 => (0u64..50).prop_map(Wait::Ms),
+        2 => (0u64..4_000).prop_map(Wait::Ms),
+        1 => (1u64..3_000).prop_map(Wait::Back),
+    ];
+    let back = prop::option::weighted(0.4, (any::<usize>(), 1u64..40));
+    prop::collection::vec(
+        (wait, 0u32..8, prop_oneof![1 => Just(0u64), 3 => 1u64..40], back, prop::bool::weighted(0.15)),
+        1..60,
+    )
+    .prop_map(|steps| {
+        steps
+            .into_iter()
+            .map(|(wait, cost, ask, back, alone)| LeaseStep { wait, cost, ask, back, alone })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// The lease path of the script (`lua/lease.lua`) grants and takes back exactly like
+    /// the model (`algorithm::lease`): the same units, lease end and window starts, and
+    /// the same decisions before and after returns, also when the clock steps back and
+    /// for lists that hold an algorithm that is not leased.
+    #[test]
+    fn lua_leases_like_the_model(limits in lease_limits_strategy(), steps in lease_steps_strategy()) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let case = CASE.with(|c| { c.set(c.get() + 1); c.get() });
+        let keys: Vec<String> = (0..limits.len()).map(|i| format!("lease{case}:{{k}}:{i}")).collect();
+        let mut group = vec![limits.len() as u64];
+        for l in &limits {
+            group.extend([code(l.algorithm()), u64::from(l.limit()), l.window().as_millis() as u64, u64::from(l.capacity())]);
+        }
+        let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        // Grants so far: window starts and units not yet given back.
+        let mut grants: Vec<(Vec<u64>, u64)> = Vec::new();
+        let mut now = START;
+        runtime.block_on(async {
+            let url = SERVER.with(|s| s.url());
+            let client = redis::Client::open(url).unwrap();
+            let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+            for (i, step) in steps.iter().enumerate() {
+                now = match step.wait {
+                    Wait::Back(ms) => now - ms,
+                    Wait::Ms(ms) => now + ms,
+                    _ => now,
+                };
+                let back = match step.back {
+                    Some((pick, units)) if !grants.is_empty() => {
+                        let n = grants.len();
+                        let grant = &mut grants[pick % n];
+                        let units = units.min(grant.1).max(1);
+                        grant.1 = grant.1.saturating_sub(units);
+                        Some((grant.0.clone(), units))
+                    }
+                    _ => None,
+                };
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(tollgate::store::SCRIPT_SOURCE).arg(keys.len());
+                for key in &keys {
+                    cmd.arg(key);
+                }
+                cmd.arg(now).arg(1).arg(&group);
+                let alone = step.alone && back.is_some();
+                if alone {
+                    cmd.arg(0).arg(0);
+                } else {
+                    cmd.arg(1).arg(step.cost).arg(1);
+                    if step.ask > 0 {
+                        cmd.arg(1).arg(1).arg(step.ask);
+                    } else {
+                        cmd.arg(0);
+                    }
+                }
+                match &back {
+                    Some((starts, units)) => {
+                        cmd.arg(1).arg(1).arg(1).arg(units).arg(starts);
+                    }
+                    None => { cmd.arg(0); }
+                }
+                let got: Vec<i64> = cmd.query_async(&mut connection).await.unwrap();
+                // The model: returns first, then the request and its grant.
+                if let Some((starts, units)) = &back {
+                    algorithm::lease::give_back(&mut states, &limits, starts, *units);
+                }
+                let mut want: Vec<i64> = Vec::new();
+                if !alone {
+                    let decision = algorithm::check(&mut states, &limits, now, step.cost);
+                    for d in decision.limits() {
+                        want.extend([i64::from(d.allowed), d.remaining as i64, d.reset_after_ms as i64, d.retry_after_ms as i64]);
+                    }
+                    if step.ask > 0 {
+                        if decision.is_allowed() {
+                            let grant = algorithm::lease::grant(&mut states, &limits, now, step.ask);
+                            want.extend([grant.units as i64, grant.ms_left as i64]);
+                            want.extend(grant.starts.iter().map(|&s| s as i64));
+                            if grant.units > 0 {
+                                prop_assert!(limits.iter().all(|l| algorithm::lease::leasable(l.algorithm())));
+                                grants.push((grant.starts.to_vec(), grant.units));
+                            }
+                        } else {
+                            // Denied: nothing granted (the rest is not read).
+                            let n = want.len();
+                            prop_assert_eq!(got.get(n), Some(&0), "step {}", i);
+                            want.extend_from_slice(&got[n..]);
+                        }
+                    }
+                }
+                prop_assert_eq!(&got, &want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+}
+
 /// At the largest sizes a limit may have (capacity x window just under 2^50), the script
 /// still decides like the model and stores every number as plain decimal digits: state
 /// that went through "%.14g" (Lua's tostring) would come back rounded.

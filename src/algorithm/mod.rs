@@ -37,6 +37,7 @@
 
 mod fixed_window;
 mod gcra;
+pub mod lease;
 mod sliding_window;
 mod sliding_window_counter;
 mod token_bucket;

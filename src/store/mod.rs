@@ -22,7 +22,7 @@ pub use redis::SentinelConfig;
 #[cfg(feature = "tls")]
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
-pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
+pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisStore, SCRIPT_SOURCE};
 
 use crate::{Limit, key::Key};
 

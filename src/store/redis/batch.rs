@@ -185,8 +185,10 @@ async fn send(
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
     let result = invoke(connection, script_call(now, &requests)).await;
     let mut offset = 0;
+    // The asks' results come after every request's.
+    let mut tail: usize = requests.iter().map(|r| r.quotas.len() * 4).sum();
     for (request, reply) in batch {
-        let decision = match &result {
+        let mut decision = match &result {
             Ok(values) => {
                 let len = request.quotas.len() * 4;
                 let share = values.get(offset..offset + len).unwrap_or_default();
@@ -195,6 +197,15 @@ async fn send(
             }
             Err(error) => Err(error.clone()),
         };
+        if let Some(attach) = &request.lease {
+            let mut grant = None;
+            if attach.ask > 0 {
+                let len = 2 + request.quotas.len();
+                grant = result.as_ref().ok().and_then(|v| v.get(tail..tail + len));
+                tail += len;
+            }
+            decision = attach.settle(&request, decision, grant);
+        }
         // The caller may have given up (timeout); the decision stands all the same.
         let _ = reply.send(decision);
     }

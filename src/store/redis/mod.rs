@@ -9,11 +9,13 @@ mod acl;
 mod batch;
 mod block_cache;
 mod connect;
+mod lease;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
+pub use self::lease::LeaseConfig;
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 
@@ -27,6 +29,7 @@ use tokio::sync::oneshot;
 use self::{
     batch::{Coalescer, CoalescerConfig, Submitted},
     block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE},
+    lease::{Leases, Spent},
 };
 use super::{Check, Store};
 use crate::{
@@ -45,6 +48,7 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../../lua/sliding_window_counter.lua"),
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/gcra.lua"),
+    include_str!("../../../lua/lease.lua"),
     include_str!("../../../lua/main.lua"),
 );
 
@@ -95,6 +99,9 @@ pub struct RedisStore {
     /// cell. Clones share it.
     coalescer: Arc<OnceLock<Coalescer>>,
     block_cache: Option<Arc<BlockCache>>,
+    /// Leased quota, when on: the settings, and the leases built from them.
+    lease_config: Option<LeaseConfig>,
+    leases: Option<Arc<Leases>>,
 }
 
 #[derive(Clone)]
@@ -136,6 +143,7 @@ impl fmt::Debug for RedisStore {
             .field("coalescing", &self.coalescing)
             .field("queue_limit", &self.coalescer_config.queue)
             .field("block_cache", &self.block_cache.is_some())
+            .field("leases", &self.lease_config)
             .finish()
     }
 }
@@ -199,6 +207,8 @@ impl RedisStore {
             coalescer_config: CoalescerConfig::default(),
             coalescer: Arc::default(),
             block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
+            lease_config: None,
+            leases: None,
         }
     }
 
@@ -266,10 +276,48 @@ impl RedisStore {
         self
     }
 
-    /// The batching machinery follows the settings: built anew, from all of them, on first
-    /// use.
+    /// Leases quota for hot keys (off by default): a request that goes to Redis anyway
+    /// takes a batch of units beside its own, in the same script call, and the next
+    /// requests of that key on this node spend them without a Redis call. See
+    /// [`LeaseConfig`] and the README's "Leased quota" for what holds with several nodes.
+    ///
+    /// Fixed window and sliding-window counter limits only (a list with another algorithm
+    /// is never leased); they keep "at most `limit` per aligned window" exactly across any
+    /// number of nodes, because every leased unit is counted in Redis before it is spent.
+    /// A cold key (fewer than two requests within a lease period on this node) is decided
+    /// exactly as without leases. Call [`release_leases`](Self::release_leases) on
+    /// shutdown.
+    pub fn with_leases(mut self, config: LeaseConfig) -> Self {
+        self.lease_config = Some(config);
+        self.settings_changed();
+        self
+    }
+
+    /// Gives every unit this store holds in leases back to Redis, so that other nodes can
+    /// spend it: call it on shutdown, once no more requests come. (Idle leases go back by
+    /// themselves; a store dropped inside a Tokio runtime returns its leases too.)
+    ///
+    /// # Errors
+    ///
+    /// When a return call fails: those units stay counted until their window ends.
+    pub async fn release_leases(&self) -> Result<(), StoreError> {
+        match &self.leases {
+            Some(leases) => leases.release().await,
+            None => Ok(()),
+        }
+    }
+
+    /// The batching machinery and the leases follow the settings: built anew, from all of
+    /// them.
     fn settings_changed(&mut self) {
         self.coalescer = Arc::default();
+        self.leases = self.lease_config.map(|config| {
+            Arc::new(Leases::new(
+                config,
+                self.connection.clone(),
+                self.clock.clone(),
+            ))
+        });
     }
 
     /// The coalescer, when coalescing is on.
@@ -318,6 +366,7 @@ impl RedisStore {
             group,
             quotas: limits.iter().map(Limit::limit).collect(),
             slot,
+            lease: None,
         }
     }
 }
@@ -330,6 +379,13 @@ fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
 
 impl Store for RedisStore {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let mut lease_entry = None;
+        if let Some(leases) = &self.leases {
+            match leases.spend(key, limits, cost) {
+                Spent::Here(decision) => return Check::ready(Ok(decision)),
+                Spent::Redis(entry) => lease_entry = entry,
+            }
+        }
         // A request that can never fit is not "blocked until" anything: Redis answers it.
         let fits_at_all = limits.iter().all(|l| cost <= l.capacity());
         let block_cache = match &self.block_cache {
@@ -343,7 +399,13 @@ impl Store for RedisStore {
             }
             _ => None,
         };
-        let encoded = self.encode(key, limits, cost);
+        let mut encoded = self.encode(key, limits, cost);
+        if let (Some(leases), Some(entry)) = (&self.leases, lease_entry) {
+            match leases.attach(entry, limits, cost) {
+                Ok(attach) => encoded.lease = attach.map(Arc::new),
+                Err(decision) => return Check::ready(Ok(decision)),
+            }
+        }
         // Queued for the batching task, or (no runtime to run it on) sent directly.
         let call = match self.coalescer() {
             Some(coalescer) => match coalescer.submit(encoded) {
@@ -365,8 +427,19 @@ impl Store for RedisStore {
                 })?,
                 Call::Direct(encoded) => {
                     let now = clock.as_ref().map(|c| c.now_ms());
-                    let reply = invoke(connection, script_call(now, &[&encoded])).await?;
-                    parse(&reply, &encoded.quotas)?
+                    let reply = invoke(connection, script_call(now, &[&encoded])).await;
+                    let len = encoded.quotas.len() * 4;
+                    let decision = match &reply {
+                        Ok(values) => parse(values.get(..len).unwrap_or(values), &encoded.quotas),
+                        Err(error) => Err(error.clone()),
+                    };
+                    match &encoded.lease {
+                        Some(attach) => {
+                            let grant = reply.as_ref().ok().and_then(|v| v.get(len..));
+                            attach.settle(&encoded, decision, grant)?
+                        }
+                        None => decision?,
+                    }
                 }
             };
             if let Some((cache, key, fingerprint)) = block_cache {
@@ -398,6 +471,8 @@ pub(crate) struct Encoded {
     quotas: SmallVec<[u32; 2]>,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
+    /// What rides on it for leased quota (an ask, units going back).
+    lease: Option<Arc<lease::Attach>>,
 }
 
 /// The `EVALSHA` deciding `requests` in order, at `now` (None: Redis `TIME`).
@@ -441,8 +516,11 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
         }
     }
     cmd.arg(requests.len());
-    for (request, group) in requests.iter().zip(group_of) {
+    for (request, group) in requests.iter().zip(&group_of) {
         cmd.arg(request.cost).arg(group);
+    }
+    if requests.iter().any(|r| r.lease.is_some()) {
+        lease::sections(&mut cmd, requests, &group_of);
     }
     cmd
 }
