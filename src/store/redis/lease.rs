@@ -261,10 +261,11 @@ impl Lease {
         Decision::from_limits(limits)
     }
 
-    /// Whether unspent units still weigh on a later window (the sliding-window counter's
-    /// previous window), so that they are worth returning after the lease ended.
+    /// Whether unspent units still count somewhere after the lease ended: in the
+    /// sliding-window counter's previous window, or in a limit whose window is longer
+    /// than the one that ended the lease. Then they are worth returning.
     fn weighs_after_end(&self) -> bool {
-        self.target.group.chunks_exact(4).any(|g| g[0] == 3)
+        self.target.group.len() > 4 || self.target.group.chunks_exact(4).any(|g| g[0] == 3)
     }
 }
 

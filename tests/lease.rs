@@ -1,0 +1,457 @@
+//! Leased quota against real Redis: several `RedisStore`s in one process are several
+//! nodes sharing one budget, on one injected clock.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use proptest::prelude::*;
+use support::RedisServer;
+use tollgate::{
+    Algorithm, Decision, Limit, Store,
+    algorithm::{self, State},
+    clock::{Clock, ManualClock},
+    key::Key,
+    store::{LeaseConfig, RedisStore},
+};
+
+/// A multiple of every window used here.
+const START: u64 = 1_700_000_000_000;
+
+async fn node(url: &str, prefix: &str, clock: &ManualClock, config: LeaseConfig) -> RedisStore {
+    RedisStore::connect(url)
+        .await
+        .unwrap()
+        .with_prefix(prefix)
+        .unwrap()
+        .with_clock(clock.clone())
+        .with_leases(config)
+}
+
+/// `tasks` tasks on each node send `each[node]` requests of cost 1 for `key`, yielding
+/// between requests as requests from a network would; allowed per node.
+async fn hammer(
+    nodes: &[RedisStore],
+    limits: &[Limit],
+    key: &Key,
+    tasks: usize,
+    each: &[usize],
+) -> Vec<u64> {
+    hammer_until(nodes, limits, key, tasks, each, usize::MAX).await
+}
+
+/// [`hammer`], where a task also stops after `denials` denials: a load that lasts as
+/// long as the budget does.
+async fn hammer_until(
+    nodes: &[RedisStore],
+    limits: &[Limit],
+    key: &Key,
+    tasks: usize,
+    each: &[usize],
+    denials: usize,
+) -> Vec<u64> {
+    let limits: Arc<[Limit]> = limits.into();
+    let counts: Vec<Arc<AtomicU64>> = nodes.iter().map(|_| Arc::default()).collect();
+    let mut handles = Vec::new();
+    for ((store, count), &each) in nodes.iter().zip(&counts).zip(each) {
+        for _ in 0..tasks {
+            let (store, count, limits, key) =
+                (store.clone(), count.clone(), limits.clone(), key.clone());
+            handles.push(tokio::spawn(async move {
+                let mut denied = 0;
+                for _ in 0..each {
+                    let decision = store.check(&key, &limits, 1).await.unwrap();
+                    if decision.is_allowed() {
+                        count.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        assert!(decision.retry_after() > Duration::ZERO, "{decision:?}");
+                        denied += 1;
+                        if denied == denials {
+                            break;
+                        }
+                    }
+                    tokio::task::yield_now().await;
+                }
+            }));
+        }
+    }
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+}
+
+/// Script calls the server has run so far.
+fn script_calls(server: &RedisServer) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// 10 windows, each hit at two moments by every node's 32 tasks: first with 60% of the
+/// limit in all (the nodes keep leases), then until every task was denied 3 times (at
+/// saturation: the leases held must be spent, the rest goes by Redis); allowed per window
+/// and node, and requests sent.
+async fn saturate(
+    nodes: &[RedisStore],
+    clock: &ManualClock,
+    limit: &Limit,
+) -> (Vec<Vec<u64>>, u64) {
+    let w = limit.window().as_millis() as u64;
+    let l = limit.limit() as usize;
+    let first = vec![(6 * l / 10).div_ceil(32 * nodes.len()); nodes.len()];
+    let key = Key::new("global");
+    let mut windows = Vec::new();
+    let mut requests = 0;
+    for window in 0..10u64 {
+        let mut allowed = vec![0; nodes.len()];
+        clock.set(START + window * w + (window * 97) % (w / 2));
+        let got = hammer(nodes, std::slice::from_ref(limit), &key, 32, &first).await;
+        requests += (first[0] * 32 * nodes.len()) as u64;
+        clock.set(START + window * w + w / 2 + (window * 31) % (w / 2));
+        let many = vec![l; nodes.len()];
+        let then = hammer_until(nodes, std::slice::from_ref(limit), &key, 32, &many, 3).await;
+        for (a, g) in allowed.iter_mut().zip(got.into_iter().zip(then)) {
+            *a += g.0 + g.1;
+            requests += g.1 + 3 * 32;
+        }
+        windows.push(allowed);
+    }
+    (windows, requests)
+}
+
+fn assert_bound(windows: &[Vec<u64>], limit: &Limit) {
+    for (i, allowed) in windows.iter().enumerate() {
+        let total: u64 = allowed.iter().sum();
+        assert!(
+            total <= u64::from(limit.limit()),
+            "window {i}: {allowed:?} allowed, over {limit:?}"
+        );
+    }
+}
+
+async fn bound_on_nodes(n: usize, algorithm: Algorithm) {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::new(algorithm, 1_000, Duration::from_secs(1)).unwrap();
+    let mut nodes = Vec::new();
+    for _ in 0..n {
+        nodes.push(node(&server.url(), "bound", &clock, LeaseConfig::new()).await);
+    }
+    let calls = script_calls(&server);
+    let (windows, requests) = saturate(&nodes, &clock, &limit).await;
+    let calls = script_calls(&server) - calls;
+    assert_bound(&windows, &limit);
+    let totals: Vec<u64> = windows.iter().map(|w| w.iter().sum()).collect();
+    println!(
+        "{n} nodes, {algorithm:?}: allowed per window {totals:?}; {calls} script calls for \
+         {requests} requests ({:.4} per request)",
+        calls as f64 / requests as f64
+    );
+    if algorithm == Algorithm::FixedWindow {
+        // Little stranded: at saturation nearly the whole limit is spent in every window.
+        for (i, &total) in totals.iter().enumerate() {
+            assert!(total >= 970, "window {i}: only {total} of 1000 allowed");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_never_exceed_a_fixed_window() {
+    bound_on_nodes(2, Algorithm::FixedWindow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_never_exceed_a_fixed_window() {
+    bound_on_nodes(4, Algorithm::FixedWindow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_never_exceed_a_sliding_window_counter() {
+    bound_on_nodes(2, Algorithm::SlidingWindowCounter).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_never_exceed_a_sliding_window_counter() {
+    bound_on_nodes(4, Algorithm::SlidingWindowCounter).await;
+}
+
+/// Two nodes under the same saturating load share the limit about evenly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_at_equal_load_share_fairly() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(1)).unwrap();
+    let a = node(&server.url(), "fair", &clock, LeaseConfig::new()).await;
+    let b = node(&server.url(), "fair", &clock, LeaseConfig::new()).await;
+    let (windows, _) = saturate(&[a, b], &clock, &limit).await;
+    let a: u64 = windows.iter().map(|w| w[0]).sum();
+    let b: u64 = windows.iter().map(|w| w[1]).sum();
+    let share = a as f64 / (a + b) as f64;
+    println!("fair: {a} and {b} allowed ({share:.3})");
+    assert!((0.4..=0.6).contains(&share), "{a} against {b}");
+}
+
+/// A node asking a fifth of the limit next to one asking three times it gets nearly all
+/// it asks for: the big node's leases never take more than a tenth of the limit at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_node_beside_a_flooding_one_gets_its_share() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(1)).unwrap();
+    let small = node(&server.url(), "small", &clock, LeaseConfig::new()).await;
+    let big = node(&server.url(), "small", &clock, LeaseConfig::new()).await;
+    let key = Key::new("global");
+    let (mut asked, mut got) = (0, 0);
+    for window in 0..10 {
+        clock.set(START + window * 1_000 + 10);
+        let allowed = hammer(
+            &[small.clone(), big.clone()],
+            std::slice::from_ref(&limit),
+            &key,
+            32,
+            &[200 / 32, 3_000 / 32],
+        )
+        .await;
+        asked += (200 / 32) * 32;
+        got += allowed[0];
+    }
+    println!("small node: {got} of {asked}");
+    assert!(got * 100 >= asked * 95, "{got} of {asked}");
+}
+
+/// The Redis count of `limit` for `key` (fixed window: "<start>:<count>").
+fn count_in_redis(server: &RedisServer, store: &RedisStore, key: &Key, limit: &Limit) -> u64 {
+    let value = server.cli(&["GET", &store.redis_key(key, limit)]).unwrap();
+    value.trim().split(':').nth(1).unwrap().parse().unwrap()
+}
+
+/// Waits (up to 10 s) until Redis counts `want`.
+async fn until_counted(
+    server: &RedisServer,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+    want: u64,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = count_in_redis(server, store, key, limit);
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "Redis still counts {got}, not {want}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One node takes a lease with 50 requests: Redis counts more than were spent.
+async fn leased(
+    server: &RedisServer,
+    clock: &ManualClock,
+    config: LeaseConfig,
+) -> (RedisStore, Limit, Key) {
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let key = Key::new("global");
+    let a = node(&server.url(), "return", clock, config).await;
+    for _ in 0..50 {
+        assert!(a.check(&key, std::slice::from_ref(&limit), 1).await.unwrap().is_allowed());
+    }
+    assert!(count_in_redis(server, &a, &key, &limit) > 50);
+    (a, limit, key)
+}
+
+/// Another node then spends exactly what is left.
+async fn the_rest_goes_to_another_node(server: &RedisServer, clock: &ManualClock, limit: &Limit) {
+    let b = node(&server.url(), "return", clock, LeaseConfig::new()).await;
+    let allowed = hammer(&[b], std::slice::from_ref(limit), &Key::new("global"), 4, &[500]).await;
+    assert_eq!(allowed, [950]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_lease_goes_back_and_another_node_spends_it() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let (a, limit, key) = leased(&server, &clock, config).await;
+    clock.advance(Duration::from_millis(150));
+    until_counted(&server, &a, &key, &limit, 50).await;
+    the_rest_goes_to_another_node(&server, &clock, &limit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_node_gives_its_lease_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let probe = a.clone().with_leases(LeaseConfig::new());
+    drop(a);
+    until_counted(&server, &probe, &key, &limit, 50).await;
+    the_rest_goes_to_another_node(&server, &clock, &limit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_leases_gives_everything_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+    the_rest_goes_to_another_node(&server, &clock, &limit).await;
+}
+
+/// Leases never stop limiting: with one node, window after window, exactly `limit`
+/// requests pass, most without a Redis call, and every denial carries Redis's exact
+/// `retry_after`, also after the leases of the window before ended.
+#[tokio::test]
+async fn limiting_comes_back_after_every_lease_ends() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let limit = Limit::new(algorithm, 100, Duration::from_secs(1)).unwrap();
+        let limits = std::slice::from_ref(&limit);
+        let store = node(&server.url(), &format!("back{algorithm:?}"), &clock, LeaseConfig::new()).await;
+        let key = Key::new("global");
+        let calls = script_calls(&server);
+        for window in 0..4u64 {
+            // The start of every other window, so that the sliding-window counter's
+            // previous window weighs nothing or everything: `limit` or 0 may pass.
+            let offset = if window % 2 == 0 { 0 } else { 400 };
+            let now = START + 2 * window * 1_000 + offset;
+            clock.set(now);
+            let mut allowed = 0;
+            let mut last: Option<Decision> = None;
+            for _ in 0..300 {
+                let decision = store.check(&key, limits, 1).await.unwrap();
+                if decision.is_allowed() {
+                    allowed += 1;
+                } else {
+                    last = Some(decision);
+                }
+            }
+            assert_eq!(allowed, 100, "{algorithm:?}, window {window}");
+            // Redis's answer, exactly as without leases.
+            let mut states = [State::new(algorithm)];
+            let mut want = None;
+            for _ in 0..101 {
+                want = Some(algorithm::check(&mut states, limits, now, 1));
+            }
+            assert_eq!(last.unwrap(), want.unwrap(), "{algorithm:?}, window {window}");
+        }
+        let calls = script_calls(&server) - calls;
+        assert!(calls < 4 * 300 / 2, "{calls} script calls for 1200 requests");
+    }
+}
+
+/// Redis gone: units already leased are still spent until the lease ends, then the
+/// store fails (and the layer's failure policy answers).
+#[tokio::test]
+async fn leased_units_are_spent_while_redis_is_down_until_the_lease_ends() {
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let held = count_in_redis(&server, &a, &key, &limit) - 50;
+    server.kill();
+    let limits = std::slice::from_ref(&limit);
+    let mut allowed = 0;
+    let mut failed = 0;
+    for _ in 0..held + 5 {
+        match a.check(&key, limits, 1).await {
+            Ok(decision) => {
+                assert!(decision.is_allowed());
+                assert_eq!(failed, 0, "allowed after a failure");
+                allowed += 1;
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    assert_eq!((allowed, failed), (held, 5));
+    // A second lease, left with units, ends with its window.
+    server.restart();
+    let b = node(&server.url(), "down", &clock, LeaseConfig::new()).await;
+    clock.advance(Duration::from_secs(60));
+    for _ in 0..50 {
+        assert!(b.check(&key, limits, 1).await.unwrap().is_allowed());
+    }
+    server.kill();
+    assert!(b.check(&key, limits, 1).await.unwrap().is_allowed());
+    clock.advance(Duration::from_secs(60));
+    assert!(b.check(&key, limits, 1).await.is_err());
+}
+
+thread_local! {
+    static SERVER: RedisServer = RedisServer::start();
+    static CASE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn window_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    let algorithm = prop::sample::select(vec![
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowCounter,
+    ]);
+    let window = prop_oneof![10u64..200, 200u64..3_000];
+    prop::collection::vec((algorithm, 10u32..200, window), 1..=2).prop_map(|limits| {
+        let mut seen = std::collections::HashSet::new();
+        limits
+            .into_iter()
+            .map(|(a, l, w)| Limit::new(a, l, Duration::from_millis(w)).unwrap())
+            .filter(|l| seen.insert(format!("{l:?}")))
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// With one node and one request at a time, a store with leases decides exactly like
+    /// the model: the same requests allowed, the same `retry_after`; `remaining` exact for
+    /// the fixed window, never above the model's for the sliding-window counter (it does
+    /// not rise between Redis calls).
+    #[test]
+    fn one_node_with_leases_decides_like_the_model(
+        limits in window_limits_strategy(),
+        steps in prop::collection::vec(
+            (prop_oneof![4 => 0u64..5, 2 => 0u64..100, 1 => 0u64..3_000], 0u32..4),
+            1..200,
+        ),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let case = CASE.with(|c| { c.set(c.get() + 1); c.get() });
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let url = SERVER.with(|s| s.url());
+            let store = node(&url, &format!("model{case}"), &clock, LeaseConfig::new())
+                .await
+                .with_block_cache(0);
+            let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+            let key = Key::new("k");
+            for (i, &(wait, cost)) in steps.iter().enumerate() {
+                clock.advance(Duration::from_millis(wait));
+                let now = clock.now_ms();
+                let want = algorithm::check(&mut states, &limits, now, cost);
+                let got = store.check(&key, &limits, cost).await.unwrap();
+                prop_assert_eq!(got.is_allowed(), want.is_allowed(), "step {} at {}: {:?} {:?}", i, now, got, want);
+                prop_assert_eq!(got.retry_after(), want.retry_after(), "step {}", i);
+                for ((g, w), limit) in got.limits().iter().zip(want.limits()).zip(&limits) {
+                    if limit.algorithm() == Algorithm::FixedWindow {
+                        prop_assert_eq!(g.remaining, w.remaining, "step {}: {:?} {:?}", i, got, want);
+                    } else {
+                        prop_assert!(g.remaining <= w.remaining, "step {}: {:?} {:?}", i, got, want);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+    }
+}
