@@ -311,6 +311,30 @@ async fn release_leases_gives_everything_back() {
     the_rest_goes_to_another_node(&server, &clock, &limit).await;
 }
 
+/// A lease belongs to its window: units a node still holds when the window ends are
+/// never spent in the next one, where the nodes together get exactly `limit`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_never_spent_in_the_next_window() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let prefix = format!("next{algorithm:?}");
+        let limit = Limit::new(algorithm, 1_000, Duration::from_secs(1)).unwrap();
+        let a = node(&server.url(), &prefix, &clock, LeaseConfig::new()).await;
+        let b = node(&server.url(), &prefix, &clock, LeaseConfig::new()).await;
+        let key = Key::new("global");
+        clock.set(START + 10_000 + 900);
+        for _ in 0..50 {
+            assert!(a.check(&key, std::slice::from_ref(&limit), 1).await.unwrap().is_allowed());
+        }
+        // Two windows later (the sliding-window counter's previous window is empty).
+        clock.set(START + 12_000 + 100);
+        let nodes = [a, b];
+        let allowed = hammer_until(&nodes, std::slice::from_ref(&limit), &key, 32, &[1_000, 1_000], 3).await;
+        assert_eq!(allowed.iter().sum::<u64>(), 1_000, "{algorithm:?}: {allowed:?}");
+    }
+}
+
 /// Leases never stop limiting: with one node, window after window, exactly `limit`
 /// requests pass, most without a Redis call, and every denial carries Redis's exact
 /// `retry_after`, also after the leases of the window before ended.
