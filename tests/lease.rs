@@ -479,3 +479,54 @@ proptest! {
         })?;
     }
 }
+
+/// On a Redis Cluster: two nodes keep every key's limit per aligned window, for keys on
+/// different masters, and a release gives every key's units back (one call per slot).
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_leases_keep_the_bound_and_go_back() {
+    let cluster = support::cluster::RedisCluster::start();
+    let clock = ManualClock::new(START);
+    let connect = || async {
+        RedisStore::connect_cluster(&cluster.urls())
+            .await
+            .unwrap()
+            .with_clock(clock.clone())
+            .with_leases(LeaseConfig::new())
+    };
+    let nodes = [connect().await, connect().await];
+    let keys: Vec<Key> = (0..6).map(|i| Key::new(format!("client{i}"))).collect();
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let limit = Limit::new(algorithm, 500, Duration::from_secs(1)).unwrap();
+        for window in 0..3u64 {
+            clock.set(START + 2 * window * 1_000 + 100 * window);
+            for key in &keys {
+                let allowed =
+                    hammer_until(&nodes, std::slice::from_ref(&limit), key, 8, &[500, 500], 3)
+                        .await;
+                let total: u64 = allowed.iter().sum();
+                assert!(total <= 500, "{algorithm:?} {key:?}: {allowed:?}");
+                assert!(total >= 485, "{algorithm:?} {key:?}: only {allowed:?}");
+            }
+        }
+    }
+    // Leases on every key, then released: Redis counts exactly what was spent.
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    clock.set(START + 60_000);
+    for key in &keys {
+        for _ in 0..50 {
+            assert!(nodes[0].check(key, std::slice::from_ref(&limit), 1).await.unwrap().is_allowed());
+        }
+    }
+    let count = |key: &Key| -> u64 {
+        let redis_key = nodes[0].redis_key(key, &limit);
+        let node = cluster.node_for_key(&redis_key);
+        let value = cluster.cli(node, &["GET", &redis_key]).unwrap();
+        value.trim().split(':').nth(1).unwrap().parse().unwrap()
+    };
+    assert!(keys.iter().any(|k| count(k) > 50));
+    nodes[0].release_leases().await.unwrap();
+    for key in &keys {
+        assert_eq!(count(key), 50, "{key:?}");
+    }
+}
