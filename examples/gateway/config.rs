@@ -37,7 +37,7 @@ pub(crate) struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             field: field.into(),
             message: message.into(),
@@ -117,6 +117,8 @@ pub(crate) struct StoreConfig {
     pub(crate) on_error: OnError,
     /// How `header:<name>` keys are stored.
     pub(crate) header_keys: HeaderKeys,
+    /// Leased quota (`leases`): off when `None`.
+    pub(crate) leases: Option<crate::leases::LeasesConfig>,
 }
 
 /// How header values (API keys) appear in store keys.
@@ -275,6 +277,7 @@ struct RawStore {
     on_error: Option<String>,
     hash_header_keys: Option<bool>,
     key_secret_env: Option<String>,
+    leases: Option<crate::leases::RawLeases>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -619,6 +622,10 @@ impl RawStore {
         };
         let header_keys =
             header_key_hashing(self.hash_header_keys, self.key_secret_env.as_deref())?;
+        let leases = match self.leases {
+            Some(leases) => leases.validate(!matches!(backend, Backend::Memory))?,
+            None => None,
+        };
         Ok(StoreConfig {
             backend,
             tls,
@@ -626,6 +633,7 @@ impl RawStore {
             timeout,
             on_error,
             header_keys,
+            leases,
         })
     }
 }

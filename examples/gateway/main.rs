@@ -14,6 +14,7 @@
 //! gateways in-process. The reference is `docs/gateway.md`.
 
 mod config;
+mod leases;
 mod path;
 mod proxy;
 mod reload;
