@@ -1414,7 +1414,11 @@ mod redis {
             format!("listen = \"127.0.0.1:0\"\n[store]\n{backend}\nleases = {leases}\n")
         };
         let redis = "backend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"";
-        for ok in ["true", "false", "{ period = \"200ms\", max_fraction = 0.05, idle = \"2s\" }"] {
+        for ok in [
+            "true",
+            "false",
+            "{ period = \"200ms\", max_fraction = 0.05, idle = \"2s\" }",
+        ] {
             let config = Config::parse(&with(redis, ok)).unwrap();
             assert_eq!(config.store.leases.is_some(), ok != "false", "{ok}");
         }
@@ -1424,7 +1428,9 @@ mod redis {
             (redis, "{ period = \"soon\" }", "store.leases.period"),
             (redis, "{ idle = \"1ms\" }", "store.leases.idle"),
         ] {
-            let error = Config::parse(&with(backend, leases)).unwrap_err().to_string();
+            let error = Config::parse(&with(backend, leases))
+                .unwrap_err()
+                .to_string();
             assert!(error.contains(field), "{leases}: {error}");
         }
     }

@@ -95,7 +95,14 @@ fn script_calls(server: &RedisServer) -> u64 {
     stats
         .lines()
         .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
         .sum()
 }
 
@@ -251,7 +258,10 @@ async fn until_counted(
         if got == want {
             return;
         }
-        assert!(Instant::now() < deadline, "Redis still counts {got}, not {want}");
+        assert!(
+            Instant::now() < deadline,
+            "Redis still counts {got}, not {want}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -266,7 +276,12 @@ async fn leased(
     let key = Key::new("global");
     let a = node(&server.url(), "return", clock, config).await;
     for _ in 0..50 {
-        assert!(a.check(&key, std::slice::from_ref(&limit), 1).await.unwrap().is_allowed());
+        assert!(
+            a.check(&key, std::slice::from_ref(&limit), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
     }
     assert!(count_in_redis(server, &a, &key, &limit) > 50);
     (a, limit, key)
@@ -275,7 +290,14 @@ async fn leased(
 /// Another node then spends exactly what is left.
 async fn the_rest_goes_to_another_node(server: &RedisServer, clock: &ManualClock, limit: &Limit) {
     let b = node(&server.url(), "return", clock, LeaseConfig::new()).await;
-    let allowed = hammer(&[b], std::slice::from_ref(limit), &Key::new("global"), 4, &[500]).await;
+    let allowed = hammer(
+        &[b],
+        std::slice::from_ref(limit),
+        &Key::new("global"),
+        4,
+        &[500],
+    )
+    .await;
     assert_eq!(allowed, [950]);
 }
 
@@ -325,13 +347,30 @@ async fn a_lease_is_never_spent_in_the_next_window() {
         let key = Key::new("global");
         clock.set(START + 10_000 + 900);
         for _ in 0..50 {
-            assert!(a.check(&key, std::slice::from_ref(&limit), 1).await.unwrap().is_allowed());
+            assert!(
+                a.check(&key, std::slice::from_ref(&limit), 1)
+                    .await
+                    .unwrap()
+                    .is_allowed()
+            );
         }
         // Two windows later (the sliding-window counter's previous window is empty).
         clock.set(START + 12_000 + 100);
         let nodes = [a, b];
-        let allowed = hammer_until(&nodes, std::slice::from_ref(&limit), &key, 32, &[1_000, 1_000], 3).await;
-        assert_eq!(allowed.iter().sum::<u64>(), 1_000, "{algorithm:?}: {allowed:?}");
+        let allowed = hammer_until(
+            &nodes,
+            std::slice::from_ref(&limit),
+            &key,
+            32,
+            &[1_000, 1_000],
+            3,
+        )
+        .await;
+        assert_eq!(
+            allowed.iter().sum::<u64>(),
+            1_000,
+            "{algorithm:?}: {allowed:?}"
+        );
     }
 }
 
@@ -345,7 +384,13 @@ async fn limiting_comes_back_after_every_lease_ends() {
     for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
         let limit = Limit::new(algorithm, 100, Duration::from_secs(1)).unwrap();
         let limits = std::slice::from_ref(&limit);
-        let store = node(&server.url(), &format!("back{algorithm:?}"), &clock, LeaseConfig::new()).await;
+        let store = node(
+            &server.url(),
+            &format!("back{algorithm:?}"),
+            &clock,
+            LeaseConfig::new(),
+        )
+        .await;
         let key = Key::new("global");
         let calls = script_calls(&server);
         for window in 0..4u64 {
@@ -371,10 +416,17 @@ async fn limiting_comes_back_after_every_lease_ends() {
             for _ in 0..101 {
                 want = Some(algorithm::check(&mut states, limits, now, 1));
             }
-            assert_eq!(last.unwrap(), want.unwrap(), "{algorithm:?}, window {window}");
+            assert_eq!(
+                last.unwrap(),
+                want.unwrap(),
+                "{algorithm:?}, window {window}"
+            );
         }
         let calls = script_calls(&server) - calls;
-        assert!(calls < 4 * 300 / 2, "{calls} script calls for 1200 requests");
+        assert!(
+            calls < 4 * 300 / 2,
+            "{calls} script calls for 1200 requests"
+        );
     }
 }
 
@@ -515,7 +567,13 @@ async fn on_a_cluster_leases_keep_the_bound_and_go_back() {
     clock.set(START + 60_000);
     for key in &keys {
         for _ in 0..50 {
-            assert!(nodes[0].check(key, std::slice::from_ref(&limit), 1).await.unwrap().is_allowed());
+            assert!(
+                nodes[0]
+                    .check(key, std::slice::from_ref(&limit), 1)
+                    .await
+                    .unwrap()
+                    .is_allowed()
+            );
         }
     }
     let count = |key: &Key| -> u64 {

@@ -463,13 +463,25 @@ fn lease_steps_strategy() -> impl Strategy<Value = Vec<LeaseStep>> {
     ];
     let back = prop::option::weighted(0.4, (any::<usize>(), 1u64..40));
     prop::collection::vec(
-        (wait, 0u32..8, prop_oneof![1 => Just(0u64), 3 => 1u64..40], back, prop::bool::weighted(0.15)),
+        (
+            wait,
+            0u32..8,
+            prop_oneof![1 => Just(0u64), 3 => 1u64..40],
+            back,
+            prop::bool::weighted(0.15),
+        ),
         1..60,
     )
     .prop_map(|steps| {
         steps
             .into_iter()
-            .map(|(wait, cost, ask, back, alone)| LeaseStep { wait, cost, ask, back, alone })
+            .map(|(wait, cost, ask, back, alone)| LeaseStep {
+                wait,
+                cost,
+                ask,
+                back,
+                alone,
+            })
             .collect()
     })
 }

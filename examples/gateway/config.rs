@@ -13,6 +13,11 @@ use tollgate::{Algorithm, Limit, OnChange};
 
 use crate::path;
 
+/// `[store] leases` (next to this file, so that every crate that includes this module by
+/// path gets it too).
+#[path = "leases.rs"]
+pub(crate) mod leases;
+
 /// The config used without `--config`: a demo that shows a 429 after five quick `curl`s.
 pub(crate) const DEMO: &str = r#"
 listen = "127.0.0.1:8080"
@@ -118,7 +123,7 @@ pub(crate) struct StoreConfig {
     /// How `header:<name>` keys are stored.
     pub(crate) header_keys: HeaderKeys,
     /// Leased quota (`leases`): off when `None`.
-    pub(crate) leases: Option<crate::leases::LeasesConfig>,
+    pub(crate) leases: Option<leases::LeasesConfig>,
 }
 
 /// How header values (API keys) appear in store keys.
@@ -277,7 +282,7 @@ struct RawStore {
     on_error: Option<String>,
     hash_header_keys: Option<bool>,
     key_secret_env: Option<String>,
-    leases: Option<crate::leases::RawLeases>,
+    leases: Option<leases::RawLeases>,
 }
 
 #[derive(Debug, Deserialize)]

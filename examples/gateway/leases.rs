@@ -44,7 +44,10 @@ fn duration(field: &str, value: Option<&str>) -> Result<Option<Duration>, Config
     value
         .map(|v| {
             humantime::parse_duration(v).map_err(|e| {
-                ConfigError::new(field, format!("{v:?} is not a duration such as \"100ms\" ({e})"))
+                ConfigError::new(
+                    field,
+                    format!("{v:?} is not a duration such as \"100ms\" ({e})"),
+                )
             })
         })
         .transpose()

@@ -14,7 +14,6 @@
 //! gateways in-process. The reference is `docs/gateway.md`.
 
 mod config;
-mod leases;
 mod path;
 mod proxy;
 mod reload;

@@ -649,7 +649,10 @@ fn cause(error: &tollgate::StoreError) -> String {
 }
 
 #[cfg(not(feature = "redis"))]
-async fn connect_redis(_url: &str, _config: &StoreConfig) -> Result<(Arc<dyn Store>, Leased), Error> {
+async fn connect_redis(
+    _url: &str,
+    _config: &StoreConfig,
+) -> Result<(Arc<dyn Store>, Leased), Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
 }

@@ -6,9 +6,6 @@
 #[path = "../../examples/gateway/config.rs"]
 mod config;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/leases.rs"]
-mod leases;
-#[allow(dead_code)]
 #[path = "../../examples/gateway/path.rs"]
 mod path;
 #[allow(dead_code)]

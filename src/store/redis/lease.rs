@@ -363,10 +363,7 @@ impl Leases {
         let Some(entry) = self.entries.get(&lookup) else {
             // First sight: watched from now on, and sent exactly as without leases.
             let entry = Entry::default();
-            entry
-                .state
-                .lock()
-                .observe(now, cost, self.config.period_ms);
+            entry.state.lock().observe(now, cost, self.config.period_ms);
             let key = EntryKey {
                 key: key.clone(),
                 limits: lookup.limits,
