@@ -588,3 +588,69 @@ async fn on_a_cluster_leases_keep_the_bound_and_go_back() {
         assert_eq!(count(key), 50, "{key:?}");
     }
 }
+
+/// Through a layer with the default circuit breaker and `FailurePolicy::Deny`: with Redis
+/// gone, other keys' failures open the circuit, and the hot key's leased units are still
+/// spent (200) until they run out (503); no request is allowed beyond them.
+#[tokio::test]
+async fn leased_units_are_spent_while_the_circuit_is_open() {
+    use http::{Request, Response, StatusCode};
+    use tollgate::{FailurePolicy, RateLimitLayer, key::HeaderKey};
+    use tower::{Layer, ServiceExt, service_fn};
+
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let store = node(&server.url(), "circuit", &clock, LeaseConfig::new()).await;
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let layer = RateLimitLayer::new(limit.clone())
+        .store(store.clone())
+        .key(HeaderKey::new("x-user").unwrap())
+        .on_store_error(FailurePolicy::Deny)
+        .timeout(Some(Duration::from_secs(2)));
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(String::new()))
+    }));
+    let send = |user: &str| {
+        let request = Request::get("/").header("x-user", user).body(()).unwrap();
+        let service = service.clone();
+        async move { service.oneshot(request).await.unwrap().status() }
+    };
+    for _ in 0..50 {
+        assert_eq!(send("hot").await, StatusCode::OK);
+    }
+    let key = Key::new("header:x-user|hot");
+    let redis_keys = server.cli(&["--scan", "--pattern", "circuit:*"]).unwrap();
+    let redis_key = redis_keys.lines().next().unwrap().trim().to_owned();
+    let value = server.cli(&["GET", &redis_key]).unwrap();
+    let held: u64 = value
+        .trim()
+        .split(':')
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        - 50;
+    assert!(held > 0, "{key:?}: no lease");
+    server.kill();
+    // Five cold keys fail: the circuit opens.
+    for i in 0..5 {
+        assert_eq!(
+            send(&format!("cold{i}")).await,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..held + 3 {
+        statuses.push(send("hot").await);
+    }
+    let ok = statuses
+        .iter()
+        .take_while(|s| **s == StatusCode::OK)
+        .count() as u64;
+    assert_eq!(ok, held, "{statuses:?}");
+    assert!(
+        statuses[ok as usize..]
+            .iter()
+            .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE)
+    );
+}

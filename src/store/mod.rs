@@ -24,7 +24,7 @@ pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisStore, SCRIPT_SOURCE};
 
-use crate::{Limit, key::Key};
+use crate::{Decision, Limit, key::Key};
 
 /// Decides requests: checks `cost` against every limit for `key` in one atomic step,
 /// all-or-nothing, and records it when allowed.
@@ -42,6 +42,15 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn limits_changed(&self, limits: &[Limit]) {
         let _ = limits;
     }
+
+    /// What the store can decide without I/O when it must not be asked (the layer's
+    /// circuit breaker is open): an allowed decision paid from quota it holds already
+    /// (the Redis store's leases), or `None` for the failure policy. Never a denial. The
+    /// default holds nothing.
+    fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        let _ = (key, limits, cost);
+        None
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -51,5 +60,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn limits_changed(&self, limits: &[Limit]) {
         (**self).limits_changed(limits);
+    }
+
+    fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        (**self).check_held(key, limits, cost)
     }
 }

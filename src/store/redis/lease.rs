@@ -216,7 +216,7 @@ impl EntryState {
     fn observe(&mut self, now: u64, cost: u32, period: u64) {
         if now >= self.since + period {
             let elapsed = now - self.since;
-            self.rate = (self.rate + self.units * period / elapsed) / 2;
+            self.rate = (self.rate + self.units.saturating_mul(period) / elapsed) / 2;
             self.previous_requests = if elapsed < 2 * period {
                 self.requests
             } else {
@@ -384,6 +384,24 @@ impl Leases {
         }
         drop(state);
         Spent::Redis(Some(entry))
+    }
+
+    /// Spends `cost` from the lease of `key` under `limits` if it holds enough, refill
+    /// due or not (Redis must not be asked): [`Store::check_held`](crate::Store::check_held).
+    pub(crate) fn spend_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        let lookup = EntryKeyRef {
+            key,
+            limits: BlockCache::fingerprint(limits),
+        };
+        let entry = self.entries.get(&lookup)?;
+        let now = self.now();
+        let mut state = entry.state.lock();
+        let lease = state.lease.as_mut()?;
+        if now >= lease.deadline || lease.units < u64::from(cost) {
+            return None;
+        }
+        lease.units -= u64::from(cost);
+        Some(lease.decision(now))
     }
 
     /// What a request going to Redis for `entry` carries: the lease's units back when it

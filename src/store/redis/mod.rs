@@ -378,6 +378,10 @@ fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
 }
 
 impl Store for RedisStore {
+    fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        self.leases.as_ref()?.spend_held(key, limits, cost)
+    }
+
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         let mut lease_entry = None;
         if let Some(leases) = &self.leases {
