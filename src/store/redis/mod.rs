@@ -397,6 +397,12 @@ impl Store for RedisStore {
                 let fingerprint = BlockCache::fingerprint(limits);
                 let now = local_now_ms(self.clock.as_ref());
                 if let Some(decision) = cache.get(key, fingerprint, cost, now) {
+                    // A lease due for a refill still pays before a cached denial answers.
+                    if let (Some(leases), Some(_)) = (&self.leases, &lease_entry)
+                        && let Some(decision) = leases.spend_held(key, limits, cost)
+                    {
+                        return Check::ready(Ok(decision));
+                    }
                     return Check::ready(Ok(decision));
                 }
                 Some((cache.clone(), key.clone(), fingerprint))
