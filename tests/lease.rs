@@ -366,11 +366,10 @@ async fn a_lease_is_never_spent_in_the_next_window() {
             3,
         )
         .await;
-        assert_eq!(
-            allowed.iter().sum::<u64>(),
-            1_000,
-            "{algorithm:?}: {allowed:?}"
-        );
+        // Never above the limit (old units spent here would make it more); the budget is
+        // spent nearly to the last unit.
+        let total: u64 = allowed.iter().sum();
+        assert!((990..=1_000).contains(&total), "{algorithm:?}: {allowed:?}");
     }
 }
 
