@@ -1,24 +1,27 @@
 -- Leased quota (RedisStore::with_leases): units granted to a node beside a request it
 -- sends, spent by the node later without asking, and given back when it no longer needs
--- them. Only fixed window (code 1) and sliding-window counter (code 3) are leased; a
--- lease belongs to the window it was granted in. Mirrors src/algorithm/lease.rs.
+-- them. Every algorithm but the sliding-window log (code 2) is leased; a window's lease
+-- belongs to the window it was granted in, a bucket's lasts one window. Mirrors
+-- src/algorithm/lease.rs.
 
 -- After request `held`'s limits (`group`) allowed it at `now`: grants up to `asked`
 -- units, at most half of what each limit has left, the same from each, or none. Appends
--- to `tail`: units granted, ms until the earliest window end, each limit's window start.
+-- to `tail`: units granted, ms until the earliest window end (a bucket: one window), each
+-- limit's window start (a bucket: 0).
 local function lease_grant(group, held, now, asked, tail)
   local units, ms_left = asked, nil
   local m = #group
   for i = 1, m do
     local limit = group[i]
     local s = held[i]
-    if limit.code ~= 1 and limit.code ~= 3 then
+    if limit.code == 2 then
       units = 0
     end
     local start = s.start or 0
     local left = math.floor(limit.alg.remaining(s, now, limit.L, limit.W, limit.B) / 2)
     if left < units then units = left end
     local ends = math.max(start + limit.W - now, 0)
+    if limit.code >= 4 then ends = limit.W end
     if ms_left == nil or ends < ms_left then ms_left = ends end
   end
   if units > 0 then
@@ -35,9 +38,10 @@ local function lease_grant(group, held, now, asked, tail)
   end
 end
 
--- Gives `units` back to the limits of `group` whose keys start at KEYS[k], each only
--- into the window that starts at starts[i] where that window still counts.
-local function lease_return(group, k, units, starts)
+-- Gives `units` back at `now` to the limits of `group` whose keys start at KEYS[k]: a
+-- window only into the window that starts at starts[i] where that window still counts, a
+-- bucket as tokens (never beyond it), resp. by moving its TAT back (never before now).
+local function lease_return(group, k, units, starts, now)
   for i = 1, #group do
     local limit = group[i]
     local key, start = KEYS[k + i - 1], starts[i]
@@ -58,13 +62,30 @@ local function lease_return(group, k, units, starts)
       elseif s == start + limit.W then
         redis.call('HSET', key, 'p', math.max((tonumber(v[3]) or 0) - units, 0))
       end
+    elseif limit.code == 4 then
+      local L, W, B = limit.L, limit.W, limit.B
+      if redis.call('EXISTS', key) == 1 then
+        local s = limit.alg.load(key, now, L, W, B)
+        s.tokens = math.min(s.tokens + units * W, B * W)
+        limit.alg.save(s, now, L, W, B)
+      end
+    elseif limit.code == 5 then
+      local L, W, B = limit.L, limit.W, limit.B
+      local v = redis.call('HMGET', key, 't', 'f')
+      local tat, frac = tonumber(v[1]), tonumber(v[2]) or 0
+      -- Not after the clock stepped back (the TAT beyond the tolerance), as in the model.
+      if tat and tat >= now and tat - now <= ceil_div(B * W, L) then
+        local ahead = math.max(math.min((tat - now) * L + frac, B * W) - units * W, 0)
+        local s = { tat = now + math.floor(ahead / L), frac = ahead % L, key = key }
+        limit.alg.save(s, now, L, W, B)
+      end
     end
   end
 end
 
 -- Reads the lease sections at ARGV[a] (after the requests; absent: no leases) and runs
 -- the returns at once. Returns the asks: request index -> units wanted.
-local function lease_sections(a, groups)
+local function lease_sections(a, groups, now)
   local asks = {}
   if ARGV[a] == nil then return asks end
   for _ = 1, ARGV[a] + 0 do
@@ -80,7 +101,7 @@ local function lease_sections(a, groups)
     for i = 1, #group do
       starts[i] = ARGV[a + 3 + i] + 0
     end
-    lease_return(group, k, units, starts)
+    lease_return(group, k, units, starts, now)
     a = a + 3 + #group
   end
   return asks

@@ -62,7 +62,7 @@ for g = 1, ARGV[2] + 0 do
   groups[g] = group
 end
 
-local asks = lease_sections(a + 1 + 2 * (ARGV[a] + 0), groups)
+local asks = lease_sections(a + 1 + 2 * (ARGV[a] + 0), groups, now)
 local tail = {} -- the asks' results, after the requests'
 
 local states = {} -- key -> state, loaded on first use

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Off by default. Only with a Redis backend (the memory store decides in process
-//! already); only fixed window and sliding-window counter limits are leased.
+//! already); limits with the sliding-window log are never leased.
 
 use std::time::Duration;
 

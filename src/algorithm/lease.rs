@@ -1,18 +1,23 @@
 //! The reference model of leased quota: what the script grants a node beside a request,
 //! and how unspent units go back.
 //!
-//! A lease is pre-paid: the units are counted into the window in the same step that
-//! decides a real request, so a node that spends them later (or never) can only
-//! under-admit. Only the window algorithms are leased, and a lease belongs to the window
-//! it was granted in:
-//! - fixed window: "at most `limit` per aligned window" holds whoever spends the units;
-//!   units of a window that ended are worthless and are never spent in the next one.
-//! - sliding-window counter: units counted into the current window are also within the
-//!   estimate at any later moment of that window (the previous window's weight only
-//!   shrinks), so spending them later keeps the estimate within `limit`.
+//! A lease is pre-paid: the units are counted (taken from the bucket) in the same step
+//! that decides a real request, so a node that spends them later (or never) can only
+//! under-admit.
+//! - fixed window: a lease belongs to the window it was granted in; "at most `limit` per
+//!   aligned window" holds whoever spends the units; units of a window that ended are
+//!   worthless and are never spent in the next one.
+//! - sliding-window counter: the same, and units counted into the current window are also
+//!   within the estimate at any later moment of that window (the previous window's weight
+//!   only shrinks), so spending them later keeps the estimate within `limit`.
+//! - token bucket and GCRA: a lease lasts one window. The long-run rate is exact (every
+//!   unit spent was taken from the bucket first); any interval of length `t` admits at
+//!   most `burst + limit * t / window` plus what the leases held at its start, since
+//!   those units were taken earlier and are spent later. Units go back as tokens (never
+//!   beyond the bucket), resp. by moving the arrival time back (never before now).
 //! - The sliding-window log is never leased: a unit logged at grant time but spent later
 //!   would leave the log (and free its room) before the request it stands for is a window
-//!   old, so "at most `limit` in any interval" would break. The buckets are not leased yet.
+//!   old, so "at most `limit` in any interval" would break.
 //!
 //! The script (`lua/lease.lua`) mirrors [`grant`] and [`give_back`]; the property tests
 //! hold them equal.
@@ -27,7 +32,7 @@
 //! // 99 left: at most half of them are granted.
 //! let grant = lease::grant(&mut states, &limits, 1_250, 80);
 //! assert_eq!((grant.units, grant.ms_left, grant.starts[0]), (49, 750, 1_000));
-//! lease::give_back(&mut states, &limits, &grant.starts, 49);
+//! lease::give_back(&mut states, &limits, 1_260, &grant.starts, 49);
 //! assert_eq!(algorithm::check(&mut states, &limits, 1_300, 99).limits()[0].remaining, 0);
 //! # Ok::<(), tollgate::ConfigError>(())
 //! ```
@@ -39,10 +44,7 @@ use crate::{Algorithm, Limit};
 
 /// Whether units of `algorithm` may be leased.
 pub fn leasable(algorithm: Algorithm) -> bool {
-    matches!(
-        algorithm,
-        Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
-    )
+    !matches!(algorithm, Algorithm::SlidingWindow)
 }
 
 /// What [`grant`] gave.
@@ -51,9 +53,10 @@ pub fn leasable(algorithm: Algorithm) -> bool {
 pub struct Grant {
     /// Units granted, from every limit alike (0: none).
     pub units: u64,
-    /// Milliseconds until the lease ends: the earliest end of its limits' windows.
+    /// Milliseconds until the lease ends: the earliest end of its limits' windows (a
+    /// bucket's lease lasts one window).
     pub ms_left: u64,
-    /// Each limit's window start: what a return names the window by.
+    /// Each limit's window start: what a return names the window by (0 for a bucket).
     pub starts: SmallVec<[u64; 2]>,
 }
 
@@ -68,16 +71,17 @@ pub fn grant(states: &mut [State], limits: &[Limit], now: u64, asked: u64) -> Gr
     let mut ms_left = u64::MAX;
     let mut starts = SmallVec::new();
     for (state, limit) in states.iter().zip(limits) {
-        let start = match state {
-            State::FixedWindow(s) => s.start(),
-            State::SlidingWindowCounter(s) => s.start(),
-            _ => {
+        let (start, ends) = match state {
+            State::FixedWindow(s) => (s.start(), s.start() + limit.window_ms() - now),
+            State::SlidingWindowCounter(s) => (s.start(), s.start() + limit.window_ms() - now),
+            State::TokenBucket(_) | State::Gcra(_) => (0, limit.window_ms()),
+            State::SlidingWindow(_) => {
                 units = 0;
-                0
+                (0, 0)
             }
         };
         units = units.min(state.remaining(now, limit) / 2);
-        ms_left = ms_left.min((start + limit.window_ms()).saturating_sub(now));
+        ms_left = ms_left.min(ends);
         starts.push(start);
     }
     if units > 0 {
@@ -92,16 +96,18 @@ pub fn grant(states: &mut [State], limits: &[Limit], now: u64, asked: u64) -> Gr
     }
 }
 
-/// Takes back `units` leased in the windows starting at `starts` (one per limit), where
-/// that window still counts: a fixed window only while it lasts, a sliding-window
-/// counter's also while it is the previous window. Elsewhere the units are worthless and
-/// nothing changes.
-pub fn give_back(states: &mut [State], limits: &[Limit], starts: &[u64], units: u64) {
+/// Takes back at `now` `units` leased in the windows starting at `starts` (one per
+/// limit), where that window still counts: a fixed window only while it lasts, a
+/// sliding-window counter's also while it is the previous window (elsewhere the units are
+/// worthless and nothing changes); a bucket gets them back as tokens.
+pub fn give_back(states: &mut [State], limits: &[Limit], now: u64, starts: &[u64], units: u64) {
     for ((state, limit), &start) in states.iter_mut().zip(limits).zip(starts) {
         match state {
             State::FixedWindow(s) => s.give_back(start, units),
             State::SlidingWindowCounter(s) => s.give_back(start, limit.window_ms(), units),
-            _ => {}
+            State::TokenBucket(s) => s.give_back(now, limit, units),
+            State::Gcra(s) => s.give_back(now, limit, units),
+            State::SlidingWindow(_) => {}
         }
     }
 }

@@ -39,6 +39,19 @@ impl TokenBucket {
     }
 }
 
+impl TokenBucket {
+    /// Puts back `units` taken at an earlier moment (a lease's unspent units), refilled to
+    /// `now` first: never beyond the bucket (see [`lease`](super::lease)).
+    pub(super) fn give_back(&mut self, now: u64, limit: &Limit, units: u64) {
+        if self.tokens == NEW {
+            return;
+        }
+        self.normalize(now, limit);
+        let capacity = Self::capacity(limit);
+        self.tokens = (self.tokens + units * limit.window_ms()).min(capacity);
+    }
+}
+
 impl Model for TokenBucket {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let capacity = Self::capacity(limit);

@@ -3,9 +3,9 @@
 //!
 //! The units are pre-paid: a request that goes to Redis anyway asks for a few more units
 //! beside its own, and the script counts them into the window in the same call that
-//! decides the request (see [`algorithm::lease`](crate::algorithm::lease) for the model and
-//! why only the window algorithms are leased). Spending them is a local decision under a
-//! short lock, with no await. Whatever happens to a lease afterwards (lost in a timeout,
+//! decides the request (see [`algorithm::lease`](crate::algorithm::lease) for the model,
+//! which algorithms are leased and what holds for each). Spending them is a local
+//! decision under a short lock, with no await. Whatever happens to a lease afterwards (lost in a timeout,
 //! stranded by a node that dies) can only under-admit.
 //!
 //! - A key asks only once it is hot on this node: at least two requests within one
@@ -15,7 +15,7 @@
 //!   bounded by a [fraction](LeaseConfig::max_fraction) of the smallest limit; the script
 //!   grants at most half of what is left, so leases shrink as the budget runs out.
 //! - A lease belongs to the window it was granted in and ends with it (the earliest
-//!   window of its limits). A request that does not fit the lease (or finds it ended)
+//!   window of its limits; a bucket's lease lasts one window). A request that does not fit the lease (or finds it ended)
 //!   goes to Redis, and takes the lease's units back to Redis in the same call, so that
 //!   with one node Redis decides it exactly as without leases. An empty lease never
 //!   rejects: every 429 comes from Redis (or the block cache) with its exact
@@ -262,10 +262,10 @@ impl Lease {
     }
 
     /// Whether unspent units still count somewhere after the lease ended: in the
-    /// sliding-window counter's previous window, or in a limit whose window is longer
-    /// than the one that ended the lease. Then they are worth returning.
+    /// sliding-window counter's previous window, in a bucket, or in a limit whose window
+    /// is longer than the one that ended the lease. Then they are worth returning.
     fn weighs_after_end(&self) -> bool {
-        self.target.group.len() > 4 || self.target.group.chunks_exact(4).any(|g| g[0] == 3)
+        self.target.group.len() > 4 || self.target.group.chunks_exact(4).any(|g| g[0] != 1)
     }
 }
 

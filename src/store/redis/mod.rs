@@ -281,9 +281,11 @@ impl RedisStore {
     /// requests of that key on this node spend them without a Redis call. See
     /// [`LeaseConfig`] and the README's "Leased quota" for what holds with several nodes.
     ///
-    /// Fixed window and sliding-window counter limits only (a list with another algorithm
-    /// is never leased); they keep "at most `limit` per aligned window" exactly across any
-    /// number of nodes, because every leased unit is counted in Redis before it is spent.
+    /// Every leased unit is counted in Redis before it is spent. Fixed window and
+    /// sliding-window counter limits keep "at most `limit` per aligned window" exactly
+    /// across any number of nodes; token bucket and GCRA keep their long-run rate, and an
+    /// interval admits at most what it would without leases plus what the leases held. A
+    /// list with a sliding-window log limit is never leased.
     /// A cold key (fewer than two requests within a lease period on this node) is decided
     /// exactly as without leases. Call [`release_leases`](Self::release_leases) on
     /// shutdown.
