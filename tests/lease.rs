@@ -724,3 +724,34 @@ async fn leased_units_are_spent_while_the_circuit_is_open() {
             .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE)
     );
 }
+
+/// Without coalescing (each decision its own script call) leases are taken, spent and
+/// given back the same way.
+#[tokio::test]
+async fn without_coalescing_leases_work_the_same() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let key = Key::new("global");
+    let store = node(&server.url(), "direct", &clock, LeaseConfig::new())
+        .await
+        .with_coalescing(false);
+    let calls = script_calls(&server);
+    for _ in 0..200 {
+        assert!(
+            store
+                .check(&key, std::slice::from_ref(&limit), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert!(
+        script_calls(&server) - calls < 100,
+        "{}",
+        script_calls(&server) - calls
+    );
+    assert!(count_in_redis(&server, &store, &key, &limit) > 200);
+    store.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &store, &key, &limit), 200);
+}
