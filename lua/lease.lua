@@ -64,7 +64,7 @@ local function lease_return(group, k, units, starts, now)
       end
     elseif limit.code == 4 then
       local L, W, B = limit.L, limit.W, limit.B
-      if redis.call('EXISTS', key) == 1 then
+      if redis.call('HMGET', key, 't')[1] then
         local s = limit.alg.load(key, now, L, W, B)
         s.tokens = math.min(s.tokens + units * W, B * W)
         limit.alg.save(s, now, L, W, B)
