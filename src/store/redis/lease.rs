@@ -15,11 +15,12 @@
 //!   bounded by a [fraction](LeaseConfig::max_fraction) of the smallest limit; the script
 //!   grants at most half of what is left, so leases shrink as the budget runs out.
 //! - A lease belongs to the window it was granted in and ends with it (the earliest
-//!   window of its limits; a bucket's lease lasts one window). A request that does not fit the lease (or finds it ended)
-//!   goes to Redis, and takes the lease's units back to Redis in the same call, so that
-//!   with one node Redis decides it exactly as without leases. An empty lease never
-//!   rejects: every 429 comes from Redis (or the block cache) with its exact
-//!   `retry_after`.
+//!   window of its limits, a thousandth of the time left early for clock drift; a
+//!   bucket's lease lasts one window). A request that does not fit the lease (or finds it
+//!   ended) goes to Redis, and takes the lease's units back to Redis in the same call, so
+//!   that with one node and a window algorithm Redis decides it exactly as without
+//!   leases. An empty lease never rejects: every 429 comes from Redis (or the block
+//!   cache) with its exact `retry_after`.
 //! - A lease at a quarter of its units is refilled by the next request, which goes to
 //!   Redis (one refill in flight per key); if Redis denies that request or fails, it is
 //!   spent from the lease instead.
@@ -260,13 +261,6 @@ impl Lease {
             .collect();
         Decision::from_limits(limits)
     }
-
-    /// Whether unspent units still count somewhere after the lease ended: in the
-    /// sliding-window counter's previous window, in a bucket, or in a limit whose window
-    /// is longer than the one that ended the lease. Then they are worth returning.
-    fn weighs_after_end(&self) -> bool {
-        self.target.group.len() > 4 || self.target.group.chunks_exact(4).any(|g| g[0] != 1)
-    }
 }
 
 /// A lease's keys and limits, as a request encodes them.
@@ -420,7 +414,9 @@ impl Leases {
         if let Some(lease) = &mut state.lease {
             if now >= lease.deadline || lease.units < u64::from(cost) {
                 let lease = state.lease.take().expect("a lease");
-                if lease.units > 0 && (now < lease.deadline || lease.weighs_after_end()) {
+                // Also after the lease ended: the script takes them back only where their
+                // window still counts (a previous window, a longer limit, a bucket).
+                if lease.units > 0 {
                     back = Some(Return {
                         target: lease.target,
                         units: lease.units,
@@ -492,7 +488,7 @@ impl Leases {
             }
             let lease = state.lease.take().expect("a lease");
             state.registered = false;
-            if lease.units > 0 && (!ended || lease.weighs_after_end()) {
+            if lease.units > 0 {
                 out.push(Return {
                     target: lease.target,
                     units: lease.units,
@@ -623,7 +619,9 @@ impl Attach {
         if units == 0 {
             return Ok(decision);
         }
-        let deadline = self.sent_at + ms_left;
+        // A thousandth of the time left earlier: this node's clock may run a little slower
+        // than Redis's over a long window, and a unit must never be spent in the next one.
+        let deadline = self.sent_at + ms_left - ms_left / 1_000;
         let limits = decision
             .limits()
             .iter()
