@@ -755,3 +755,37 @@ async fn without_coalescing_leases_work_the_same() {
     store.release_leases().await.unwrap();
     assert_eq!(count_in_redis(&server, &store, &key, &limit), 200);
 }
+
+/// The task that returns idle leases lives on a runtime: a store that outlives the
+/// runtime it first leased on starts it again on the next one.
+#[test]
+fn idle_leases_go_back_after_the_first_runtime_shut_down() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let (a, b) = (Key::new("a"), Key::new("b"));
+    let store = runtime().block_on(async {
+        let store = node(&server.url(), "runtimes", &clock, config).await;
+        for _ in 0..50 {
+            assert!(store.check(&a, limits, 1).await.unwrap().is_allowed());
+        }
+        store
+    });
+    runtime().block_on(async {
+        for _ in 0..50 {
+            assert!(store.check(&b, limits, 1).await.unwrap().is_allowed());
+        }
+        assert!(count_in_redis(&server, &store, &b, &limit) > 50);
+        clock.advance(Duration::from_millis(150));
+        until_counted(&server, &store, &b, &limit, 50).await;
+        until_counted(&server, &store, &a, &limit, 50).await;
+    });
+}

@@ -158,7 +158,8 @@ pub(crate) struct Leases {
     entries: Cache<EntryKey, Arc<Entry>>,
     /// Entries that hold a lease: what the sweeper and a release walk.
     held: Mutex<Vec<Arc<Entry>>>,
-    sweeper: AtomicBool,
+    /// The task that returns idle leases; started again when its runtime shut down.
+    sweeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl fmt::Debug for Leases {
@@ -323,7 +324,7 @@ impl Leases {
             clock,
             entries: Cache::new(config.keys),
             held: Mutex::new(Vec::new()),
-            sweeper: AtomicBool::new(false),
+            sweeper: Mutex::new(None),
         }
     }
 
@@ -458,16 +459,16 @@ impl Leases {
         }))
     }
 
-    /// Registers `entry` as holding a lease, and starts the sweeper.
+    /// Registers `entry` as holding a lease, and starts the sweeper if none runs.
     fn register(self: &Arc<Self>, entry: &Arc<Entry>) {
         self.held.lock().push(entry.clone());
-        if !self.sweeper.swap(true, Ordering::AcqRel) {
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => {
-                    runtime.spawn(sweep(Arc::downgrade(self), self.config.idle_ms));
-                }
-                Err(_) => self.sweeper.store(false, Ordering::Release),
-            }
+        let mut sweeper = self.sweeper.lock();
+        if sweeper
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            *sweeper = Some(runtime.spawn(sweep(Arc::downgrade(self), self.config.idle_ms)));
         }
     }
 
