@@ -55,5 +55,17 @@ local function define_fixed_window()
     if s.count == 0 then return 0 end
     return s.start + W - now
   end
+
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- Only into the window the units were charged to (at: that decision's now).
+    function fixed_window.refund(s, now, L, W, B, units, at)
+      if s.start == at - at % W then s.count = s.count - math.min(units, s.count) end
+    end
+
+    -- Over the limit too, but a window never counts more than L: the debt ends with it.
+    function fixed_window.top_up(s, now, L, W, B, units)
+      s.count = math.max(s.count, math.min(s.count + units, L))
+    end
+  end
   return fixed_window
 end

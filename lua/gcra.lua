@@ -54,5 +54,27 @@ local function define_gcra()
     if s.frac > 0 then return s.tat - now + 1 end
     return s.tat - now
   end
+
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- The TAT moves back by `units` intervals, never before now.
+    function gcra.refund(s, now, L, W, B, units, at)
+      if s.tat < now then return end
+      local a = math.max((s.tat - now) * L + s.frac - math.min(units, 2 * B) * W, 0)
+      s.tat = now + math.floor(a / L)
+      s.frac = a % L
+    end
+
+    -- The TAT moves on even beyond the tolerance, up to twice it ahead of now; never back.
+    function gcra.top_up(s, now, L, W, B, units)
+      local tolerance = B * W
+      local a = 0
+      if s.tat >= now then a = (s.tat - now) * L + s.frac end
+      local spent = math.min(units, 2 * B) * W
+      if a >= 2 * tolerance or spent == 0 then return end
+      a = math.min(a + spent, 2 * tolerance)
+      s.tat = now + math.floor(a / L)
+      s.frac = a % L
+    end
+  end
   return gcra
 end

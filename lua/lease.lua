@@ -1,6 +1,7 @@
 -- Leased quota (RedisStore::with_leases): units granted to a node beside a request it
 -- sends, spent by the node later without asking, and given back when it no longer needs
--- them. Every algorithm but the sliding-window log (code 2) is leased; a window's lease
+-- them. Every algorithm but the sliding-window log (code 2) is leased, and no limit with a
+-- lockout (a lease could not see a block start); a window's lease
 -- belongs to the window it was granted in, a bucket's lasts one window. Mirrors
 -- src/algorithm/lease.rs.
 
@@ -14,8 +15,8 @@ local function lease_grant(group, held, now, asked, tail)
   for i = 1, m do
     local limit = group[i]
     local s = held[i]
-    if limit.code == 2 then
-      units = 0
+    if limit.code == 2 or limit.D > 0 then
+      units = 0 -- the log, and a limit with a lockout, are never leased
     end
     local start = s.start or 0
     local left = math.floor(limit.alg.remaining(s, now, limit.L, limit.W, limit.B) / 2)
@@ -35,6 +36,15 @@ local function lease_grant(group, held, now, asked, tail)
   tail[n + 2] = ms_left or 0
   for i = 1, m do
     tail[n + 2 + i] = held[i].start or 0
+  end
+end
+
+-- The result of an ask that cannot take a lease (a peek's, an adjustment's), for a
+-- group of `m` limits: nothing granted.
+local function lease_none(m, tail)
+  local n = #tail
+  for i = 1, m + 2 do
+    tail[n + i] = 0
   end
 end
 

@@ -3,17 +3,31 @@
 --          explicit now, TTLs get 5 s of margin for the caller's clock to lag Redis's.
 -- ARGV[2]: the number of limit groups G (each distinct list of limits in the call, sent
 --          once); then for each group: its number of limits M, and for each limit:
---          algorithm code, limit, window ms, capacity (burst).
--- Then the number of requests N, and for each request: cost, group (1-based).
--- Returns, for each limit of each request in order: allowed (0/1), remaining,
--- reset_after ms, retry_after ms. A request is allowed when all its limits are.
---
+--          algorithm code, limit, window ms, capacity (burst), lockout ms (0: none).
+-- Then the number of requests N, and for each request: cost, group (1-based). A
+-- negative group -g peeks: the request is decided against group g, and its answer is
+-- the one it would get, but nothing is committed or saved (no block is started either).
+-- A negative cost is an adjustment after a response, of -cost units, followed by one more
+-- argument `at`: at >= 0 gives the units back (a refund) to the state a decision made at
+-- `at` ms (its now) charged them to; at = -1 charges them late (a top-up), counted even
+-- over the limit. An adjustment's limits all answer allowed, with the state after it (a
+-- lockout block is neither read nor started by one).
+-- A request's keys are its limits' keys, then one block key per limit with a lockout, in
+-- the order of those limits (lockout.lua).
 -- Leases (optional, lua/lease.lua): after the requests, the number of asks A and for
 -- each: request index (1-based), units wanted; then the number of returns R and for each:
 -- group index, index in KEYS of its first key, units, and one window start per limit of
--- the group. Returns run before the requests. After the requests' results come, for each
--- ask in order: units granted (0 when its request was denied), ms until the lease ends,
--- and each limit's window start. Without these sections nothing changes.
+-- the group. Returns run before the requests. Without these sections nothing changes.
+-- An ask beside a peek or an adjustment, or for a group with a lockout limit (or a
+-- sliding-window log), is granted nothing.
+--
+-- Returns (empty when there are no requests), in this order:
+-- 1. for each limit of each request in order: allowed (0/1), remaining (minus the time
+--    left on a lockout block when one blocks it), reset_after ms, retry_after ms. A
+--    request is allowed when all its limits are;
+-- 2. for each ask in the order of the asks: units granted (0 when its request was
+--    denied), ms until the lease ends, and each limit's window start;
+-- 3. once, last: the `now` the call decided at (ms), for a later refund's `at`.
 --
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
@@ -48,35 +62,100 @@ local a = 3
 local groups = {}
 for g = 1, ARGV[2] + 0 do
   local group = {}
-  for i = 1, ARGV[a] + 0 do
+  local m = ARGV[a] + 0
+  local blocked = 0 -- limits with a lockout so far: their block keys follow the m keys
+  for i = 1, m do
+    local D = ARGV[a + 5] + 0
+    local bk = 0
+    if D > 0 then
+      blocked = blocked + 1
+      bk = m + blocked - 1
+    end
     group[i] = {
       code = ARGV[a + 1] + 0,
       alg = algorithm(ARGV[a + 1] + 0),
       L = ARGV[a + 2] + 0,
       W = ARGV[a + 3] + 0,
       B = ARGV[a + 4] + 0,
+      D = D,
+      bk = bk, -- the block key's offset among the request's keys
     }
-    a = a + 4
+    a = a + 5
   end
   a = a + 1
+  group.keys = m + blocked
   groups[g] = group
 end
 
-local asks = lease_sections(a + 1 + 2 * (ARGV[a] + 0), groups, now)
+-- The lease sections follow the requests (an adjustment has one argument more than a
+-- request): looked for only when ARGV goes on past N plain requests.
+local asks
+if #ARGV > a + 2 * ARGV[a] then
+  local e = a + 1
+  for _ = 1, ARGV[a] + 0 do
+    if ARGV[e] + 0 < 0 then e = e + 3 else e = e + 2 end
+  end
+  asks = lease_sections(e, groups, now)
+end
 local tail = {} -- the asks' results, after the requests'
 
 local states = {} -- key -> state, loaded on first use
 local changed = {} -- states committed to, in order: saved at the end
-local out = { 0, 0, 0, 0 } -- sized for one request with one limit: no regrowth
+local out = { 0, 0, 0, 0, 0 } -- sized for one request with one limit and `now`: no regrowth
 local n = 0
 local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
+
 for r = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
-  local group = groups[ARGV[a + 2] + 0]
+  local g = ARGV[a + 2] + 0
+  local peek = g < 0
+  if peek then g = -g end
+  local group = groups[g]
   a = a + 2
   local m = #group
+  if cost < 0 then
+    -- An adjustment of -cost units: a refund (at >= 0) or a top-up (at = -1). Written
+    -- here rather than as a function, so that calls without one create no closure.
+    local units, at = -cost, ARGV[a + 1] + 0
+    a = a + 1
+    for i = 1, m do
+      local limit = group[i]
+      local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
+      if alg.refund == nil then
+        -- The first adjustment of the call: the algorithm's adjustments, defined now.
+        adjusting = true
+        for code, defined in pairs(algorithms) do
+          if defined == alg then
+            local full = definitions[code]()
+            alg.refund, alg.top_up = full.refund, full.top_up
+          end
+        end
+      end
+      local key = KEYS[k + i - 1]
+      local s = states[key]
+      if s == nil then
+        s = alg.load(key, now, L, W, B)
+        states[key] = s
+      end
+      if at >= 0 then
+        alg.refund(s, now, L, W, B, units, at)
+      else
+        alg.top_up(s, now, L, W, B, units)
+      end
+      if not s.changed then
+        s.changed = limit
+        changed[#changed + 1] = s
+      end
+      out[n + 1] = 1
+      out[n + 2] = alg.remaining(s, now, L, W, B)
+      out[n + 3] = alg.reset_after(s, now, L, W, B)
+      out[n + 4] = 0
+      n = n + 4
+    end
+    m = 0 -- nothing more to decide (k moves past the request's keys below)
+  end
   local all_fit = true
   for i = 1, m do
     local limit = group[i]
@@ -97,15 +176,26 @@ for r = 1, ARGV[a] + 0 do
         retry = alg.wait(s, now, L, W, B, cost)
       end
     end
+    if limit.D > 0 then
+      local left = lockout_left(KEYS[k + limit.bk], now)
+      if left > 0 then
+        fit, all_fit, retry = false, false, math.max(retry, left)
+      end
+    end
     held[i], fits[i], retries[i] = s, fit, retry
   end
   for i = 1, m do
     local limit = group[i]
     local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
     local s = held[i]
+    local kept -- a peek's copy of the state, put back once answered
     if all_fit then
+      if peek then
+        kept = {}
+        for f, v in pairs(s) do kept[f] = v end
+      end
       alg.commit(s, now, L, W, B, cost)
-      if not s.changed then
+      if not peek and not s.changed then
         s.changed = limit
         changed[#changed + 1] = s
       end
@@ -114,13 +204,24 @@ for r = 1, ARGV[a] + 0 do
     out[n + 2] = alg.remaining(s, now, L, W, B)
     out[n + 3] = alg.reset_after(s, now, L, W, B)
     out[n + 4] = retries[i]
+    if limit.D > 0 and not fits[i] then
+      lockout_deny(out, n, KEYS[k + limit.bk], limit.D, now, peek)
+    end
     n = n + 4
+    if kept then
+      for f in pairs(s) do s[f] = nil end
+      for f, v in pairs(kept) do s[f] = v end
+    end
   end
-  local asked = asks[r]
+  local asked = asks and asks[r]
   if asked then
-    lease_grant(group, held, now, all_fit and asked or 0, tail)
+    if peek or cost < 0 then
+      lease_none(#group, tail) -- a peek or an adjustment never takes a lease
+    else
+      lease_grant(group, held, now, all_fit and asked or 0, tail)
+    end
   end
-  k = k + m
+  k = k + group.keys
 end
 
 for i = 1, #changed do
@@ -128,8 +229,9 @@ for i = 1, #changed do
   local limit = s.changed
   limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
+if n == 0 then return {} end -- no requests: nothing of the presized table
 for i = 1, #tail do
   out[n + i] = tail[i]
 end
-if n + #tail == 0 then return {} end -- no requests: nothing of the presized table
+out[n + #tail + 1] = now
 return out

@@ -32,6 +32,10 @@ local function expire(key, ttl)
   redis.call('PEXPIRE', key, ttl + ttl_margin)
 end
 
+-- Whether the algorithms define their adjustments (refund, top_up): only once a call
+-- has one (main.lua sets it), so that a call of plain requests creates no closures for them.
+local adjusting = false
+
 -- Writes a string key and its TTL in one command (`ttl` is at least 1 ms).
 local function set_expiring(key, value, ttl)
   redis.call('SET', key, value, 'PX', math.max(ttl, 1) + ttl_margin)

@@ -99,5 +99,49 @@ local function define_sliding_window()
     if s.newest_at then return math.max(s.newest_at + W - now, 0) end
     return 0
   end
+
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- Out of the entry logged at `at`, while it is in the window. The units of every newer
+    -- entry are numbered `taken` lower (ZADD the new member, then ZREM the old, oldest
+    -- first, so no two members ever collide and the key never empties): as many writes as
+    -- entries since `at`, at most L. An entry left with no units goes, unless it is the
+    -- only one. This call's commits are written first; the state is read again after.
+    function sliding_window.refund(s, now, L, W, B, units, at)
+      if at + W <= now then return end
+      if s.pending > 0 then sliding_window.save(s, now, L, W, B) end
+      local e = redis.call('ZRANGEBYSCORE', s.key, at, at)
+      if e[1] ~= nil then
+        local from, to = string.match(e[1], '^(%d+):(%d+)$')
+        from, to = from + 0, to + 0
+        local taken = math.min(units, to - from)
+        if taken > 0 then
+          local newer = redis.call('ZRANGEBYSCORE', s.key, '(' .. int(at), '+inf', 'WITHSCORES')
+          if to - taken == from and redis.call('ZCARD', s.key) > 1 then
+            redis.call('ZREM', s.key, e[1])
+          else
+            redis.call('ZADD', s.key, at, int(from) .. ':' .. int(to - taken))
+            redis.call('ZREM', s.key, e[1])
+          end
+          for i = 1, #newer, 2 do
+            local f, t = string.match(newer[i], '^(%d+):(%d+)$')
+            redis.call('ZADD', s.key, newer[i + 1], int(f - taken) .. ':' .. int(t - taken))
+            redis.call('ZREM', s.key, newer[i])
+          end
+        end
+      end
+      local fresh = sliding_window.load(s.key, now, L, W, B)
+      for field, value in pairs(fresh) do
+        if field ~= 'changed' then s[field] = value end
+      end
+    end
+
+    -- Logged now as a request would be, but the window never holds more than L.
+    function sliding_window.top_up(s, now, L, W, B, units)
+      local room = math.max(L - s.count, 0)
+      if math.min(units, room) > 0 then
+        sliding_window.commit(s, now, L, W, B, math.min(units, room))
+      end
+    end
+  end
   return sliding_window
 end

@@ -71,5 +71,22 @@ local function define_sliding_window_counter()
     if s.previous > 0 then return left end
     return 0
   end
+
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- Into the window the units were charged to: current, or previous once it rolled.
+    function sliding_window_counter.refund(s, now, L, W, B, units, at)
+      local charged = at - at % W
+      if s.start == charged then
+        s.current = s.current - math.min(units, s.current)
+      elseif s.start == charged + W then
+        s.previous = s.previous - math.min(units, s.previous)
+      end
+    end
+
+    -- Over the limit too, but a window never counts more than L.
+    function sliding_window_counter.top_up(s, now, L, W, B, units)
+      s.current = math.max(s.current, math.min(s.current + units, L))
+    end
+  end
   return sliding_window_counter
 end

@@ -1,6 +1,7 @@
 -- Token bucket: hash {t = tokens, l = last refill ms}. Tokens are counted in units of
 -- 1/W token: the bucket holds B * W units and refills L units per ms, exactly. A missing
--- key is a full bucket. Mirrors src/algorithm/token_bucket.rs.
+-- key is a full bucket; a top-up may leave it negative (a debt of at most B * W units).
+-- Mirrors src/algorithm/token_bucket.rs.
 -- Defined on first use, so a call pays only for the algorithms it runs.
 local function define_token_bucket()
   local token_bucket = {}
@@ -50,13 +51,26 @@ local function define_token_bucket()
   end
 
   function token_bucket.remaining(s, now, L, W, B)
-    return math.floor(s.tokens / W)
+    return math.floor(math.max(s.tokens, 0) / W)
   end
 
   function token_bucket.reset_after(s, now, L, W, B)
     local missing = B * W - s.tokens
     if missing == 0 then return 0 end
     return paused(s, now) + ceil_div(missing, L)
+  end
+
+  if adjusting then -- adjustments after a response (see main.lua)
+    -- Back into the bucket, at most its capacity (a debt and a full bucket are two
+    -- capacities apart: no refund gives back more).
+    function token_bucket.refund(s, now, L, W, B, units, at)
+      s.tokens = math.min(s.tokens + math.min(units, 2 * B) * W, B * W)
+    end
+
+    -- Out of the bucket even below zero (a debt), down to minus its capacity.
+    function token_bucket.top_up(s, now, L, W, B, units)
+      s.tokens = math.min(math.max(s.tokens - math.min(units, 2 * B) * W, -B * W), s.tokens)
+    end
   end
   return token_bucket
 end

@@ -20,6 +20,7 @@ use crate::{
     rejection::OnRejection,
     rules::{Active, Cell},
     store::{Check, Guarded},
+    wait::{Ticket, Waiting},
 };
 
 /// What a [`RateLimit`](crate::RateLimit) service shares with its response futures.
@@ -32,6 +33,8 @@ pub(crate) struct Shared<R> {
     /// The layer's name: the `route` label of its metrics.
     pub(crate) name: Arc<str>,
     pub(crate) metrics: metrics::LayerMetrics,
+    /// Denied requests may wait ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
+    pub(crate) waiting: Option<Arc<Waiting>>,
 }
 
 /// How the store was asked about a request: what [`settle`] needs besides its answer.
@@ -48,6 +51,9 @@ pub(crate) enum Next<ResB> {
     /// Call the inner service, then write this decision's fields on its response (none
     /// when failing open).
     Call(Option<Decision>),
+    /// Denied, but may wait its turn: see [`wait`](crate::wait). Boxed, so that the
+    /// variant costs the other answers nothing.
+    Wait(Box<Ticket>),
 }
 
 /// Acts on the store's answer about `request`, under the `rules` it was asked with:
@@ -63,7 +69,37 @@ pub(crate) fn settle<ReqB, ResB, R>(
 where
     R: OnRejection<ReqB, ResB>,
 {
-    enforce(shared, rules, result, Recorded::Allowed, request, asked)
+    enforce(
+        shared,
+        rules,
+        result,
+        Recorded::Allowed,
+        request,
+        asked,
+        true,
+    )
+}
+
+/// [`settle`] for a request that [waited](crate::wait) already: a denial now is final.
+pub(crate) fn settle_waited<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    result: Result<Decision, StoreError>,
+    request: &Request<ReqB>,
+    asked: &Asked,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    enforce(
+        shared,
+        rules,
+        result,
+        Recorded::Allowed,
+        request,
+        asked,
+        false,
+    )
 }
 
 /// [`settle`] for a layer with shadow limits: `enforced` is the answer about the
@@ -89,7 +125,7 @@ where
         Recorded::Allowed
     };
     match enforced {
-        Some(result) => enforce(shared, rules, result, allowed, request, asked),
+        Some(result) => enforce(shared, rules, result, allowed, request, asked, true),
         None => {
             // A layer in shadow: its store failing is still a store error to count.
             let recorded = if failed {
@@ -98,6 +134,7 @@ where
                 allowed
             };
             shared.metrics.decided(recorded, &asked.timer);
+            crate::plan::decided(shared, rules, recorded);
             Next::Call(None)
         }
     }
@@ -200,7 +237,8 @@ impl Future for Checks {
     }
 }
 
-/// [`settle`], counting an allowed request as `allowed` (or `would_reject`).
+/// [`settle`], counting an allowed request as `allowed` (or `would_reject`); a denied
+/// one may wait its turn when `may_wait`.
 fn enforce<ReqB, ResB, R>(
     shared: &Shared<R>,
     rules: &Active,
@@ -208,16 +246,28 @@ fn enforce<ReqB, ResB, R>(
     allowed: Recorded,
     request: &Request<ReqB>,
     asked: &Asked,
+    may_wait: bool,
 ) -> Next<ResB>
 where
     R: OnRejection<ReqB, ResB>,
 {
     let recorded = match &result {
         Ok(decision) if decision.is_allowed() => allowed,
-        Ok(_) => Recorded::Denied,
+        Ok(decision) => {
+            // A request that waits is counted once it is answered.
+            if let Some(waiting) = &shared.waiting
+                && may_wait
+                && let Some(ticket) =
+                    waiting.admit(&asked.key, rules.limits(), asked.cost, decision)
+            {
+                return Next::Wait(Box::new(ticket));
+            }
+            Recorded::Denied
+        }
         Err(_) => Recorded::StoreError,
     };
     shared.metrics.decided(recorded, &asked.timer);
+    crate::plan::decided(shared, rules, recorded);
     let decision = match result {
         Ok(decision) => decision,
         Err(error) => match on_store_error(shared, rules, error, asked) {

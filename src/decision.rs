@@ -70,11 +70,31 @@ impl LimitDecision {
 /// What a store decided for one request over all of its limits, all-or-nothing: the
 /// request is allowed only when every limit has room, and a denied request consumes
 /// nothing from any of them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Equality compares the outcome (allowed and every limit's numbers), not
+/// [`decided_at_ms`](Self::decided_at_ms).
+#[derive(Debug, Clone)]
 pub struct Decision {
     allowed: bool,
     limits: LimitDecisions,
+    /// The least time (ms) left on a lockout block among the limits that blocked this
+    /// request, 0 when none did: how long a cached copy of this denial stays true (after
+    /// that, the same request would start a new block). See
+    /// [`Limit::with_lockout`](crate::Limit::with_lockout). A `u32` (saturating, about 49
+    /// days) fits beside `allowed`, so a `Decision` is no larger than without it; a cache
+    /// that reads a saturated value only forgets a denial early.
+    blocked_ms: u32,
+    /// The store's time of the decision (ms), where a refund finds the units' state.
+    at_ms: Option<u64>,
 }
+
+impl PartialEq for Decision {
+    fn eq(&self, other: &Self) -> bool {
+        self.allowed == other.allowed && self.limits == other.limits
+    }
+}
+
+impl Eq for Decision {}
 
 impl Decision {
     /// A decision from per-limit outcomes, in the order of the limits.
@@ -84,7 +104,39 @@ impl Decision {
 
     pub(crate) fn from_limits(limits: LimitDecisions) -> Self {
         let allowed = limits.iter().all(|l| l.allowed);
-        Self { allowed, limits }
+        Self {
+            allowed,
+            limits,
+            blocked_ms: 0,
+            at_ms: None,
+        }
+    }
+
+    /// The same decision, blocked by a lockout for `blocked_ms` more (0: not blocked).
+    pub(crate) fn blocked_for(mut self, blocked_ms: u64) -> Self {
+        self.blocked_ms = u32::try_from(blocked_ms).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// See [`blocked_for`](Self::blocked_for).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn blocked_ms(&self) -> u64 {
+        u64::from(self.blocked_ms)
+    }
+
+    /// The same decision, made at `at_ms` on the store's clock.
+    #[must_use]
+    pub fn decided_at(mut self, at_ms: u64) -> Self {
+        self.at_ms = Some(at_ms);
+        self
+    }
+
+    /// When the store made this decision, on its own clock (ms): the memory store's clock,
+    /// Redis `TIME` or the clock given to the Redis store. A
+    /// [refund](crate::Adjustment::Refund) names it to find the window or log entry the
+    /// units were charged to. `None` from a store that does not say.
+    pub fn decided_at_ms(&self) -> Option<u64> {
+        self.at_ms
     }
 
     /// A decision that allows the request without any limit (used by the fail-open
@@ -93,6 +145,8 @@ impl Decision {
         Self {
             allowed: true,
             limits: SmallVec::new(),
+            blocked_ms: 0,
+            at_ms: None,
         }
     }
 

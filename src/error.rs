@@ -51,6 +51,10 @@ pub enum StoreErrorKind {
     Response,
     /// Too many decisions are already waiting for the store.
     Overloaded,
+    /// The store does not implement this operation (a custom [`Store`](crate::Store)
+    /// without [`peek`](crate::Store::peek), [`reset`](crate::Store::reset) or
+    /// [`adjust`](crate::Store::adjust)).
+    Unsupported,
 }
 
 /// A store failed to decide; the layer's failure policy chooses what the request gets.
@@ -94,6 +98,15 @@ impl StoreError {
         }
     }
 
+    /// The store does not implement `operation`: what [`Store`](crate::Store)'s default
+    /// methods answer.
+    pub fn unsupported(operation: &str) -> Self {
+        Self::new(
+            StoreErrorKind::Unsupported,
+            format!("this store does not implement {operation}"),
+        )
+    }
+
     /// The circuit breaker is open: the store was not asked.
     pub(crate) fn circuit_open() -> Self {
         static CAUSE: LazyLock<Arc<dyn StdError + Send + Sync>> =
@@ -128,6 +141,7 @@ impl fmt::Display for StoreError {
             StoreErrorKind::Unavailable => "rate limit store unavailable",
             StoreErrorKind::Response => "rate limit store answered with an error",
             StoreErrorKind::Overloaded => "rate limit store overloaded",
+            StoreErrorKind::Unsupported => "rate limit store does not support this operation",
         };
         f.write_str(what)
     }

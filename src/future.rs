@@ -16,10 +16,12 @@ use tower_service::Service;
 
 use crate::{
     Decision,
-    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
+    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed, settle_waited},
+    plan::{self, Chosen, Resolving, Started},
     rejection::OnRejection,
     rules::Active,
     store::Check,
+    wait::Ticket,
 };
 
 pin_project! {
@@ -48,6 +50,11 @@ pin_project! {
             check: Check,
             pending: Option<Pending<S, ReqB>>,
         },
+        // A layer with plans, waiting for a plan lookup (`rules` are the layer's).
+        Resolving {
+            resolving: Resolving,
+            pending: Option<Pending<S, ReqB>>,
+        },
         // A layer with shadow limits: its two store calls.
         Shadowing {
             checks: Checks,
@@ -69,6 +76,8 @@ pub(crate) struct Pending<S, ReqB> {
     pub(crate) service: S,
     pub(crate) request: Request<ReqB>,
     pub(crate) asked: Asked,
+    /// It [waited](crate::wait) its turn already: a denial now is final.
+    pub(crate) waited: bool,
 }
 
 impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
@@ -100,6 +109,22 @@ where
         Self {
             state: State::Shadowing {
                 checks,
+                pending: Some(pending),
+            },
+            shared: Some(shared),
+            rules: Some(rules),
+        }
+    }
+
+    pub(crate) fn resolving(
+        resolving: Resolving,
+        pending: Pending<S, ReqB>,
+        shared: Arc<Shared<R>>,
+        rules: Arc<Active>,
+    ) -> Self {
+        Self {
+            state: State::Resolving {
+                resolving,
                 pending: Some(pending),
             },
             shared: Some(shared),
@@ -142,6 +167,36 @@ where
     }
 }
 
+/// The state of a denied request that waits its turn ([`wait`](crate::wait)): the wait
+/// and the store's fresh answer, as a check.
+fn wait<S, ReqB, R>(
+    ticket: Ticket,
+    shared: &Shared<R>,
+    rules: &Arc<Active>,
+    service: S,
+    request: Request<ReqB>,
+    asked: Asked,
+) -> State<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    let check = ticket.wait(
+        shared.store.clone(),
+        rules.clone(),
+        asked.key.clone(),
+        asked.cost,
+    );
+    State::Checking {
+        check,
+        pending: Some(Pending {
+            service,
+            request,
+            asked,
+            waited: true,
+        }),
+    }
+}
+
 impl<S, ReqB, R> fmt::Debug for ResponseFuture<S, ReqB, R>
 where
     S: Service<Request<ReqB>>,
@@ -171,13 +226,70 @@ where
                         mut service,
                         request,
                         asked,
+                        waited,
                     } = pending.take().expect("polled after completion");
-                    match settle(shared, rules, result, &request, &asked) {
+                    let next = if waited {
+                        settle_waited(shared, rules, result, &request, &asked)
+                    } else {
+                        settle(shared, rules, result, &request, &asked)
+                    };
+                    match next {
                         Next::Answer(response) => return Poll::Ready(Ok(response)),
                         Next::Call(decision) => {
                             let future = service.call(request);
                             this.state.set(State::Calling { future, decision });
                         }
+                        Next::Wait(ticket) => {
+                            let pending = wait(*ticket, shared, rules, service, request, asked);
+                            this.state.set(pending);
+                        }
+                    }
+                }
+                StateProj::Resolving { resolving, pending } => {
+                    let shared = this.shared.as_ref().expect("resolving without config");
+                    let name = ready!(Pin::new(resolving).poll(cx));
+                    let layer = this.rules.take().expect("resolving without rules");
+                    let mut pending = pending.take().expect("polled after completion");
+                    let rules = match layer.named(name.as_deref()) {
+                        Chosen::Layer => layer.clone(),
+                        Chosen::Plan(rules) => rules.clone(),
+                        Chosen::Unlimited(name) => {
+                            plan::unlimited(shared, name);
+                            let future = pending.service.call(pending.request);
+                            this.state.set(State::Calling {
+                                future,
+                                decision: None,
+                            });
+                            continue;
+                        }
+                    };
+                    let started = plan::start(shared, &rules, &pending.request, &pending.asked);
+                    *this.rules = Some(rules);
+                    match started {
+                        Started::Next(Next::Answer(response)) => return Poll::Ready(Ok(response)),
+                        Started::Next(Next::Call(decision)) => {
+                            let future = pending.service.call(pending.request);
+                            this.state.set(State::Calling { future, decision });
+                        }
+                        Started::Next(Next::Wait(ticket)) => {
+                            let rules = this.rules.as_ref().expect("rules set above");
+                            let Pending {
+                                service,
+                                request,
+                                asked,
+                                ..
+                            } = pending;
+                            let state = wait(*ticket, shared, rules, service, request, asked);
+                            this.state.set(state);
+                        }
+                        Started::Check(check) => this.state.set(State::Checking {
+                            check,
+                            pending: Some(pending),
+                        }),
+                        Started::Checks(checks) => this.state.set(State::Shadowing {
+                            checks,
+                            pending: Some(pending),
+                        }),
                     }
                 }
                 StateProj::Shadowing { checks, pending } => {
@@ -188,12 +300,17 @@ where
                         mut service,
                         request,
                         asked,
+                        ..
                     } = pending.take().expect("polled after completion");
                     match settle_shadowed(shared, rules, answers, &request, &asked) {
                         Next::Answer(response) => return Poll::Ready(Ok(response)),
                         Next::Call(decision) => {
                             let future = service.call(request);
                             this.state.set(State::Calling { future, decision });
+                        }
+                        Next::Wait(ticket) => {
+                            let pending = wait(*ticket, shared, rules, service, request, asked);
+                            this.state.set(pending);
                         }
                     }
                 }

@@ -94,15 +94,16 @@ pub(crate) fn policy_name(limit: &Limit) -> String {
     }
 }
 
-/// The layer's `RateLimit-Policy` value, which never changes: built once.
-pub(crate) fn policy_value(limits: &[Limit]) -> Option<HeaderValue> {
+/// The layer's `RateLimit-Policy` value, which never changes: built once, with the
+/// policies called `names`.
+fn policy_value(limits: &[Limit], names: &[String]) -> Option<HeaderValue> {
     let mut value = String::new();
-    for limit in limits {
+    for (limit, name) in limits.iter().zip(names) {
         if !value.is_empty() {
             value.push_str(", ");
         }
         value.push('"');
-        value.push_str(&policy_name(limit));
+        value.push_str(name);
         value.push_str("\";q=");
         value.push_str(itoa::Buffer::new().format(limit.limit()));
         value.push_str(";w=");
@@ -124,17 +125,30 @@ pub(crate) struct HeaderWriter {
 
 impl HeaderWriter {
     pub(crate) fn new(style: HeaderStyle, limits: &[Limit]) -> Self {
-        let items: Vec<String> = limits
+        let names: Vec<String> = limits.iter().map(policy_name).collect();
+        Self::named(style, limits, &names)
+    }
+
+    /// The writer of a [plan](crate::Plan)'s limits: each policy is called
+    /// `<plan>.<policy>` (`"free.hourly"`, `"paid.100-per-1m"`), so clients and logs see
+    /// which plan answered.
+    pub(crate) fn for_plan(style: HeaderStyle, limits: &[Limit], plan: &str) -> Self {
+        let names: Vec<String> = limits
             .iter()
-            .map(|limit| format!("\"{}\";r=", policy_name(limit)))
+            .map(|limit| format!("{plan}.{}", policy_name(limit)))
             .collect();
+        Self::named(style, limits, &names)
+    }
+
+    fn named(style: HeaderStyle, limits: &[Limit], names: &[String]) -> Self {
+        let items: Vec<String> = names.iter().map(|name| format!("\"{name}\";r=")).collect();
         // Each item: its start, up to 20 digits twice, `;t=` and `, `.
         let rendered_len = items.iter().map(|item| item.len() + 45).sum();
         Self {
             style,
             items,
             rendered_len,
-            policy: policy_value(limits),
+            policy: policy_value(limits, names),
         }
     }
 

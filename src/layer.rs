@@ -14,10 +14,12 @@ use crate::{
     decide::Shared,
     headers::HeaderStyle,
     key::PeerIp,
+    limiter::Limiter,
     rejection::DefaultRejection,
     rules::{Cell, Rules, RulesHandle},
     service::RateLimit,
     store::{Guarded, MemoryStore, Store},
+    wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Waiting},
 };
 
 /// The default time a store call may take before the failure policy applies.
@@ -56,6 +58,21 @@ struct Settings {
     /// Shared by clones of the layer made since its last builder call: they are one layer
     /// to a [`RulesHandle`]. A builder call starts a new one.
     cell: Arc<OnceLock<Arc<Cell>>>,
+    /// How long a denied request may wait, and how many may wait per layer and per key.
+    max_wait: Option<Duration>,
+    max_waiters: (usize, usize),
+    /// The line of waiting requests, built from the three above; shared by clones.
+    waiting: Option<Arc<Waiting>>,
+}
+
+impl Settings {
+    /// A new line after a change of `max_wait` or `max_waiters`.
+    fn waiting_changed(&mut self) {
+        self.waiting = self.max_wait.map(|max_wait| {
+            let (total, per_key) = self.max_waiters;
+            Arc::new(Waiting::new(max_wait, total, per_key))
+        });
+    }
 }
 
 impl Settings {
@@ -113,6 +130,9 @@ impl RateLimitLayer {
                 name: Arc::from(DEFAULT_NAME),
                 breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
                 cell: Arc::default(),
+                max_wait: None,
+                max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
+                waiting: None,
             },
         }
     }
@@ -126,6 +146,15 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// replaces it.
     pub fn limit(mut self, limit: Limit) -> Self {
         self.settings.changed().rules.push_limit(limit);
+        self
+    }
+
+    /// Decides each request under the limits of its plan, picked by `plans`'s resolver;
+    /// the limits given to the layer apply to requests without a plan when there is no
+    /// default plan. See [`plan`](crate::plan).
+    pub fn plans(mut self, plans: crate::Plans) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_plans(plans);
         self
     }
 
@@ -211,6 +240,49 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
         self
     }
 
+    /// Lets a request that would be denied wait instead, when the store says it would fit
+    /// within `max_wait` (its `retry_after`): it sleeps that long, then asks the store
+    /// again and passes if it fits (nginx `limit_req delay=`, a throttling queue). Bursts
+    /// are smoothed instead of failed; the client sees a slower answer, not a 429.
+    ///
+    /// - Nothing is reserved: a request that arrives meanwhile may take the units first.
+    ///   A waiter that finds itself overtaken waits again for the new `retry_after` while
+    ///   its whole wait stays within `max_wait`, and is answered 429 otherwise. (Of the
+    ///   algorithms, only GCRA's state could hold a reservation as it is.)
+    /// - At most [`max_waiters`](Self::max_waiters) requests wait per layer and per key;
+    ///   beyond that the answer is 429 at once, so waiting never holds unbounded memory.
+    ///   A client that hangs up gives its place back at once.
+    /// - A request that can never fit (costlier than a limit's capacity) does not wait.
+    /// - Waiting uses Tokio's timer: the service must run on a Tokio runtime.
+    ///
+    /// Off by default.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Limit, RateLimitLayer};
+    ///
+    /// // 10 a second; a burst above it is spread out over up to half a second.
+    /// let layer = RateLimitLayer::new(Limit::gcra(10, Duration::from_secs(1))?)
+    ///     .max_wait(Duration::from_millis(500))
+    ///     .max_waiters(100, 5);
+    /// # Ok::<(), tollgate::ConfigError>(())
+    /// ```
+    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+        self.settings.max_wait = (!max_wait.is_zero()).then_some(max_wait);
+        self.settings.waiting_changed();
+        self
+    }
+
+    /// How many requests may [wait](Self::max_wait) at once: `total` for the layer (and
+    /// its clones), `per_key` for one key ([`DEFAULT_MAX_WAITERS`] and
+    /// [`DEFAULT_MAX_WAITERS_PER_KEY`] by default). Beyond either, a request is answered
+    /// 429 at once.
+    pub fn max_waiters(mut self, total: usize, per_key: usize) -> Self {
+        self.settings.max_waiters = (total, per_key);
+        self.settings.waiting_changed();
+        self
+    }
+
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
     pub fn headers(mut self, style: HeaderStyle) -> Self {
         let settings = self.settings.changed();
@@ -251,12 +323,30 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     pub fn rules_handle(&self) -> RulesHandle {
         RulesHandle::new(self.settings.cell().clone())
     }
+
+    /// A handle to [peek](Limiter::peek) at and [reset](Limiter::reset) a key's budgets
+    /// under this layer's rules in force, on its store. Take it once the layer is
+    /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
+    pub fn limiter(&self) -> Limiter<K> {
+        let store = Guarded::new(
+            self.settings.store.clone(),
+            self.settings.timeout,
+            self.settings.breaker.clone(),
+        );
+        Limiter::new(self.key.clone(), self.settings.cell().clone(), store)
+    }
 }
 
-impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
-    type Service = RateLimit<S, K, C, R>;
+impl<K, C: Clone, R: Clone> RateLimitLayer<K, C, R> {
+    /// What a service made by this layer holds: the key extractor, the cost, and the
+    /// state its response futures share (also for [`CountAfterLayer`](crate::count_after::CountAfterLayer)).
+    pub(crate) fn parts(&self) -> (Arc<K>, C, Arc<Shared<R>>) {
+        self.parts_waiting(true)
+    }
 
-    fn layer(&self, inner: S) -> Self::Service {
+    /// [`parts`](Self::parts), with the layer's [`max_wait`](Self::max_wait) or without
+    /// it (`wait` false: denials are answered at once).
+    pub(crate) fn parts_waiting(&self, wait: bool) -> (Arc<K>, C, Arc<Shared<R>>) {
         let shared = Shared {
             rules: self.settings.cell().clone(),
             store: Guarded::new(
@@ -267,8 +357,22 @@ impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
             rejection: self.rejection.clone(),
             name: self.settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
+            waiting: if wait {
+                self.settings.waiting.clone()
+            } else {
+                None
+            },
         };
-        RateLimit::from_parts(inner, self.key.clone(), self.cost.clone(), Arc::new(shared))
+        (self.key.clone(), self.cost.clone(), Arc::new(shared))
+    }
+}
+
+impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
+    type Service = RateLimit<S, K, C, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let (key, cost, shared) = self.parts();
+        RateLimit::from_parts(inner, key, cost, shared)
     }
 }
 

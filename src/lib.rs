@@ -68,6 +68,22 @@
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
 //! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
 //!
+//! # Plans
+//!
+//! Limits chosen per request (free, paid, internal): [`RateLimitLayer::plans`] with
+//! [`Plans`], each [`Plan`] a name and its limits or unlimited, picked by a header, a sync
+//! resolver or a cached async [`PlanLookup`]. Each plan keeps its own state; requests
+//! without a known plan get the default plan. See [`plan`].
+//!
+//! # Peek and reset
+//!
+//! [`RateLimitLayer::limiter`] returns a [`Limiter`] for handlers and admin code: its
+//! [`peek`](Limiter::peek) answers the decision a request would get now, with nothing
+//! written, and its [`reset`](Limiter::reset) gives a key a fresh budget under the
+//! layer's rules in force, on every replica at once (the Redis store's block caches hear
+//! resets over pub/sub). [`Limiter::key_of`] makes the key with the layer's own extractor.
+//! Stores implement [`Store::peek`] and [`Store::reset`].
+//!
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit
@@ -127,9 +143,11 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod adjustment;
 pub mod algorithm;
 mod breaker;
 pub mod clock;
+pub mod count_after;
 mod decide;
 mod decision;
 mod error;
@@ -138,25 +156,33 @@ pub mod headers;
 pub mod key;
 mod layer;
 mod limit;
+mod limiter;
 pub mod metrics;
+pub mod plan;
 mod policy;
 mod rejection;
 pub mod rules;
 mod service;
 pub mod store;
+mod wait;
 
+pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
+pub use count_after::CountAfterLayer;
 pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
+pub use limiter::Limiter;
+pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
+pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY};
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -159,6 +159,9 @@ pub struct Limit {
     /// A 64-bit hash of every parameter, for caches of decisions (which a changed
     /// `limit` invalidates even when the state carries over).
     params_fingerprint: u64,
+    /// How long a key stays blocked after this limit denied it (0: never). Not part of
+    /// `id`: a changed lockout keeps the spent budget. See [`Limit::with_lockout`].
+    lockout_ms: u64,
 }
 
 /// What happens to a limit's state (its spent budget) when a rules change gives it a new
@@ -219,6 +222,7 @@ impl fmt::Debug for Limit {
             .field("burst", &self.burst)
             .field("name", &self.name)
             .field("on_change", &self.on_change)
+            .field("lockout", &self.lockout())
             .finish()
     }
 }
@@ -374,7 +378,8 @@ impl Limit {
             burst,
             self.name,
             self.on_change,
-        ))
+        )
+        .locking_out(self.lockout_ms))
     }
 
     /// A name for this limit: the policy name in the `RateLimit` headers and a part of
@@ -405,7 +410,8 @@ impl Limit {
             self.burst,
             Some(name.into()),
             self.on_change,
-        ))
+        )
+        .locking_out(self.lockout_ms))
     }
 
     /// What a rules change that gives this limit a new `limit` or `burst` does to its
@@ -434,7 +440,8 @@ impl Limit {
             self.burst,
             self.name,
             on_change,
-        ))
+        )
+        .locking_out(self.lockout_ms))
     }
 
     fn build(
@@ -478,6 +485,7 @@ impl Limit {
             fingerprint: fixed_hash(&id),
             params_fingerprint: fixed_hash(&full),
             id: id.into(),
+            lockout_ms: 0,
         }
     }
 
@@ -537,9 +545,112 @@ impl Limit {
         self.params_fingerprint
     }
 
+    /// This limit with its state kept apart under `scope` (a [plan](crate::Plan)'s name):
+    /// the same parameters under another store key, `@<scope>:<id>`. `@` is not a name
+    /// character, so a scoped id never equals an unscoped one.
+    pub(crate) fn scoped(&self, scope: &str) -> Self {
+        let mut limit = self.clone();
+        let id = format!("@{scope}:{}", self.id);
+        limit.fingerprint = fixed_hash(&id);
+        limit.params_fingerprint = fixed_hash(&format!("@{scope}:{:x}", self.params_fingerprint));
+        limit.id = id.into();
+        limit
+    }
+
     /// What a change of `limit` or `burst` does to the state. See [`OnChange`].
     pub fn state_on_change(&self) -> OnChange {
         self.on_change
+    }
+}
+
+/// # Lockout
+impl Limit {
+    /// Blocks a key for `lockout` once this limit denies it: for that long every request
+    /// of the key is denied, whatever its cost, with `retry_after` the time left on the
+    /// block (or the limit's own wait, when that is longer), which `Retry-After` and the
+    /// `RateLimit` fields show (`r=0`). The usual guard for login and one-time-code
+    /// endpoints: 5 failed attempts a minute lock the account out for 15 minutes.
+    ///
+    /// - Requests during a block do not extend it (as rate-limiter-flexible's
+    ///   `blockDuration`): the `Retry-After` a client was given stays true, and a client
+    ///   that retries blindly gets in once the block ends. To punish every retry, pick a
+    ///   longer lockout.
+    /// - The block is part of the limit's state, kept next to it (in Redis, a key beside
+    ///   the limit's key, with the same hash tag, that expires with the block). The
+    ///   lockout is not part of the limit's identity: changing it keeps the spent budget
+    ///   and a running block, but a block never lasts longer than the current lockout, so
+    ///   shortening it shortens running blocks and removing it ends them.
+    /// - A block starts when *this* limit denies a request; a request denied only by
+    ///   another limit of the same layer starts none.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::Limit;
+    ///
+    /// let logins = Limit::fixed_window(5, Duration::from_secs(60))?
+    ///     .with_lockout(Duration::from_secs(15 * 60))?;
+    /// assert_eq!(logins.lockout(), Some(Duration::from_secs(900)));
+    /// # Ok::<(), tollgate::ConfigError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When `lockout` (field `lockout`) is under 1ms, not a whole number of milliseconds,
+    /// or over [`MAX_WINDOW`].
+    pub fn with_lockout(self, lockout: Duration) -> Result<Self, ConfigError> {
+        if lockout < Duration::from_millis(1) {
+            return Err(ConfigError::new(
+                "lockout",
+                format!("must be at least 1ms (got {lockout:?}); leave it out for none"),
+            ));
+        }
+        if !lockout.subsec_nanos().is_multiple_of(1_000_000) {
+            return Err(ConfigError::new(
+                "lockout",
+                format!("must be a whole number of milliseconds (got {lockout:?})"),
+            ));
+        }
+        if lockout > MAX_WINDOW {
+            return Err(ConfigError::new(
+                "lockout",
+                format!("must be at most 366 days (got {lockout:?})"),
+            ));
+        }
+        Ok(self.with_lockout_ms(lockout.as_millis() as u64))
+    }
+
+    /// The lockout set with [`with_lockout`](Self::with_lockout), if any.
+    pub fn lockout(&self) -> Option<Duration> {
+        (self.lockout_ms > 0).then(|| Duration::from_millis(self.lockout_ms))
+    }
+
+    /// The lockout in milliseconds, 0 for none.
+    pub(crate) fn lockout_ms(&self) -> u64 {
+        self.lockout_ms
+    }
+
+    /// The same limit with a lockout of `lockout_ms` (0: none), unvalidated.
+    pub(crate) fn with_lockout_ms(self, lockout_ms: u64) -> Self {
+        Self::build(
+            self.algorithm,
+            self.limit,
+            self.window_ms,
+            self.burst,
+            self.name,
+            self.on_change,
+        )
+        .locking_out(lockout_ms)
+    }
+
+    /// A limit just built (no lockout) with a lockout of `lockout_ms`: a decision cache
+    /// must tell the two apart, the state must not.
+    fn locking_out(mut self, lockout_ms: u64) -> Self {
+        if lockout_ms > 0 {
+            self.lockout_ms = lockout_ms;
+            self.params_fingerprint =
+                fixed_hash(&format!("{}:lockout:{lockout_ms}", self.params_fingerprint));
+        }
+        self
     }
 }
 
@@ -658,6 +769,44 @@ mod tests {
             OnChange::CarryOver
         );
         assert_eq!("keep".parse::<OnChange>().unwrap_err().field(), "on_change");
+    }
+
+    #[test]
+    fn lockouts_are_validated_and_keep_the_state() {
+        let limit = Limit::fixed_window(5, Duration::from_secs(60)).unwrap();
+        for bad in [
+            Duration::ZERO,
+            Duration::from_micros(1500),
+            MAX_WINDOW + Duration::from_millis(1),
+        ] {
+            let err = limit.clone().with_lockout(bad).unwrap_err();
+            assert_eq!(err.field(), "lockout", "{bad:?}");
+        }
+        let locked = limit
+            .clone()
+            .with_lockout(Duration::from_secs(900))
+            .unwrap()
+            .named("login")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        // Kept through the other builder calls; not part of the state's identity, but of
+        // the parameters a cache of decisions tells apart.
+        assert_eq!(locked.lockout(), Some(Duration::from_secs(900)));
+        let plain = limit
+            .named("login")
+            .unwrap()
+            .on_change(OnChange::CarryOver)
+            .unwrap();
+        assert_eq!(plain.lockout(), None);
+        assert_eq!(locked.id(), plain.id());
+        assert_ne!(locked.params_fingerprint(), plain.params_fingerprint());
+        assert_ne!(locked, plain);
+        // Two limits of one rule set that differ only in their lockout would share one
+        // state: refused, naming the field.
+        let err = crate::Rules::new([locked.clone(), plain]).unwrap_err();
+        assert_eq!(err.field(), "lockout");
+        assert!(crate::Rules::new([locked.clone(), locked]).is_ok());
     }
 
     #[test]

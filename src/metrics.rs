@@ -8,6 +8,7 @@
 //! |---|---|---|---|
 //! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error` or `key_missing` |
 //! | [`tollgate_decision_seconds`](DECISION_SECONDS) | histogram | `route` | time from the store call to its answer (or its timeout) |
+//! | [`tollgate_plan_requests_total`](PLAN_REQUESTS_TOTAL) | counter | `route`, `plan`, `outcome` | one per request decided under a [plan](crate::plan) (also counted in the first) |
 //!
 //! A request the store could not decide counts as `store_error` whatever the
 //! [`FailurePolicy`](crate::FailurePolicy) then does with it; a request without a key counts
@@ -24,6 +25,11 @@ use std::sync::Arc;
 
 /// The request counter: `tollgate_requests_total{route, outcome}`.
 pub const REQUESTS_TOTAL: &str = "tollgate_requests_total";
+
+/// The requests decided under a [plan](crate::plan), by plan:
+/// `tollgate_plan_requests_total{route, plan, outcome}` (as well as in
+/// [`REQUESTS_TOTAL`], which does not tell plans apart).
+pub const PLAN_REQUESTS_TOTAL: &str = "tollgate_plan_requests_total";
 
 /// The decision latency histogram, in seconds: `tollgate_decision_seconds{route}`.
 pub const DECISION_SECONDS: &str = "tollgate_decision_seconds";
@@ -44,6 +50,11 @@ pub fn describe() {
             DECISION_SECONDS,
             ::metrics::Unit::Seconds,
             "Time a rate-limit layer waited for its store's decision."
+        );
+        ::metrics::describe_counter!(
+            PLAN_REQUESTS_TOTAL,
+            ::metrics::Unit::Count,
+            "Requests a rate-limit layer decided under a plan, by plan and outcome."
         );
     }
 }
@@ -70,7 +81,7 @@ impl Outcome {
     ];
 
     #[cfg(feature = "metrics")]
-    const fn as_str(self) -> &'static str {
+    pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Self::Allowed => "allowed",
             Self::Denied => "denied",
@@ -84,7 +95,7 @@ impl Outcome {
 /// Started when the store call starts; zero-sized without the feature, so the clock is
 /// read only when someone wants the latency (and then the cheap one, see
 /// [`MonotonicClock`](crate::clock::MonotonicClock)).
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Timer {
     #[cfg(feature = "metrics")]
     start: quanta::Instant,

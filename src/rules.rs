@@ -35,7 +35,10 @@ use std::{
 use arc_swap::ArcSwap;
 
 use crate::{
-    ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, headers::HeaderWriter, store::Store,
+    ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans,
+    headers::HeaderWriter,
+    plan::{Chosen, PlanTable, Resolving},
+    store::Store,
 };
 
 /// A layer's changeable configuration: its limits and policies. Built with
@@ -50,6 +53,8 @@ pub struct Rules {
     on_store_error: FailurePolicy,
     on_missing_key: MissingKey,
     headers: HeaderStyle,
+    /// Limits chosen per request: see [`with_plans`](Self::with_plans).
+    plans: Option<Plans>,
 }
 
 impl Rules {
@@ -67,6 +72,7 @@ impl Rules {
             on_store_error: FailurePolicy::default(),
             on_missing_key: MissingKey::default(),
             headers: HeaderStyle::default(),
+            plans: None,
         }
         .with_limits(limits)
     }
@@ -143,6 +149,34 @@ impl Rules {
     pub fn with_headers(mut self, style: HeaderStyle) -> Self {
         self.headers = style;
         self
+    }
+
+    /// The same rules with these [plans](crate::plan): each request is decided under the
+    /// limits of the plan their resolver picks, or under these rules' limits when it
+    /// picks none and there is no default plan.
+    pub fn with_plans(mut self, plans: Plans) -> Self {
+        self.plans = Some(plans);
+        self
+    }
+
+    /// The same rules without plans: every request is decided under the limits.
+    pub fn without_plans(mut self) -> Self {
+        self.plans = None;
+        self
+    }
+
+    /// The plans, if any. See [`with_plans`](Self::with_plans).
+    pub fn plans(&self) -> Option<&Plans> {
+        self.plans.as_ref()
+    }
+
+    /// These rules with a plan's (stored) limits in place of their own, and no plans.
+    pub(crate) fn for_plan(&self, limits: Arc<[Limit]>) -> Self {
+        Self {
+            limits,
+            plans: None,
+            ..self.clone()
+        }
     }
 
     /// The limits, in the order they are reported.
@@ -225,11 +259,23 @@ fn without(limits: &Arc<[Limit]>, limit: &Limit) -> Arc<[Limit]> {
 }
 
 /// `limits` with equal ones counted once; two different ones with one state refused.
-fn unique(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limit>, ConfigError> {
+pub(crate) fn unique(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limit>, ConfigError> {
     let mut unique: Vec<Limit> = Vec::new();
     for limit in limits {
         match unique.iter().find(|l| l.id() == limit.id()) {
             Some(same) if *same == limit => {}
+            Some(same)
+                if same.lockout() != limit.lockout()
+                    && same.clone().with_lockout_ms(0) == limit.clone().with_lockout_ms(0) =>
+            {
+                return Err(ConfigError::new(
+                    "lockout",
+                    format!(
+                        "{limit:?} differs from another limit only in its lockout: they would \
+                         share one state; keep one"
+                    ),
+                ));
+            }
             Some(_) => {
                 return Err(ConfigError::new(
                     "name",
@@ -271,6 +317,10 @@ pub(crate) struct Active {
     /// The limits decided in a store call of their own and never enforced; `None` (the
     /// common case, which costs a request nothing more) when there are none.
     shadow: Option<Arc<[Limit]>>,
+    /// The plans, each with its rules prepared; `None` (the common case) without plans.
+    plans: Option<Box<PlanTable>>,
+    /// The name of the plan these rules are of, for the metrics; `None` for a layer's.
+    pub(crate) plan: Option<Arc<str>>,
 }
 
 impl Active {
@@ -282,12 +332,52 @@ impl Active {
         } else {
             (rules.limits.clone(), Some(rules.shadow_limits.clone()))
         };
+        let plans = rules
+            .plans
+            .as_ref()
+            .map(|plans| Box::new(PlanTable::new(plans, &rules, version)));
         Self {
             headers: HeaderWriter::new(rules.headers, &enforced),
             rules,
             version,
             enforced,
             shadow,
+            plans,
+            plan: None,
+        }
+    }
+
+    /// The rules of the plan `plan`: `rules` holds its limits; its fields name it.
+    pub(crate) fn for_plan(rules: Rules, version: u64, plan: &Arc<str>) -> Self {
+        let mut active = Self::new(rules, version);
+        active.headers = HeaderWriter::for_plan(active.rules.headers, &active.enforced, plan);
+        active.plan = Some(plan.clone());
+        active
+    }
+
+    /// Whether requests are decided under plans.
+    #[inline]
+    pub(crate) fn has_plans(&self) -> bool {
+        self.plans.is_some()
+    }
+
+    /// The plan of `request` with `key` (the layer's own limits without plans).
+    pub(crate) fn choose<B>(
+        &self,
+        request: &http::Request<B>,
+        key: &crate::key::Key,
+    ) -> Result<Chosen<'_>, Resolving> {
+        match &self.plans {
+            Some(plans) => plans.choose(request, key),
+            None => Ok(Chosen::Layer),
+        }
+    }
+
+    /// The plan called `name` once a lookup answered.
+    pub(crate) fn named(&self, name: Option<&str>) -> Chosen<'_> {
+        match &self.plans {
+            Some(plans) => plans.named(name),
+            None => Chosen::Layer,
         }
     }
 
@@ -369,7 +459,16 @@ impl RulesHandle {
     /// Applies `rules` to every request that arrives from now on; requests in flight
     /// finish under the rules they started with. Returns the new version.
     pub fn set(&self, rules: Rules) -> u64 {
-        let all = rules.all_limits();
+        let mut all = rules.all_limits();
+        if let Some(plans) = &rules.plans {
+            // The memory store learns when their state expires too.
+            let planned = plans.plans().iter().filter_map(|p| p.stored_limits());
+            all = all
+                .iter()
+                .cloned()
+                .chain(planned.flat_map(|l| l.to_vec()))
+                .collect();
+        }
         self.cell.store.limits_changed(&all);
         if let FailurePolicy::Local(store) = &rules.on_store_error {
             store.limits_changed(&all);

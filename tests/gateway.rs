@@ -547,6 +547,69 @@ async fn same_key_limits_are_all_or_nothing(store: &str) {
     gw.stop().await.unwrap();
 }
 
+/// `lockout = "2h"` on a limit of 2 an hour: the third request locks the client out for
+/// two hours, longer than any wait of the window itself, so `Retry-After` is the block's
+/// (a few seconds' margin for a slow machine); other routes are not affected.
+async fn a_lockout_blocks_the_client(store: &str) {
+    let routes = format!(
+        "{}lockout = \"2h\"\n{}",
+        route("/login", None, Some(("ip", "fixed_window", 2, "1h"))),
+        route("/other", None, Some(("ip", "fixed_window", 2, "1h"))),
+    );
+    let gw = gateway(store, &routes).await;
+    let client = client();
+    assert_eq!(
+        statuses(&client, &gw, &["/login", "/login"]).await,
+        [200, 200]
+    );
+    for _ in 0..3 {
+        let denied = get(&client, &url(&gw, "/login")).await;
+        assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+        let retry = denied.retry_after().expect("Retry-After");
+        assert!((7_190..=7_200).contains(&retry), "Retry-After {retry}");
+        let fields = denied.headers["ratelimit"].to_str().unwrap();
+        assert_eq!(fields, format!("\"r0-l0\";r=0;t={retry}"));
+    }
+    assert_eq!(statuses(&client, &gw, &["/other"]).await, [200]);
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_a_lockout_blocks_the_client() {
+    a_lockout_blocks_the_client(MEMORY).await;
+}
+
+/// `delay = "5s"` on a route: the request its limit (GCRA, 1 per 2 s) would deny waits
+/// about 2 s and passes; a route without `delay` answers 429.
+async fn a_delayed_route_waits_instead_of_429(store: &str) {
+    let limit = "[[routes.limits]]\nkey = \"global\"\nalgorithm = \"gcra\"\nlimit = 1\n\
+                 window = \"2s\"\n";
+    let routes = format!(
+        "[[routes]]\npath = \"/slow\"\ndelay = \"5s\"\n{limit}[[routes]]\npath = \"/fast\"\n{limit}"
+    );
+    let gw = gateway(store, &routes).await;
+    let client = client();
+    assert_eq!(statuses(&client, &gw, &["/slow"]).await, [200]);
+    let start = std::time::Instant::now();
+    assert_eq!(statuses(&client, &gw, &["/slow"]).await, [200]);
+    // 2 s less the moments between the two requests (under a second, generously).
+    assert!(
+        start.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(
+        statuses(&client, &gw, &["/fast", "/fast"]).await,
+        [200, 429]
+    );
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_a_delayed_route_waits_instead_of_429() {
+    a_delayed_route_waits_instead_of_429(MEMORY).await;
+}
+
 #[tokio::test]
 async fn memory_per_route_limits() {
     per_route_limits(MEMORY).await;
@@ -715,6 +778,22 @@ fn invalid_configs_are_rejected_naming_the_field_and_value() {
         (
             limit(&base.replace("\"1m\"", "\"0s\"")),
             &["routes[0].limits[0].window", "0ns"],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\ndelay = \"soon\"".into(),
+            &["routes[0].delay", "\"soon\""],
+        ),
+        (
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\ndelay = \"2h\"".into(),
+            &["routes[0].delay", "from 1ms to 1h"],
+        ),
+        (
+            limit(&format!("{base}\nlockout = \"soon\"")),
+            &["routes[0].limits[0].lockout", "\"soon\""],
+        ),
+        (
+            limit(&format!("{base}\nlockout = \"0s\"")),
+            &["routes[0].limits[0].lockout", "at least 1ms"],
         ),
         (
             limit(&base.replace("fixed_window", "leaky_bucket")),
@@ -1451,6 +1530,18 @@ mod redis {
     async fn redis_header_and_global_keys() {
         let redis = RedisServer::start();
         header_and_global_keys(&store(&redis, "keys")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_a_delayed_route_waits_instead_of_429() {
+        let redis = RedisServer::start();
+        a_delayed_route_waits_instead_of_429(&store(&redis, "delay")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_a_lockout_blocks_the_client() {
+        let redis = RedisServer::start();
+        a_lockout_blocks_the_client(&store(&redis, "lockout")).await;
     }
 
     /// Header keys are hashed by default, so API keys never appear in Redis key names;

@@ -789,3 +789,103 @@ fn idle_leases_go_back_after_the_first_runtime_shut_down() {
         until_counted(&server, &store, &a, &limit, 50).await;
     });
 }
+
+/// A list with a lockout is never leased: a unit spent here could not see the block
+/// another node's denial starts. Redis counts exactly what was spent, and once the block
+/// runs, this node is denied too.
+#[tokio::test]
+async fn a_limit_with_a_lockout_is_never_leased() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(200, Duration::from_secs(60))
+        .unwrap()
+        .with_lockout(Duration::from_secs(60))
+        .unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let key = Key::new("global");
+    let a = node(&server.url(), "locked", &clock, LeaseConfig::new()).await;
+    for _ in 0..50 {
+        assert!(a.check(&key, limits, 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+    // Another node spends the rest and is denied once: the key is blocked.
+    let b = node(&server.url(), "locked", &clock, LeaseConfig::new()).await;
+    assert_eq!(hammer_until(&[b], limits, &key, 1, &[200], 1).await, [150]);
+    let decision = a.check(&key, limits, 1).await.unwrap();
+    assert!(!decision.is_allowed(), "{decision:?}");
+    assert!(
+        decision.retry_after() > Duration::from_secs(50),
+        "{decision:?}"
+    );
+}
+
+/// A reset drops this node's lease without giving it back: the next request goes to
+/// Redis, and a release afterwards takes nothing from the state the reset left.
+#[tokio::test]
+async fn a_reset_drops_this_nodes_lease() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    a.reset(&key, std::slice::from_ref(&limit)).await.unwrap();
+    for _ in 0..3 {
+        assert!(
+            a.check(&key, std::slice::from_ref(&limit), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let limit_key = a.redis_key(&key, &limit);
+    assert_eq!(server.cli(&["EXISTS", &limit_key]).unwrap().trim(), "1");
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 3);
+}
+
+/// A decision paid from a lease says when its units were counted (the grant), so a
+/// refund after the response gives the unit back to that window in Redis.
+#[tokio::test]
+async fn a_decision_paid_from_a_lease_can_be_refunded() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let limits = std::slice::from_ref(&limit);
+    // Requests until one is paid from the lease (Redis counts no more).
+    let mut spent = 50;
+    let local = loop {
+        let before = count_in_redis(&server, &a, &key, &limit);
+        let decision = a.check(&key, limits, 1).await.unwrap();
+        assert!(decision.is_allowed());
+        spent += 1;
+        if count_in_redis(&server, &a, &key, &limit) == before {
+            break decision;
+        }
+        assert!(spent < 100, "no request was paid from the lease");
+    };
+    let at = local.decided_at_ms().expect("a leased decision says when");
+    let before = count_in_redis(&server, &a, &key, &limit);
+    let refund = tollgate::Adjustment::Refund {
+        units: 1,
+        charged_at_ms: at,
+    };
+    assert!(a.adjust(&key, limits, refund).await.unwrap().is_allowed());
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), before - 1);
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), spent - 1);
+}
+
+/// A peek reads Redis: it neither spends this node's lease nor asks for one.
+#[tokio::test]
+async fn a_peek_neither_spends_nor_takes_a_lease() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let limits = std::slice::from_ref(&limit);
+    let counted = count_in_redis(&server, &a, &key, &limit);
+    for _ in 0..20 {
+        let peek = a.peek(&key, limits, 1).await.unwrap();
+        assert_eq!(peek.limits()[0].remaining, 1_000 - counted - 1);
+    }
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), counted);
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+}

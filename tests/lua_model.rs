@@ -39,9 +39,33 @@ fn limit_strategy() -> impl Strategy<Value = Limit> {
 
 /// Up to three limits with distinct ids.
 fn limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
-    prop::collection::vec(limit_strategy(), 1..=3).prop_map(|mut limits| {
+    distinct(prop::collection::vec(limit_strategy(), 1..=3))
+}
+
+/// A limit, with a lockout half of the time (from 1 ms to longer than most windows).
+fn locked_limit_strategy() -> impl Strategy<Value = Limit> {
+    let lockout = prop_oneof![
+        Just(None),
+        (1u64..20).prop_map(Some),
+        (1u64..5_000).prop_map(Some)
+    ];
+    (limit_strategy(), lockout).prop_map(|(limit, lockout)| match lockout {
+        Some(ms) => limit.with_lockout(Duration::from_millis(ms)).unwrap(),
+        None => limit,
+    })
+}
+
+/// Up to three limits with distinct ids, some with lockouts.
+fn locked_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    distinct(prop::collection::vec(locked_limit_strategy(), 1..=3))
+}
+
+/// Drops limits whose id (every parameter but the lockout) an earlier one has: they
+/// would share one state.
+fn distinct(limits: impl Strategy<Value = Vec<Limit>>) -> impl Strategy<Value = Vec<Limit>> {
+    limits.prop_map(|mut limits| {
         let mut seen = std::collections::HashSet::new();
-        limits.retain(|l| seen.insert(format!("{l:?}")));
+        limits.retain(|l| seen.insert((l.algorithm(), l.limit(), l.window(), l.burst())));
         limits
     })
 }
@@ -116,6 +140,30 @@ fn model_run(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, D
         .collect()
 }
 
+/// The model's decisions with lockouts, with the time of each request.
+fn model_run_locked(limits: &[Limit], steps: &[(Wait, u32, usize)]) -> Vec<(u64, u32, Decision)> {
+    let mut states: [Vec<State>; 2] =
+        std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+    let mut blocks: [Vec<u64>; 2] = std::array::from_fn(|_| vec![0; limits.len()]);
+    let mut now = START;
+    let mut previous: Option<Decision> = None;
+    steps
+        .iter()
+        .map(|&(wait, cost, key)| {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check_with_lockouts(
+                &mut states[key],
+                &mut blocks[key],
+                limits,
+                now,
+                cost,
+            );
+            previous = Some(decision.clone());
+            (now, cost, decision)
+        })
+        .collect()
+}
+
 /// Up to three versions of one named, carried-over limit: one algorithm and window, other
 /// `limit`s and `burst`s. The token bucket is left out: its key's TTL is the time to refill
 /// under the parameters of its last write, so after a lower rate or a larger burst Redis
@@ -128,20 +176,28 @@ fn versions_strategy() -> impl Strategy<Value = Vec<Limit>> {
         Algorithm::Gcra,
     ]);
     let window = prop_oneof![1u64..20, 1u64..3_000];
-    let versions = prop::collection::vec((1u32..20, 1u32..30), 1..=3);
+    // Each version with or without a lockout: a block written under one is read (or,
+    // without a lockout, ignored) under the next.
+    let lockout = prop_oneof![Just(0u64), 1u64..20, 1u64..5_000];
+    let versions = prop::collection::vec((1u32..20, 1u32..30, lockout), 1..=3);
     (algorithm, window, versions).prop_map(|(algorithm, window_ms, versions)| {
         versions
             .into_iter()
-            .map(|(limit, burst)| {
+            .map(|(limit, burst, lockout_ms)| {
                 let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
                 let l = match algorithm {
                     Algorithm::Gcra => l.with_burst(burst).unwrap(),
                     _ => l,
                 };
-                l.named("api")
+                let l = l
+                    .named("api")
                     .unwrap()
                     .on_change(OnChange::CarryOver)
-                    .unwrap()
+                    .unwrap();
+                match lockout_ms {
+                    0 => l,
+                    ms => l.with_lockout(Duration::from_millis(ms)).unwrap(),
+                }
             })
             .collect()
     })
@@ -161,6 +217,7 @@ proptest! {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let mut states: [Vec<State>; 2] =
             std::array::from_fn(|_| vec![State::new(versions[0].algorithm())]);
+        let mut blocks = [[0u64], [0u64]];
         let mut now = START;
         let mut expected = Vec::new();
         for (i, &(wait, cost, key)) in steps.iter().enumerate() {
@@ -169,7 +226,13 @@ proptest! {
                 now += ms;
             }
             let limit = &versions[picks[i] % versions.len()];
-            let decision = algorithm::check(&mut states[key], std::slice::from_ref(limit), now, cost);
+            let decision = algorithm::check_with_lockouts(
+                &mut states[key],
+                &mut blocks[key],
+                std::slice::from_ref(limit),
+                now,
+                cost,
+            );
             expected.push((now, limit.clone(), decision));
         }
         runtime.block_on(async {
@@ -202,12 +265,206 @@ proptest! {
         })?;
     }
 
+    /// Lockouts: the script's blocks decide exactly like the model's, also with the clock
+    /// stepping back, several limits, and boundaries at `retry_after`.
+    #[test]
+    fn lua_decides_like_the_model_with_lockouts(limits in locked_limits_strategy(), steps in steps_strategy()) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let expected = model_run_locked(&limits, &steps);
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
+    /// A peek (the script's negative group index) answers exactly what the model's
+    /// `peek` does, which is what a check would answer, among checks of the same keys,
+    /// and writes nothing: each key's value and TTL are the same after as before.
+    #[test]
+    fn a_peek_decides_like_the_model_and_writes_nothing(
+        limits in limits_strategy(),
+        steps in steps_strategy(),
+        peeks in prop::collection::vec(any::<bool>(), 60),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut states: [Vec<State>; 2] =
+            std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        let expected: Vec<(u64, Decision)> = steps
+            .iter()
+            .enumerate()
+            .map(|(i, &(wait, cost, key))| {
+                now = next_now(now, wait, previous.as_ref());
+                let decision = if peeks[i] {
+                    algorithm::peek(&states[key], &limits, now, cost)
+                } else {
+                    algorithm::check(&mut states[key], &limits, now, cost)
+                };
+                previous = Some(decision.clone());
+                (now, decision)
+            })
+            .collect();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let mut redis = raw_connection().await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (&(_, cost, key), (now, want))) in steps.iter().zip(&expected).enumerate() {
+                clock.set(*now);
+                let got = if peeks[i] {
+                    let redis_keys: Vec<String> =
+                        limits.iter().map(|l| store.redis_key(&keys[key], l)).collect();
+                    let before = dump(&mut redis, &redis_keys).await;
+                    let got = store.peek(&keys[key], &limits, cost).await.unwrap();
+                    let after = dump(&mut redis, &redis_keys).await;
+                    for ((value, ttl), (value_after, ttl_after)) in before.iter().zip(&after) {
+                        prop_assert_eq!(value, value_after, "step {} of {:?}", i, steps);
+                        // Redis's own clock runs on: the TTL may only have shrunk.
+                        prop_assert!(ttl_after <= ttl && (*ttl < 0) == (*ttl_after < 0));
+                    }
+                    got
+                } else {
+                    store.check(&keys[key], &limits, cost).await.unwrap()
+                };
+                prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+
+    /// Without any lockout, `check_with_lockouts` is `check`.
+    #[test]
+    fn no_lockout_decides_like_check(limits in limits_strategy(), steps in steps_strategy()) {
+        let plain = model_run(&limits, &steps);
+        let locked = model_run_locked(&limits, &steps);
+        prop_assert_eq!(plain, locked);
+    }
+
+    /// With lockouts, `retry_after` is still exact: the same request is denied one
+    /// millisecond earlier (no new block starts meanwhile: the request is not sent) and
+    /// allowed at it.
+    #[test]
+    fn retry_after_is_exact_with_lockouts(limit in locked_limit_strategy(), steps in steps_strategy()) {
+        let limits = std::slice::from_ref(&limit);
+        let mut states = [State::new(limit.algorithm())];
+        let mut blocks = [0];
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        for &(wait, cost, _) in &steps {
+            now = next_now(now, wait, previous.as_ref());
+            let decision = algorithm::check_with_lockouts(&mut states, &mut blocks, limits, now, cost);
+            if !decision.is_allowed() && cost <= limit.capacity() {
+                let retry = decision.limits()[0].retry_after_ms;
+                let at = |t: u64| {
+                    algorithm::check_with_lockouts(&mut states.clone(), &mut blocks.clone(), limits, t, cost)
+                        .is_allowed()
+                };
+                prop_assert!(retry > 0);
+                prop_assert!(!at(now + retry - 1), "{:?} at {}: early", limit, now);
+                prop_assert!(at(now + retry), "{:?} at {}: {} ms", limit, now, retry);
+            }
+            previous = Some(decision);
+        }
+    }
+
+    /// Peeks inside one script call among checks of the same key (a batch, as a caller
+    /// that coalesced them would send): each peek answers what a check at that point
+    /// would, and leaves the state for the requests after it exactly as it found it.
+    #[test]
+    fn peeks_in_a_batch_leave_the_state_to_the_requests_after_them(
+        limits in limits_strategy(),
+        requests in prop::collection::vec((0u32..8, any::<bool>()), 1..30),
+        before in prop::collection::vec(0u32..8, 0..10),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let now = START;
+        let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        for &cost in &before {
+            algorithm::check(&mut states, &limits, now, cost);
+        }
+        let expected: Vec<Decision> = requests
+            .iter()
+            .map(|&(cost, peek)| {
+                if peek {
+                    algorithm::peek(&states, &limits, now, cost)
+                } else {
+                    algorithm::check(&mut states, &limits, now, cost)
+                }
+            })
+            .collect();
+        runtime.block_on(async {
+            let clock = ManualClock::new(now);
+            let store = case_store(&clock, false).await;
+            let key = Key::new("batch");
+            for &cost in &before {
+                store.check(&key, &limits, cost).await.unwrap();
+            }
+            let redis_keys: Vec<String> = limits.iter().map(|l| store.redis_key(&key, l)).collect();
+            // The script's ARGV as documented in lua/main.lua: one group, every request
+            // naming it, negated for a peek.
+            let mut call = redis::cmd("EVAL");
+            call.arg(tollgate::store::SCRIPT_SOURCE).arg(redis_keys.len() * requests.len());
+            for _ in &requests {
+                for redis_key in &redis_keys {
+                    call.arg(redis_key);
+                }
+            }
+            call.arg(now).arg(1).arg(limits.len());
+            for limit in &limits {
+                let code = ALGORITHMS.iter().position(|a| *a == limit.algorithm()).unwrap() + 1;
+                call.arg(code)
+                    .arg(limit.limit())
+                    .arg(limit.window().as_millis() as u64)
+                    .arg(limit.capacity())
+                    .arg(0); // no lockout
+            }
+            call.arg(requests.len());
+            for &(cost, peek) in &requests {
+                call.arg(cost).arg(if peek { -1 } else { 1 });
+            }
+            let mut redis = raw_connection().await;
+            let reply: Vec<i64> = call.query_async(&mut redis).await.unwrap();
+            // (allowed, remaining, reset_after, retry_after) per limit of each request.
+            let got: Vec<Vec<(bool, u64, u64, u64)>> = reply
+                .chunks_exact(4 * limits.len())
+                .map(|request| {
+                    request
+                        .chunks_exact(4)
+                        .map(|v| (v[0] == 1, v[1] as u64, v[2] as u64, v[3] as u64))
+                        .collect()
+                })
+                .collect();
+            let expected: Vec<Vec<(bool, u64, u64, u64)>> = expected
+                .iter()
+                .map(|d| {
+                    d.limits()
+                        .iter()
+                        .map(|l| (l.allowed, l.remaining, l.reset_after_ms, l.retry_after_ms))
+                        .collect()
+                })
+                .collect();
+            prop_assert_eq!(&got, &expected, "{:?} after {:?} with {:?}", requests, before, limits);
+            // And what the batch saved is what the model kept.
+            let after = store.peek(&key, &limits, 0).await.unwrap();
+            prop_assert_eq!(after, algorithm::peek(&states, &limits, now, 0));
+            Ok(())
+        })?;
+    }
+
     /// The block cache answers repeated denials locally: the same decisions and the same
     /// `retry_after` as Redis without it; `remaining` may lag behind, never ahead.
     #[test]
-    fn the_block_cache_changes_no_decision(limits in limits_strategy(), steps in forward_steps_strategy()) {
+    fn the_block_cache_changes_no_decision(limits in locked_limits_strategy(), steps in forward_steps_strategy()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let expected = model_run(&limits, &steps);
+        let expected = model_run_locked(&limits, &steps);
         runtime.block_on(async {
             let clock = ManualClock::new(START);
             let store = case_store(&clock, true).await;
@@ -231,8 +488,8 @@ proptest! {
     /// share a limit, and several keys.
     #[test]
     fn a_coalesced_batch_decides_like_one_request_after_another(
-        a in limits_strategy(),
-        b in limits_strategy(),
+        a in locked_limits_strategy(),
+        b in locked_limits_strategy(),
         batches in prop::collection::vec(
             (0u64..3_000, prop::collection::vec((0u32..6, 0usize..3, any::<bool>()), 1..40)),
             1..6,
@@ -249,8 +506,8 @@ proptest! {
             let clock = ManualClock::new(START);
             let store = case_store(&clock, false).await;
             let keys = [Key::new("a"), Key::new("b"), Key::new("c")];
-            // The model's state of each (key, limit).
-            let mut model: std::collections::HashMap<(usize, String), State> = Default::default();
+            // The model's state and block of each (key, limit id).
+            let mut model: std::collections::HashMap<(usize, String), (State, u64)> = Default::default();
             for (wait, requests) in &batches {
                 clock.advance(Duration::from_millis(*wait));
                 let now = clock.now_ms();
@@ -262,14 +519,17 @@ proptest! {
                 let got = futures_util::future::join_all(checks).await;
                 for (&(cost, key, second), got) in requests.iter().zip(got) {
                     let limits = &lists[usize::from(second)];
-                    let ids: Vec<(usize, String)> = limits.iter().map(|l| (key, format!("{l:?}"))).collect();
-                    let mut states: Vec<State> = ids
+                    let ids: Vec<(usize, String)> = limits
+                        .iter()
+                        .map(|l| (key, format!("{:?}", (l.algorithm(), l.limit(), l.window(), l.burst()))))
+                        .collect();
+                    let (mut states, mut blocks): (Vec<State>, Vec<u64>) = ids
                         .iter()
                         .zip(limits)
-                        .map(|(id, l)| model.remove(id).unwrap_or_else(|| State::new(l.algorithm())))
-                        .collect();
-                    let want = algorithm::check(&mut states, limits, now, cost);
-                    model.extend(ids.into_iter().zip(states));
+                        .map(|(id, l)| model.remove(id).unwrap_or_else(|| (State::new(l.algorithm()), 0)))
+                        .unzip();
+                    let want = algorithm::check_with_lockouts(&mut states, &mut blocks, limits, now, cost);
+                    model.extend(ids.into_iter().zip(states.into_iter().zip(blocks)));
                     prop_assert_eq!(got.unwrap(), want, "{:?} at {}", (cost, key, second), now);
                 }
             }
@@ -413,7 +673,8 @@ proptest! {
 }
 
 /// Up to two limits for leasing: every algorithm, the sliding-window log (whose list then
-/// never gets a lease) less often.
+/// never gets a lease) less often, and a lockout now and then (a list with one is never
+/// leased either).
 fn lease_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
     let algorithm = prop_oneof![
         3 => Just(Algorithm::FixedWindow),
@@ -423,20 +684,27 @@ fn lease_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
         1 => algorithm_strategy(),
     ];
     let window = prop_oneof![1u64..20, 1u64..3_000];
-    prop::collection::vec((algorithm, 1u32..80, window, 1u32..100), 1..=2).prop_map(|limits| {
-        let mut seen = std::collections::HashSet::new();
-        limits
-            .into_iter()
-            .map(|(a, l, w, b)| {
-                let limit = Limit::new(a, l, Duration::from_millis(w)).unwrap();
-                match a {
-                    Algorithm::TokenBucket | Algorithm::Gcra => limit.with_burst(b).unwrap(),
-                    _ => limit,
-                }
-            })
-            .filter(|l| seen.insert(format!("{l:?}")))
-            .collect()
-    })
+    let lockout = prop::option::weighted(0.15, 1u64..3_000);
+    prop::collection::vec((algorithm, 1u32..80, window, 1u32..100, lockout), 1..=2).prop_map(
+        |limits| {
+            let mut seen = std::collections::HashSet::new();
+            limits
+                .into_iter()
+                .map(|(a, l, w, b, lockout)| {
+                    let limit = Limit::new(a, l, Duration::from_millis(w)).unwrap();
+                    let limit = match a {
+                        Algorithm::TokenBucket | Algorithm::Gcra => limit.with_burst(b).unwrap(),
+                        _ => limit,
+                    };
+                    match lockout {
+                        Some(ms) => limit.with_lockout(Duration::from_millis(ms)).unwrap(),
+                        None => limit,
+                    }
+                })
+                .filter(|l| seen.insert(format!("{l:?}")))
+                .collect()
+        },
+    )
 }
 
 /// The script's algorithm codes (`Algorithm::code`).
@@ -452,7 +720,8 @@ fn code(algorithm: Algorithm) -> u64 {
 }
 
 /// One step of the lease test: a request (with an ask, and units of an earlier grant
-/// going back before it) or a return alone.
+/// going back before it) or a return alone. The request may be a peek or an adjustment,
+/// whose ask is never granted.
 #[derive(Debug, Clone)]
 struct LeaseStep {
     wait: Wait,
@@ -460,6 +729,17 @@ struct LeaseStep {
     ask: u64,
     back: Option<(usize, u64)>,
     alone: bool,
+    kind: LeaseKind,
+}
+
+/// What the request of a [`LeaseStep`] is.
+#[derive(Debug, Clone, Copy)]
+enum LeaseKind {
+    Check,
+    Peek,
+    /// A refund to the state as it was this many ms ago.
+    Refund(u64),
+    TopUp,
 }
 
 fn lease_steps_strategy() -> impl Strategy<Value = Vec<LeaseStep>> {
@@ -477,18 +757,25 @@ fn lease_steps_strategy() -> impl Strategy<Value = Vec<LeaseStep>> {
             prop_oneof![1 => Just(0u64), 3 => 1u64..40],
             back,
             prop::bool::weighted(0.15),
+            prop_oneof![
+                6 => Just(LeaseKind::Check),
+                1 => Just(LeaseKind::Peek),
+                1 => (0u64..100).prop_map(LeaseKind::Refund),
+                1 => Just(LeaseKind::TopUp),
+            ],
         ),
         1..60,
     )
     .prop_map(|steps| {
         steps
             .into_iter()
-            .map(|(wait, cost, ask, back, alone)| LeaseStep {
+            .map(|(wait, cost, ask, back, alone, kind)| LeaseStep {
                 wait,
                 cost,
                 ask,
                 back,
                 alone,
+                kind,
             })
             .collect()
     })
@@ -499,18 +786,28 @@ proptest! {
 
     /// The lease path of the script (`lua/lease.lua`) grants and takes back exactly like
     /// the model (`algorithm::lease`): the same units, lease end and window starts, and
-    /// the same decisions before and after returns, also when the clock steps back and
-    /// for lists that hold an algorithm that is not leased.
+    /// the same decisions before and after returns, also when the clock steps back, for
+    /// lists that hold an algorithm that is not leased or a lockout (never granted), and
+    /// beside peeks and adjustments (never granted). The reply is the requests' results,
+    /// then the asks', then the script's `now`.
     #[test]
     fn lua_leases_like_the_model(limits in lease_limits_strategy(), steps in lease_steps_strategy()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let case = CASE.with(|c| { c.set(c.get() + 1); c.get() });
-        let keys: Vec<String> = (0..limits.len()).map(|i| format!("lease{case}:{{k}}:{i}")).collect();
+        let mut keys: Vec<String> = (0..limits.len()).map(|i| format!("lease{case}:{{k}}:{i}")).collect();
+        // Then a block key per limit with a lockout.
+        for (i, l) in limits.iter().enumerate() {
+            if l.lockout().is_some() {
+                keys.push(format!("lease{case}:{{k}}:{i}:lockout"));
+            }
+        }
         let mut group = vec![limits.len() as u64];
         for l in &limits {
-            group.extend([code(l.algorithm()), u64::from(l.limit()), l.window().as_millis() as u64, u64::from(l.capacity())]);
+            let lockout = l.lockout().map_or(0, |d| d.as_millis() as u64);
+            group.extend([code(l.algorithm()), u64::from(l.limit()), l.window().as_millis() as u64, u64::from(l.capacity()), lockout]);
         }
         let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        let mut blocks: Vec<u64> = vec![0; limits.len()];
         // Grants so far: window starts and units not yet given back.
         let mut grants: Vec<(Vec<u64>, u64)> = Vec::new();
         let mut now = START;
@@ -541,10 +838,21 @@ proptest! {
                 }
                 cmd.arg(now).arg(1).arg(&group);
                 let alone = step.alone && back.is_some();
+                // An adjustment of 0 units is never sent ("-0" is a request of cost 0).
+                let kind = match step.kind {
+                    LeaseKind::Refund(_) | LeaseKind::TopUp if step.cost == 0 => LeaseKind::Check,
+                    kind => kind,
+                };
+                let cost = i64::from(step.cost);
                 if alone {
                     cmd.arg(0).arg(0);
                 } else {
-                    cmd.arg(1).arg(step.cost).arg(1);
+                    match kind {
+                        LeaseKind::Check => cmd.arg(1).arg(cost).arg(1),
+                        LeaseKind::Peek => cmd.arg(1).arg(cost).arg(-1),
+                        LeaseKind::Refund(ago) => cmd.arg(1).arg(-cost).arg(1).arg(now - ago.min(now)),
+                        LeaseKind::TopUp => cmd.arg(1).arg(-cost).arg(1).arg(-1),
+                    };
                     if step.ask > 0 {
                         cmd.arg(1).arg(1).arg(step.ask);
                     } else {
@@ -557,24 +865,47 @@ proptest! {
                     }
                     None => { cmd.arg(0); }
                 }
-                let got: Vec<i64> = cmd.query_async(&mut connection).await.unwrap();
+                let mut got: Vec<i64> = cmd.query_async(&mut connection).await.unwrap();
+                // Any reply with requests ends with the script's `now`.
+                if !alone {
+                    prop_assert_eq!(got.pop(), Some(now as i64), "step {}", i);
+                }
+                // A lockout block sends remaining as minus its time left: the lockout
+                // tests check that; here it is the model's 0.
+                for v in got.chunks_mut(4).take(if alone { 0 } else { limits.len() }) {
+                    v[1] = v[1].max(0);
+                }
                 // The model: returns first, then the request and its grant.
                 if let Some((starts, units)) = &back {
                     algorithm::lease::give_back(&mut states, &limits, now, starts, *units);
                 }
                 let mut want: Vec<i64> = Vec::new();
                 if !alone {
-                    let decision = algorithm::check(&mut states, &limits, now, step.cost);
+                    let decision = match kind {
+                        LeaseKind::Check => algorithm::check_with_lockouts(&mut states, &mut blocks, &limits, now, step.cost),
+                        LeaseKind::Peek => algorithm::peek_with_lockouts(&states, &blocks, &limits, now, step.cost),
+                        LeaseKind::Refund(ago) => {
+                            let a = tollgate::Adjustment::Refund { units: step.cost, charged_at_ms: now - ago.min(now) };
+                            algorithm::adjust(&mut states, &limits, now, a)
+                        }
+                        LeaseKind::TopUp => {
+                            let a = tollgate::Adjustment::TopUp { units: step.cost };
+                            algorithm::adjust(&mut states, &limits, now, a)
+                        }
+                    };
                     for d in decision.limits() {
                         want.extend([i64::from(d.allowed), d.remaining as i64, d.reset_after_ms as i64, d.retry_after_ms as i64]);
                     }
                     if step.ask > 0 {
-                        if decision.is_allowed() {
+                        if !matches!(kind, LeaseKind::Check) {
+                            // A peek or an adjustment never takes a lease.
+                            want.extend(std::iter::repeat_n(0, 2 + limits.len()));
+                        } else if decision.is_allowed() {
                             let grant = algorithm::lease::grant(&mut states, &limits, now, step.ask);
                             want.extend([grant.units as i64, grant.ms_left as i64]);
                             want.extend(grant.starts.iter().map(|&s| s as i64));
                             if grant.units > 0 {
-                                prop_assert!(limits.iter().all(|l| algorithm::lease::leasable(l.algorithm())));
+                                prop_assert!(limits.iter().all(algorithm::lease::limit_leasable));
                                 grants.push((grant.starts.to_vec(), grant.units));
                             }
                         } else {
@@ -662,7 +993,287 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     }
 }
 
+/// A plain connection to the shared server, to look at keys.
+async fn raw_connection() -> redis::aio::MultiplexedConnection {
+    let server = SERVER.with(|s| s.url());
+    let client = redis::Client::open(server).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.
+async fn dump(
+    redis: &mut redis::aio::MultiplexedConnection,
+    keys: &[String],
+) -> Vec<(Option<Vec<u8>>, i64)> {
+    let mut out = Vec::new();
+    for key in keys {
+        let value: Option<Vec<u8>> = redis::cmd("DUMP")
+            .arg(key)
+            .query_async(redis)
+            .await
+            .unwrap();
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(redis)
+            .await
+            .unwrap();
+        out.push((value, ttl));
+    }
+    out
+}
+
 thread_local! {
     static SERVER: support::RedisServer = support::RedisServer::start();
     static CASE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// One step of a history with adjustments after responses.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Check(u32),
+    /// Gives back `units` of the `n`-th last allowed check of the key (its time), or of
+    /// a time that no check had when there is none.
+    Refund(usize, u32),
+    TopUp(u32),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u32..8).prop_map(Op::Check),
+        3 => (0usize..4, 1u32..8).prop_map(|(n, u)| Op::Refund(n, u)),
+        2 => (1u32..12).prop_map(Op::TopUp),
+    ]
+}
+
+/// Batches of steps decided at one moment (submitted together, so that the coalescer
+/// sends each batch as one script call): (wait before it, [(op, key)]).
+fn adjusted_batches_strategy() -> impl Strategy<Value = Vec<(Wait, Vec<(Op, usize)>)>> {
+    let wait = prop_oneof![
+        2 => Just(Wait::Ms(0)),
+        2 => (0u64..50).prop_map(Wait::Ms),
+        2 => (0u64..4_000).prop_map(Wait::Ms),
+        1 => (-1i64..=1).prop_map(Wait::RetryAfter),
+        1 => (1u64..30).prop_map(Wait::Back),
+    ];
+    prop::collection::vec(
+        (
+            wait,
+            prop::collection::vec((op_strategy(), 0usize..2), 1..4),
+        ),
+        1..30,
+    )
+}
+
+/// What the model does with the same batches: the decisions, in order, and the times of
+/// allowed checks per key (for the refunds).
+fn model_adjusted(
+    limits: &[Limit],
+    batches: &[(Wait, Vec<(Op, usize)>)],
+) -> Vec<(u64, Vec<(tollgate::Adjustment, Decision)>)> {
+    let mut states: [Vec<State>; 2] =
+        std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+    let mut allowed_at: [Vec<u64>; 2] = Default::default();
+    let mut now = START;
+    let mut previous: Option<Decision> = None;
+    let mut out = Vec::new();
+    for (wait, ops) in batches {
+        now = next_now(now, *wait, previous.as_ref());
+        let mut decided = Vec::new();
+        for &(op, key) in ops {
+            let (adjustment, decision) = match op {
+                Op::Check(cost) => {
+                    let d = algorithm::check(&mut states[key], limits, now, cost);
+                    if d.is_allowed() && cost > 0 {
+                        allowed_at[key].push(now);
+                    }
+                    previous = Some(d.clone());
+                    // Marked as a check: a top-up of 0 is never sent.
+                    (tollgate::Adjustment::TopUp { units: 0 }, d.clone())
+                }
+                Op::Refund(n, units) => {
+                    let times = &allowed_at[key];
+                    let at = times.len().checked_sub(n + 1).map_or(now + 7, |i| times[i]);
+                    let a = tollgate::Adjustment::Refund {
+                        units,
+                        charged_at_ms: at,
+                    };
+                    (a, algorithm::adjust(&mut states[key], limits, now, a))
+                }
+                Op::TopUp(units) => {
+                    let a = tollgate::Adjustment::TopUp { units };
+                    (a, algorithm::adjust(&mut states[key], limits, now, a))
+                }
+            };
+            decided.push((adjustment, decision));
+        }
+        out.push((now, decided));
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Refunds and top-ups (negative costs in the script) decide like the model, mixed
+    /// with checks in one script call and alone, and every decision names the time it
+    /// was made at (what a refund sends back).
+    #[test]
+    fn lua_adjusts_like_the_model(limits in limits_strategy(), batches in adjusted_batches_strategy()) {
+        let expected = model_adjusted(&limits, &batches);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+                clock.set(*now);
+                let calls: Vec<_> = ops
+                    .iter()
+                    .zip(want)
+                    .map(|(&(op, key), (adjustment, _))| match op {
+                        Op::Check(cost) => store.check(&keys[key], &limits, cost),
+                        _ => store.adjust(&keys[key], &limits, *adjustment),
+                    })
+                    .collect();
+                let got = futures_util::future::join_all(calls).await;
+                for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
+                    let got = got.unwrap();
+                    prop_assert_eq!(&got, want, "{:?} at {} in {:?} with {:?}", op, now, batches, limits);
+                    prop_assert_eq!(got.decided_at_ms(), Some(*now));
+                }
+            }
+            Ok(())
+        })?;
+    }
+
+    /// The long log with refunds: many weighted entries, refunds of entries in the
+    /// middle (every newer entry is numbered anew), the clock sometimes behind.
+    #[test]
+    fn a_long_log_refunds_like_the_model(
+        limit in 20u32..200,
+        window_ms in 50u64..2_000,
+        batches in prop::collection::vec(
+            (
+                prop_oneof![4 => (0u64..15).prop_map(Wait::Ms), 1 => (1u64..30).prop_map(Wait::Back)],
+                prop::collection::vec(
+                    (prop_oneof![
+                        3 => (1u32..30).prop_map(Op::Check),
+                        2 => (0usize..12, 1u32..40).prop_map(|(n, u)| Op::Refund(n, u)),
+                        1 => (1u32..30).prop_map(Op::TopUp),
+                    ], Just(0usize)),
+                    1..3,
+                ),
+            ),
+            1..80,
+        ),
+    ) {
+        let limits = [Limit::sliding_window(limit, Duration::from_millis(window_ms)).unwrap()];
+        let expected = model_adjusted(&limits, &batches);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let key = Key::new("a");
+            for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+                clock.set(*now);
+                let calls: Vec<_> = ops
+                    .iter()
+                    .zip(want)
+                    .map(|(&(op, _), (adjustment, _))| match op {
+                        Op::Check(cost) => store.check(&key, &limits, cost),
+                        _ => store.adjust(&key, &limits, *adjustment),
+                    })
+                    .collect();
+                let got = futures_util::future::join_all(calls).await;
+                for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
+                    prop_assert_eq!(&got.unwrap(), want, "{:?} at {} with {:?}", op, now, limits);
+                }
+            }
+            Ok(())
+        })?;
+    }
+
+    /// A refund of a check's own units, right after it, undoes it exactly: every later
+    /// decision is the one it would have been without the pair (`reset_after` aside: a
+    /// log may keep an emptied entry). And top-ups keep the state bounded: after any of
+    /// them the key is full again within two windows (two bursts' refill for buckets).
+    #[test]
+    fn a_refund_undoes_its_check(
+        limit in limit_strategy(),
+        steps in forward_steps_strategy(),
+        cost in 1u32..8,
+        tail in prop::collection::vec((0u64..300, 0u32..8), 1..12),
+    ) {
+        let limits = std::slice::from_ref(&limit);
+        let history = model_run(limits, &steps);
+        let mut states = [State::new(limit.algorithm())];
+        for ((now, cost, _), _) in history.iter().zip(&steps) {
+            algorithm::check(&mut states, limits, *now, *cost);
+        }
+        let now = history.last().map_or(START, |(t, _, _)| *t);
+        let mut undone = states.clone();
+        let d = algorithm::check(&mut undone, limits, now, cost);
+        if d.is_allowed() {
+            let at = d.decided_at_ms().unwrap();
+            algorithm::adjust(&mut undone, limits, now, tollgate::Adjustment::Refund { units: cost, charged_at_ms: at });
+        }
+        let outcome = |mut states: [State; 1]| -> Vec<(bool, u64, u64)> {
+            let mut t = now;
+            tail.iter().map(|&(wait, cost)| {
+                t += wait;
+                let d = algorithm::check(&mut states, limits, t, cost);
+                (d.is_allowed(), d.retry_after().as_millis() as u64, d.remaining().unwrap())
+            }).collect()
+        };
+        prop_assert_eq!(outcome(undone), outcome(states.clone()), "{:?}", limit);
+
+        let mut indebted = states;
+        for _ in 0..5 {
+            algorithm::adjust(&mut indebted, limits, now, tollgate::Adjustment::TopUp { units: u32::MAX });
+        }
+        let w = limit.window().as_millis() as u64;
+        let refill = 2 * w * u64::from(limit.capacity()).div_ceil(u64::from(limit.limit()));
+        let full = algorithm::check(&mut indebted, limits, now + refill + 1, 0);
+        prop_assert_eq!(full.remaining(), Some(u64::from(limit.capacity())), "{:?}", limit);
+    }
+}
+
+/// Found by `a_long_log_refunds_like_the_model`: a refund that finds its entry already
+/// emptied (kept as the log's only entry) changes nothing, in the model as in Lua, so
+/// that both keep the same entries (and `reset_after`).
+#[test]
+fn a_refund_of_an_emptied_entry_changes_nothing() {
+    let limits = [Limit::sliding_window(28, Duration::from_millis(50)).unwrap()];
+    let t = START;
+    let batches = vec![
+        (Wait::Ms(0), vec![(Op::Check(11), 0)]),
+        (Wait::Ms(2), vec![(Op::Refund(0, 11), 0), (Op::Check(1), 0)]),
+        (Wait::Back(2), vec![(Op::Check(11), 0)]),
+        (
+            Wait::Back(1),
+            vec![(Op::Refund(0, 1), 0), (Op::Check(13), 0)],
+        ),
+        (Wait::Ms(0), vec![(Op::Refund(2, 28), 0)]),
+    ];
+    let expected = model_adjusted(&limits, &batches);
+    assert_eq!(expected[3].0, t - 1);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let clock = ManualClock::new(START);
+        let store = case_store(&clock, false).await;
+        let key = Key::new("a");
+        for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+            clock.set(*now);
+            for (&(op, _), (adjustment, want)) in ops.iter().zip(want) {
+                let got = match op {
+                    Op::Check(cost) => store.check(&key, &limits, cost).await,
+                    _ => store.adjust(&key, &limits, *adjustment).await,
+                };
+                assert_eq!(&got.unwrap(), want, "{op:?} at {now}");
+            }
+        }
+    });
 }

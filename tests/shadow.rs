@@ -45,12 +45,15 @@ where
     (response.status(), remaining)
 }
 
-/// A layer on `store` keyed by `x-key`, with the legacy fields (one remaining count).
+/// A layer on `store` keyed by `x-key`, with the legacy fields (one remaining count). A
+/// generous timeout: on a loaded machine the default 100 ms would fail a call open and
+/// shift the counts the tests assert.
 fn layer(store: &Arc<dyn Store>, limit: Limit) -> RateLimitLayer<HeaderKey, u32> {
     RateLimitLayer::new(limit)
         .key(HeaderKey::new("x-key").unwrap())
         .headers(HeaderStyle::default().with_legacy(true))
         .shared_store(store.clone())
+        .timeout(Some(Duration::from_secs(10)))
 }
 
 /// The count of `outcome` on route `route` in `recorder`'s page.

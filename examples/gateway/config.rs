@@ -66,8 +66,10 @@ impl std::error::Error for ConfigError {}
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) listen: SocketAddr,
-    /// Where `/metrics` is served, if anywhere.
+    /// Where `/metrics` and `/ratelimit/` are served, if anywhere.
     pub(crate) admin_listen: Option<SocketAddr>,
+    /// The bearer token `/ratelimit/` asks for (`admin_token_env`).
+    pub(crate) admin_token: Option<KeySecret>,
     pub(crate) trusted_proxies: Vec<IpNet>,
     pub(crate) server: ServerConfig,
     pub(crate) store: StoreConfig,
@@ -194,6 +196,67 @@ pub(crate) struct Route {
     pub(crate) limits: Vec<RouteLimit>,
     /// Every limit of the route in shadow: decided and counted, never rejecting.
     pub(crate) shadow: bool,
+    /// Counting after the response (`count_when`, `cost_header`); `None`: as decided.
+    pub(crate) count_after: Option<CountAfter>,
+    /// A request its limits would deny waits up to this long instead (`max_wait`).
+    pub(crate) delay: Option<Duration>,
+    /// Limits chosen per request by a header: `[[routes.plans]]`.
+    pub(crate) plans: Option<RoutePlans>,
+}
+
+/// A route's plans: each request is limited by the plan its `plan_header` names, or by
+/// the default plan.
+#[derive(Debug, Clone)]
+pub(crate) struct RoutePlans {
+    pub(crate) header: HeaderName,
+    pub(crate) default: String,
+    /// Who every plan's limits count against (one key for all plans of a route).
+    pub(crate) key: KeySpec,
+    pub(crate) plans: Vec<RoutePlan>,
+}
+
+/// One plan: its name and limits, `None` when unlimited.
+#[derive(Debug, Clone)]
+pub(crate) struct RoutePlan {
+    pub(crate) name: String,
+    pub(crate) limits: Option<Vec<Limit>>,
+}
+
+/// When a route's requests stay counted, read from the response: `count_when` and
+/// `cost_header`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CountAfter {
+    pub(crate) when: CountWhen,
+    /// A response header holding the request's cost (a whole number of units); absent or
+    /// not a number: the request costs 1.
+    pub(crate) cost_header: Option<HeaderName>,
+}
+
+/// `count_when`: which responses keep their request's units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CountWhen {
+    Always,
+    /// Status 400 or above (failed logins, and the 429s of the route's inner layers).
+    Failure,
+    /// Status below 400.
+    Success,
+}
+
+impl CountAfter {
+    /// The units a request finally costs, from its response: `None` keeps the 1 charged.
+    pub(crate) fn cost(&self, response: &http::Response<axum::body::Body>) -> Option<u32> {
+        let failed = response.status().as_u16() >= 400;
+        let counts = match self.when {
+            CountWhen::Always => true,
+            CountWhen::Failure => failed,
+            CountWhen::Success => !failed,
+        };
+        if !counts {
+            return Some(0);
+        }
+        let value = response.headers().get(self.cost_header.as_ref()?)?;
+        value.to_str().ok()?.trim().parse().ok()
+    }
 }
 
 /// An upstream base URL: `http://host:port` with an optional base path that is put in
@@ -242,6 +305,7 @@ impl fmt::Display for KeySpec {
 struct RawConfig {
     listen: String,
     admin_listen: Option<String>,
+    admin_token_env: Option<String>,
     #[serde(default)]
     trusted_proxies: Vec<String>,
     #[serde(default)]
@@ -295,6 +359,28 @@ struct RawRoute {
     /// Every limit of the route in shadow.
     #[serde(default)]
     shadow: bool,
+    /// `always` (default), `failure` or `success`: which responses keep their units.
+    count_when: Option<String>,
+    /// A response header with the request's cost, charged after the response.
+    cost_header: Option<String>,
+    /// A humantime duration: how long a request its limits would deny may wait instead.
+    delay: Option<String>,
+    /// The header whose value names the plan.
+    plan_header: Option<String>,
+    /// The plan of requests without the header or with an unknown plan.
+    default_plan: Option<String>,
+    #[serde(default)]
+    plans: Vec<RawPlan>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlan {
+    name: String,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default)]
+    limits: Vec<RawLimit>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -309,6 +395,8 @@ struct RawLimit {
     /// `reset` (default) or `carry_over`: what a reload that changes this limit does to
     /// its budget.
     on_change: Option<String>,
+    /// A humantime duration: once this limit denies a key, the key is blocked that long.
+    lockout: Option<String>,
     /// Decided and counted, never rejecting.
     #[serde(default)]
     shadow: bool,
@@ -352,6 +440,7 @@ impl RawConfig {
                 format!("must differ from listen (both are {listen})"),
             ));
         }
+        let admin_token = admin_token(self.admin_token_env.as_deref(), admin_listen.is_some())?;
         let trusted_proxies = self
             .trusted_proxies
             .iter()
@@ -365,6 +454,7 @@ impl RawConfig {
         Ok(Config {
             listen,
             admin_listen,
+            admin_token,
             trusted_proxies,
             server,
             store,
@@ -753,6 +843,24 @@ fn check_tls(backend: &Backend, tls: &StoreTls) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// `admin_token_env`: the admin endpoints' bearer token, read from that environment
+/// variable, which must be set and not empty (an empty token would open them).
+fn admin_token(var: Option<&str>, admin: bool) -> Result<Option<KeySecret>, ConfigError> {
+    let Some(var) = var else {
+        return Ok(None);
+    };
+    if !admin {
+        return Err(ConfigError::new("admin_token_env", "needs admin_listen"));
+    }
+    match std::env::var_os(var) {
+        Some(token) if !token.is_empty() => Ok(Some(KeySecret(token.into_encoded_bytes()))),
+        _ => Err(ConfigError::new(
+            "admin_token_env",
+            format!("the environment variable {var:?} is not set or is empty"),
+        )),
+    }
+}
+
 /// `store.hash_header_keys` (default true) and `store.key_secret_env`: API keys are hashed
 /// before they become store keys, with an HMAC when a secret is given.
 fn header_key_hashing(
@@ -779,8 +887,15 @@ fn header_key_hashing(
 }
 
 impl RawRoute {
-    fn validate(self, index: usize) -> Result<Route, ConfigError> {
+    fn validate(mut self, index: usize) -> Result<Route, ConfigError> {
         let at = format!("routes[{index}]");
+        let plans = validate_plans(
+            &at,
+            index,
+            self.plan_header.take(),
+            self.default_plan.take(),
+            std::mem::take(&mut self.plans),
+        )?;
         let path = path::normalize_prefix(&self.path).map_err(|e| {
             ConfigError::new(format!("{at}.path"), format!("{e} (got {:?})", self.path))
         })?;
@@ -845,13 +960,172 @@ impl RawRoute {
                 ));
             }
         }
+        let delay = self
+            .delay
+            .as_deref()
+            .map(|delay| parse_delay(&format!("{at}.delay"), delay))
+            .transpose()?;
+        let count_after =
+            count_after(&at, self.count_when.as_deref(), self.cost_header.as_deref())?;
         Ok(Route {
             path,
             upstream,
             limits,
             shadow: self.shadow,
+            plans,
+            delay,
+            count_after,
         })
     }
+}
+
+/// A route's `plan_header`, `default_plan` and `[[routes.plans]]`: all or none of them.
+fn validate_plans(
+    at: &str,
+    route: usize,
+    header: Option<String>,
+    default: Option<String>,
+    raw: Vec<RawPlan>,
+) -> Result<Option<RoutePlans>, ConfigError> {
+    if raw.is_empty() {
+        let set = match (&header, &default) {
+            (Some(_), _) => "plan_header",
+            (None, Some(_)) => "default_plan",
+            (None, None) => return Ok(None),
+        };
+        return Err(ConfigError::new(
+            format!("{at}.{set}"),
+            "needs [[routes.plans]]: the route has no plans",
+        ));
+    }
+    let header = header.ok_or_else(|| {
+        ConfigError::new(
+            format!("{at}.plan_header"),
+            "is required with [[routes.plans]]: the header whose value names the plan",
+        )
+    })?;
+    let header = HeaderName::from_bytes(header.trim().as_bytes()).map_err(|_| {
+        ConfigError::new(
+            format!("{at}.plan_header"),
+            format!("{header:?} is not a valid header name"),
+        )
+    })?;
+    let mut plans: Vec<RoutePlan> = Vec::with_capacity(raw.len());
+    let mut key: Option<KeySpec> = None;
+    for (j, plan) in raw.into_iter().enumerate() {
+        let at = format!("{at}.plans[{j}]");
+        // The library's rule for plan names.
+        tollgate::Plan::unlimited(plan.name.as_str())
+            .map_err(|e| ConfigError::new(format!("{at}.name"), e.to_string()))?;
+        if let Some(other) = plans.iter().position(|p| p.name == plan.name) {
+            return Err(ConfigError::new(
+                format!("{at}.name"),
+                format!("{:?} is also the name of plans[{other}]", plan.name),
+            ));
+        }
+        let limits = match (plan.unlimited, plan.limits.is_empty()) {
+            (true, true) => None,
+            (true, false) => {
+                return Err(ConfigError::new(
+                    format!("{at}.unlimited"),
+                    "an unlimited plan has no limits",
+                ));
+            }
+            (false, true) => {
+                return Err(ConfigError::new(
+                    format!("{at}.limits"),
+                    "a plan needs at least one limit, or unlimited = true",
+                ));
+            }
+            (false, false) => {
+                let mut limits = Vec::with_capacity(plan.limits.len());
+                for (k, raw) in plan.limits.into_iter().enumerate() {
+                    let at = format!("{at}.limits[{k}]");
+                    if raw.shadow {
+                        return Err(ConfigError::new(
+                            format!("{at}.shadow"),
+                            "plans have no shadow limits (the route's shadow = true puts them                              all in shadow)",
+                        ));
+                    }
+                    let limit = raw.validate(route, k, &at)?;
+                    match &key {
+                        None => key = Some(limit.key.clone()),
+                        Some(first) if *first != limit.key => {
+                            return Err(ConfigError::new(
+                                format!("{at}.key"),
+                                format!(
+                                    "every plan limit of a route counts against one key:                                      {first} here, not {}",
+                                    limit.key
+                                ),
+                            ));
+                        }
+                        Some(_) => {}
+                    }
+                    limits.push(limit.limit);
+                }
+                // Two limits of a plan with one state (the library's check).
+                tollgate::Plan::new(plan.name.as_str(), limits.clone())
+                    .map_err(|e| ConfigError::new(format!("{at}.limits"), e.to_string()))?;
+                Some(limits)
+            }
+        };
+        plans.push(RoutePlan {
+            name: plan.name,
+            limits,
+        });
+    }
+    let default = default.ok_or_else(|| {
+        ConfigError::new(
+            format!("{at}.default_plan"),
+            "is required with [[routes.plans]]: the plan of requests without a known plan",
+        )
+    })?;
+    if !plans.iter().any(|p| p.name == default) {
+        return Err(ConfigError::new(
+            format!("{at}.default_plan"),
+            format!("{default:?} is not the name of one of the route's plans"),
+        ));
+    }
+    Ok(Some(RoutePlans {
+        header,
+        default,
+        // Only unlimited plans: the key is never used.
+        key: key.unwrap_or(KeySpec::Global),
+        plans,
+    }))
+}
+
+/// A route's `count_when` and `cost_header`: `None` when neither changes anything.
+fn count_after(
+    at: &str,
+    when: Option<&str>,
+    cost_header: Option<&str>,
+) -> Result<Option<CountAfter>, ConfigError> {
+    let when = match when {
+        None | Some("always") => CountWhen::Always,
+        Some("failure") => CountWhen::Failure,
+        Some("success") => CountWhen::Success,
+        Some(other) => {
+            return Err(ConfigError::new(
+                format!("{at}.count_when"),
+                format!("must be \"always\", \"failure\" or \"success\" (got {other:?})"),
+            ));
+        }
+    };
+    let cost_header = cost_header
+        .map(|name| {
+            HeaderName::try_from(name).map_err(|_| {
+                ConfigError::new(
+                    format!("{at}.cost_header"),
+                    format!("must be a header name (got {name:?})"),
+                )
+            })
+        })
+        .transpose()?;
+    if when == CountWhen::Always && cost_header.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(CountAfter { when, cost_header }))
 }
 
 impl RawLimit {
@@ -883,12 +1157,41 @@ impl RawLimit {
             let on_change: OnChange = on_change.parse().map_err(lib)?;
             limit = limit.on_change(on_change).map_err(lib)?;
         }
+        if let Some(lockout) = &self.lockout {
+            let lockout = humantime::parse_duration(lockout).map_err(|e| {
+                ConfigError::new(
+                    format!("{at}.lockout"),
+                    format!("{lockout:?} is not a duration such as \"15m\" or \"1h\" ({e})"),
+                )
+            })?;
+            limit = limit.with_lockout(lockout).map_err(lib)?;
+        }
         Ok(RouteLimit {
             key,
             limit,
             shadow: self.shadow,
         })
     }
+}
+
+/// The longest `delay` of a route: a waiting request holds its connection.
+const MAX_DELAY: Duration = Duration::from_secs(3600);
+
+/// A route's `delay`: a humantime duration from 1 ms to [`MAX_DELAY`].
+fn parse_delay(field: &str, value: &str) -> Result<Duration, ConfigError> {
+    let delay = humantime::parse_duration(value).map_err(|e| {
+        ConfigError::new(
+            field,
+            format!("{value:?} is not a duration such as \"500ms\" or \"2s\" ({e})"),
+        )
+    })?;
+    if delay < Duration::from_millis(1) || delay > MAX_DELAY {
+        return Err(ConfigError::new(
+            field,
+            format!("must be from 1ms to 1h (got {value:?})"),
+        ));
+    }
+    Ok(delay)
 }
 
 fn parse_addr(field: &str, value: &str) -> Result<SocketAddr, ConfigError> {

@@ -13,6 +13,7 @@
 //! starting and stopping), `reload` (SIGHUP and file changes). `tests/gateway.rs` includes the same modules to start
 //! gateways in-process. The reference is `docs/gateway.md`.
 
+mod admin;
 mod config;
 mod path;
 mod proxy;

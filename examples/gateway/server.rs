@@ -31,9 +31,10 @@ use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::{
+    admin,
     config::{
-        Backend, Config, HeaderKeys, KeySpec, OnError, Route, RouteLimit, SentinelBackend,
-        StoreConfig,
+        Backend, Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit, RoutePlans,
+        SentinelBackend, StoreConfig,
     },
     path,
     proxy::{self, Proxy},
@@ -55,11 +56,17 @@ const DECISION_BUCKETS: &[f64] = &[
 
 /// The routes, longest prefix first.
 #[derive(Debug)]
-struct Gateway {
+pub(crate) struct Gateway {
     routes: Vec<(String, RouteService)>,
+    /// Each route's rate-limit layers, for the admin endpoints.
+    admin: Vec<admin::Entry>,
 }
 
 impl Gateway {
+    pub(crate) fn admin(&self) -> &[admin::Entry] {
+        &self.admin
+    }
+
     fn route(&self, path: &str) -> Option<&RouteService> {
         self.routes
             .iter()
@@ -96,6 +103,17 @@ impl std::fmt::Debug for Live {
 }
 
 impl Live {
+    /// The route table in force.
+    pub(crate) fn gateway(&self) -> Arc<Gateway> {
+        self.gateway.load_full()
+    }
+
+    /// The admin bearer token in force (`admin_token_env`), if any.
+    pub(crate) fn admin_token(&self) -> Option<Vec<u8>> {
+        let config = self.config.lock().unwrap_or_else(|e| e.into_inner());
+        config.admin_token.as_ref().map(|t| t.0.clone())
+    }
+
     /// The version of the config in force: 1 as started, one more per applied reload.
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)
@@ -322,8 +340,9 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         tasks.push(follow.spawn(live.clone(), signal.clone()));
     }
     if let (Some(listener), Some(handle)) = (admin, prometheus) {
-        let admin_app =
-            Router::new().route("/metrics", get(move || async move { handle.render() }));
+        let admin_app = Router::new()
+            .route("/metrics", get(move || async move { handle.render() }))
+            .merge(admin::router(live.clone()));
         tasks.push(tokio::spawn(serve(
             listener,
             admin_app,
@@ -430,17 +449,18 @@ fn build_gateway(
         trusted_proxies: config.trusted_proxies.clone(),
         upstream_timeout: config.server.upstream_timeout,
     });
+    let mut admin = Vec::new();
     let mut routes: Vec<(String, RouteService)> = config
         .routes
         .iter()
         .map(|route| {
-            let service = route_service(route, config, store, &policy, &proxy);
+            let service = route_service(route, config, store, &policy, &proxy, &mut admin);
             (route.path.clone(), service)
         })
         .collect();
     // Longest prefix first; two different prefixes of one length never both match.
     routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
-    Gateway { routes }
+    Gateway { routes, admin }
 }
 
 /// Resolves when shutdown is asked for, or when the [`Running`] handle is dropped.
@@ -492,6 +512,7 @@ fn route_service(
     store: &Arc<dyn Store>,
     policy: &FailurePolicy,
     proxy: &Arc<proxy::Settings>,
+    admin: &mut Vec<admin::Entry>,
 ) -> RouteService {
     let mut service: RouteService = match &route.upstream {
         Some(upstream) => {
@@ -505,6 +526,9 @@ fn route_service(
             Ok(proxy::status(StatusCode::OK, "ok"))
         })),
     };
+    if let Some(plans) = &route.plans {
+        service = plan_layer(route, plans, config, store, policy, service);
+    }
     let groups = key_groups(&route.limits);
     let several = groups.len() > 1;
     // Wrap from the innermost (last) group outwards.
@@ -523,31 +547,138 @@ fn route_service(
                 layer.limit(limit.limit.clone())
             };
         }
-        let layer = layer
+        let mut layer = layer
             .shadow(route.shadow)
             .shared_store(store.clone())
             .on_store_error(policy.clone())
             .timeout(Some(config.store.timeout))
             .name(name);
-        service = match key {
-            KeySpec::Ip => BoxCloneSyncService::new(
-                layer
-                    .key(ClientIp::new(config.trusted_proxies.iter().copied()))
-                    .layer(service),
-            ),
-            KeySpec::Header(name) => {
-                let key = HeaderKey::from(name);
-                let key = match &config.store.header_keys {
-                    HeaderKeys::Plain => key,
-                    HeaderKeys::Sha256 => key.hashed(),
-                    HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
-                };
-                BoxCloneSyncService::new(layer.key(key).layer(service))
-            }
-            KeySpec::Global => BoxCloneSyncService::new(layer.key(GlobalKey).layer(service)),
-        };
+        if let Some(delay) = route.delay {
+            layer = layer.max_wait(delay);
+        }
+        service = keyed(
+            layer,
+            key,
+            config,
+            service,
+            route.count_after.as_ref(),
+            Some((&route.path, &mut *admin)),
+        );
     }
     service
+}
+
+/// `layer` keyed by `key`, around `service`, counting after the response when the route
+/// says so, and listed on the admin endpoints when `admin` is given.
+fn keyed(
+    layer: RateLimitLayer,
+    key: KeySpec,
+    config: &Config,
+    service: RouteService,
+    after: Option<&CountAfter>,
+    admin: Option<(&str, &mut Vec<admin::Entry>)>,
+) -> RouteService {
+    match key {
+        KeySpec::Ip => {
+            let layer = layer.key(ClientIp::new(config.trusted_proxies.iter().copied()));
+            if let Some((path, admin)) = admin {
+                admin.push(admin::Entry::ip(path, layer.limiter()));
+            }
+            wrap(layer, after, service)
+        }
+        KeySpec::Header(name) => {
+            let key = HeaderKey::from(name.clone());
+            let key = match &config.store.header_keys {
+                HeaderKeys::Plain => key,
+                HeaderKeys::Sha256 => key.hashed(),
+                HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
+            };
+            let layer = layer.key(key);
+            if let Some((path, admin)) = admin {
+                admin.push(admin::Entry::header(
+                    path,
+                    KeySpec::Header(name),
+                    layer.limiter(),
+                ));
+            }
+            wrap(layer, after, service)
+        }
+        KeySpec::Global => {
+            let layer = layer.key(GlobalKey);
+            if let Some((path, admin)) = admin {
+                admin.push(admin::Entry::global(path, layer.limiter()));
+            }
+            wrap(layer, after, service)
+        }
+    }
+}
+
+/// `service` behind `layer`, counting after the response when the route says so
+/// (`count_when`, `cost_header`).
+fn wrap<K>(
+    layer: RateLimitLayer<K>,
+    after: Option<&CountAfter>,
+    service: RouteService,
+) -> RouteService
+where
+    K: tollgate::key::KeyExtractor<axum::body::Body> + Send + Sync + 'static,
+{
+    match after {
+        None => BoxCloneSyncService::new(layer.layer(service)),
+        Some(after) => {
+            let after = after.clone();
+            let layer = layer.late_cost(move |response: &Response| after.cost(response));
+            BoxCloneSyncService::new(layer.layer(service))
+        }
+    }
+}
+
+/// The layer of a route's plans, innermost (after the route's own limits), keyed by the
+/// plans' key. Every request has a plan (the default one at least), so the layer's own
+/// limit (any plan limit, required by the builder) never decides a request.
+fn plan_layer(
+    route: &Route,
+    plans: &RoutePlans,
+    config: &Config,
+    store: &Arc<dyn Store>,
+    policy: &FailurePolicy,
+    service: RouteService,
+) -> RouteService {
+    let Some(any) = plans.plans.iter().find_map(|p| p.limits.as_ref()?.first()) else {
+        // Only unlimited plans: nothing to limit.
+        return service;
+    };
+    let built = plans.plans.iter().map(|plan| match &plan.limits {
+        Some(limits) => tollgate::Plan::new(plan.name.as_str(), limits.iter().cloned()),
+        None => tollgate::Plan::unlimited(plan.name.as_str()),
+    });
+    // Validated with the config: these cannot fail.
+    let built = built
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(tollgate::Plans::new)
+        .and_then(|p| p.with_default(&plans.default))
+        .expect("plans validated with the config")
+        .with_header(plans.header.clone());
+    let name = if route.limits.is_empty() {
+        route.path.clone()
+    } else {
+        format!("{} plans", route.path)
+    };
+    let mut layer = RateLimitLayer::new(any.clone())
+        .plans(built)
+        .shadow(route.shadow)
+        .shared_store(store.clone())
+        .on_store_error(policy.clone())
+        .timeout(Some(config.store.timeout))
+        .name(name);
+    // The plans are the route's limits too: their denials wait as the others do.
+    if let Some(delay) = route.delay {
+        layer = layer.max_wait(delay);
+    }
+    // Counted as decided (a count-after layer decides under the layer's own limits, not
+    // its plans), and not on the admin endpoints: they read and reset a route's own
+    // limits.
+    keyed(layer, plans.key.clone(), config, service, None, None)
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.

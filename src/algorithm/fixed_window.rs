@@ -65,6 +65,23 @@ impl Model for FixedWindow {
     fn expires_at(&self, limit: &Limit) -> u64 {
         self.start + limit.window_ms()
     }
+
+    /// Only into the window the units were charged to, while it is the counted one.
+    fn refund(&mut self, _now: u64, limit: &Limit, units: u64, at: u64) {
+        if self.start == at - at % limit.window_ms() {
+            self.count -= units.min(self.count);
+        }
+    }
+
+    /// Counted even over the limit, but a window never counts more than its limit: the
+    /// debt ends with the window.
+    fn top_up(&mut self, _now: u64, limit: &Limit, units: u64) {
+        self.count = self.count.max(
+            self.count
+                .saturating_add(units)
+                .min(u64::from(limit.limit())),
+        );
+    }
 }
 
 #[cfg(test)]

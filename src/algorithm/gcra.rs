@@ -99,6 +99,38 @@ impl Model for Gcra {
     fn expires_at(&self, _limit: &Limit) -> u64 {
         self.tat + u64::from(self.frac > 0)
     }
+
+    /// The TAT moves back by `units` intervals, never before now (a full bucket).
+    fn refund(&mut self, now: u64, limit: &Limit, units: u64, _at: u64) {
+        if self.tat < now {
+            return;
+        }
+        let scale = u64::from(limit.limit());
+        // As the token bucket: no refund gives back more than two capacities.
+        let back = units.min(2 * u64::from(limit.burst())) * limit.window_ms();
+        let ahead = ((self.tat - now) * scale + self.frac).saturating_sub(back);
+        self.tat = now + ahead / scale;
+        self.frac = ahead % scale;
+    }
+
+    /// The TAT moves on by `units` intervals even beyond the tolerance, up to twice the
+    /// tolerance ahead of now (the token bucket's debt of one capacity); never back.
+    fn top_up(&mut self, now: u64, limit: &Limit, units: u64) {
+        let scale = u64::from(limit.limit());
+        let tolerance = Self::tolerance(limit);
+        let ahead = if self.tat < now {
+            0
+        } else {
+            (self.tat - now) * scale + self.frac
+        };
+        let spent = units.min(2 * u64::from(limit.burst())) * limit.window_ms();
+        if ahead >= 2 * tolerance || spent == 0 {
+            return;
+        }
+        let ahead = (ahead + spent).min(2 * tolerance);
+        self.tat = now + ahead / scale;
+        self.frac = ahead % scale;
+    }
 }
 
 #[cfg(test)]

@@ -47,6 +47,12 @@ pub fn leasable(algorithm: Algorithm) -> bool {
     !matches!(algorithm, Algorithm::SlidingWindow)
 }
 
+/// Whether `limit` may be leased: a leasable algorithm and no lockout (a lease spent
+/// locally could not see a block start, so a locked-out key could get through).
+pub fn limit_leasable(limit: &Limit) -> bool {
+    leasable(limit.algorithm()) && limit.lockout_ms() == 0
+}
+
 /// What [`grant`] gave.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -65,7 +71,7 @@ pub struct Grant {
 /// left, so that leases shrink as the budget runs out and the last units go to requests
 /// one by one. The same number of units from every limit, or none: a lease is spent
 /// all-or-nothing like a request. Nothing is granted when a limit is not
-/// [`leasable`].
+/// [`limit_leasable`].
 pub fn grant(states: &mut [State], limits: &[Limit], now: u64, asked: u64) -> Grant {
     let mut units = asked;
     let mut ms_left = u64::MAX;
@@ -80,6 +86,9 @@ pub fn grant(states: &mut [State], limits: &[Limit], now: u64, asked: u64) -> Gr
                 (0, 0)
             }
         };
+        if limit.lockout_ms() > 0 {
+            units = 0;
+        }
         units = units.min(state.remaining(now, limit) / 2);
         ms_left = ms_left.min(ends);
         starts.push(start);

@@ -38,19 +38,21 @@
 mod fixed_window;
 mod gcra;
 pub mod lease;
+mod lockout;
 mod sliding_window;
 mod sliding_window_counter;
 mod token_bucket;
 
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
+pub use lockout::check_with_lockouts;
 pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;
 pub use token_bucket::TokenBucket;
 
 use smallvec::SmallVec;
 
-use crate::{Algorithm, Decision, Limit, LimitDecision, decision::LimitDecisions};
+use crate::{Adjustment, Algorithm, Decision, Limit, LimitDecision, decision::LimitDecisions};
 
 /// The state one algorithm keeps for one key and limit. `State::new` is the state of a key
 /// that does not exist yet.
@@ -84,6 +86,12 @@ pub(crate) trait Model {
     fn reset_after(&self, now: u64, limit: &Limit) -> u64;
     /// When the state is worth nothing more than a missing key (its TTL).
     fn expires_at(&self, limit: &Limit) -> u64;
+    /// Gives back `units` charged by a decision made at `at`, to the state they were
+    /// charged to, if it is still there; never more than the state holds.
+    fn refund(&mut self, now: u64, limit: &Limit, units: u64, at: u64);
+    /// Charges `units` already spent, even when they do not fit; each algorithm bounds
+    /// the debt it keeps.
+    fn top_up(&mut self, now: u64, limit: &Limit, units: u64);
 }
 
 macro_rules! dispatch {
@@ -179,6 +187,70 @@ impl Model for State {
     fn expires_at(&self, limit: &Limit) -> u64 {
         dispatch!(self, s => s.expires_at(limit))
     }
+
+    fn refund(&mut self, now: u64, limit: &Limit, units: u64, at: u64) {
+        dispatch!(self, s => s.refund(now, limit, units, at));
+    }
+
+    fn top_up(&mut self, now: u64, limit: &Limit, units: u64) {
+        dispatch!(self, s => s.top_up(now, limit, units));
+    }
+}
+
+/// Applies `adjustment` to every limit's state at `now` (ms): units given back after a
+/// request (a refund), or charged late (a top-up). The decision is the state after it:
+/// every limit allowed, with its `remaining` and `reset_after`.
+///
+/// What each algorithm does:
+/// - a refund returns units to the state they were charged to, and does nothing once that
+///   state is gone: the same fixed window (or sliding-window-counter window, current or
+///   previous), the log entry written at [`Decision::decided_at_ms`], tokens back into
+///   the bucket (at most its capacity), the GCRA arrival time moved back (never before
+///   now). It never gives back more than was charged.
+/// - a top-up is counted even over the limit: windowed algorithms count at most their
+///   limit in a window (the debt ends with the window); the token bucket goes down to
+///   minus its capacity, the arrival time up to twice the tolerance ahead (one burst of
+///   debt, then refilled at the usual rate).
+///
+/// # Panics
+///
+/// As [`check`].
+pub fn adjust(
+    states: &mut [State],
+    limits: &[Limit],
+    now: u64,
+    adjustment: Adjustment,
+) -> Decision {
+    assert_eq!(states.len(), limits.len(), "one state per limit");
+    let decisions = states
+        .iter_mut()
+        .zip(limits)
+        .map(|(state, limit)| {
+            assert_eq!(
+                state.algorithm(),
+                limit.algorithm(),
+                "state of another algorithm"
+            );
+            state.normalize(now, limit);
+            match adjustment {
+                Adjustment::Refund {
+                    units,
+                    charged_at_ms,
+                } => {
+                    state.refund(now, limit, u64::from(units), charged_at_ms);
+                }
+                Adjustment::TopUp { units } => state.top_up(now, limit, u64::from(units)),
+            }
+            LimitDecision {
+                allowed: true,
+                limit: limit.limit(),
+                remaining: state.remaining(now, limit),
+                reset_after_ms: state.reset_after(now, limit),
+                retry_after_ms: 0,
+            }
+        })
+        .collect();
+    Decision::from_limits(decisions).decided_at(now)
 }
 
 /// Decides one request of `cost` against `limits` at `now` (ms), all-or-nothing, and
@@ -222,7 +294,37 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
             }
         }
     }
-    Decision::from_limits(decisions)
+    Decision::from_limits(decisions).decided_at(now)
+}
+
+/// The decision [`check`] would make, with `states` left as they are: what a store's
+/// `peek` answers. `remaining` is what the request would leave (cost 0: what is left).
+///
+/// # Panics
+///
+/// As [`check`].
+pub fn peek(states: &[State], limits: &[Limit], now: u64, cost: u32) -> Decision {
+    check(&mut states.to_vec(), limits, now, cost)
+}
+
+/// [`peek`] for limits with lockouts: the decision
+/// [`check_with_lockouts`] would give, with the blocks as they are in `blocked_until`
+/// (one per limit, 0: none); neither the states nor the blocks change, so a peek that
+/// would be denied starts no block.
+pub fn peek_with_lockouts(
+    states: &[State],
+    blocked_until: &[u64],
+    limits: &[Limit],
+    now: u64,
+    cost: u32,
+) -> Decision {
+    check_with_lockouts(
+        &mut states.to_vec(),
+        &mut blocked_until.to_vec(),
+        limits,
+        now,
+        cost,
+    )
 }
 
 /// [`check`] for the usual single limit: the same steps, without the list of states to
@@ -247,7 +349,7 @@ fn check_one(state: &mut State, limit: &Limit, now: u64, cost: u64) -> Decision 
     }
     let mut decisions = LimitDecisions::new();
     decisions.push(decision);
-    Decision::from_limits(decisions)
+    Decision::from_limits(decisions).decided_at(now)
 }
 
 /// One limit's part of a decision: brings `state` up to `now`, then says whether `cost`
@@ -326,6 +428,125 @@ mod tests {
             assert!(!check(&mut states, &limits, 500, 10).is_allowed());
             assert_eq!(states, used, "{limits:?}");
         }
+    }
+
+    /// One limit's decisions for steps that are either checks `(now, cost)` or
+    /// adjustments.
+    fn adjusted(limit: &Limit, steps: &[(u64, Result<u32, Adjustment>)]) -> Vec<LimitDecision> {
+        let limits = std::slice::from_ref(limit);
+        let mut states = [State::new(limit.algorithm())];
+        steps
+            .iter()
+            .map(|&(now, step)| match step {
+                Ok(cost) => check(&mut states, limits, now, cost).limits()[0],
+                Err(adjustment) => adjust(&mut states, limits, now, adjustment).limits()[0],
+            })
+            .collect()
+    }
+
+    fn refund(units: u32, charged_at_ms: u64) -> Result<u32, Adjustment> {
+        Err(Adjustment::Refund {
+            units,
+            charged_at_ms,
+        })
+    }
+
+    fn top_up(units: u32) -> Result<u32, Adjustment> {
+        Err(Adjustment::TopUp { units })
+    }
+
+    #[test]
+    fn a_refund_goes_to_the_window_it_was_charged_to() {
+        let limit = Limit::fixed_window(3, Duration::from_secs(1)).unwrap();
+        let d = adjusted(
+            &limit,
+            &[
+                (100, Ok(3)),
+                (200, refund(2, 100)),
+                (1100, Ok(3)),
+                (1200, refund(3, 100)),
+            ],
+        );
+        assert_eq!(d[1].remaining, 2);
+        // Charged in the window from 0, refunded in the one from 1000: nothing.
+        assert_eq!(d[3].remaining, 0);
+        // The counter's previous window still weighs, and takes the refund.
+        let limit = Limit::sliding_window_counter(4, Duration::from_secs(1)).unwrap();
+        let d = adjusted(
+            &limit,
+            &[(900, Ok(4)), (1500, refund(4, 900)), (1500, Ok(4))],
+        );
+        assert_eq!(d[1].remaining, 4);
+        assert!(d[2].allowed);
+    }
+
+    #[test]
+    fn a_refund_takes_from_its_own_log_entry() {
+        let limit = Limit::sliding_window(4, Duration::from_secs(1)).unwrap();
+        let d = adjusted(
+            &limit,
+            &[
+                (0, Ok(2)),
+                (100, Ok(2)),
+                (200, refund(2, 0)),
+                (300, Ok(2)),
+                (1000, Ok(2)),
+                (1099, Ok(1)),
+            ],
+        );
+        assert_eq!(d[2].remaining, 2);
+        assert!(d[3].allowed);
+        // The units at 0 are gone; those at 100 and 300 still count until 1100.
+        assert!(!d[4].allowed);
+        assert_eq!(d[4].retry_after_ms, 100);
+        assert!(!d[5].allowed);
+    }
+
+    #[test]
+    fn top_ups_leave_a_bounded_debt() {
+        // 10 tokens per second, one every 100 ms.
+        let bucket = Limit::token_bucket(10, Duration::from_secs(1)).unwrap();
+        let gcra = Limit::gcra(10, Duration::from_secs(1)).unwrap();
+        for limit in [bucket, gcra] {
+            let d = adjusted(
+                &limit,
+                &[
+                    (0, Ok(4)),
+                    (0, top_up(10)),
+                    (0, Ok(1)),
+                    (0, top_up(1000)),
+                    (0, Ok(1)),
+                ],
+            );
+            // 10 - 4 - 10 = -4: one token is 5 refills away.
+            assert_eq!(d[2].retry_after_ms, 500, "{limit:?}");
+            assert_eq!(d[1].remaining, 0);
+            // At most one capacity of debt: a token 11 refills away.
+            assert_eq!(d[4].retry_after_ms, 1100, "{limit:?}");
+        }
+        // A window counts at most its limit: the debt ends with the window.
+        let window = Limit::fixed_window(10, Duration::from_secs(1)).unwrap();
+        let d = adjusted(&window, &[(0, top_up(1000)), (999, Ok(1)), (1000, Ok(10))]);
+        assert_eq!(d[1].retry_after_ms, 1);
+        assert!(d[2].allowed);
+    }
+
+    #[test]
+    fn gcra_refunds_never_move_the_arrival_time_before_now() {
+        let limit = Limit::gcra(10, Duration::from_secs(1)).unwrap();
+        let d = adjusted(
+            &limit,
+            &[
+                (0, Ok(10)),
+                (500, refund(100, 0)),
+                (500, Ok(10)),
+                (500, Ok(1)),
+            ],
+        );
+        assert_eq!(d[1].remaining, 10);
+        assert!(d[2].allowed);
+        assert!(!d[3].allowed);
+        assert_eq!(d[3].retry_after_ms, 100);
     }
 
     #[test]

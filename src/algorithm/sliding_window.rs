@@ -93,6 +93,34 @@ impl Model for SlidingWindow {
             .back()
             .map_or(0, |&(newest, _)| newest + limit.window_ms())
     }
+
+    /// Out of the entry logged at `at`, while it is in the window. An entry left with no
+    /// units goes, unless it is the log's only one (the script never empties a key,
+    /// which would delete it: see `save` in the Lua).
+    fn refund(&mut self, now: u64, limit: &Limit, units: u64, at: u64) {
+        if at.saturating_add(limit.window_ms()) <= now {
+            return;
+        }
+        let Some(index) = self.entries.iter().position(|&(t, _)| t == at) else {
+            return;
+        };
+        let taken = units.min(self.entries[index].1);
+        if taken == 0 {
+            // An entry already emptied (kept as the only one) stays as it is.
+            return;
+        }
+        self.entries[index].1 -= taken;
+        self.count -= taken;
+        if self.entries[index].1 == 0 && self.entries.len() > 1 {
+            self.entries.remove(index);
+        }
+    }
+
+    /// Logged now as a request would be, but the window never holds more than the limit.
+    fn top_up(&mut self, now: u64, limit: &Limit, units: u64) {
+        let room = u64::from(limit.limit()).saturating_sub(self.live(now, limit.window_ms()));
+        self.commit(now, limit, units.min(room));
+    }
 }
 
 #[cfg(test)]

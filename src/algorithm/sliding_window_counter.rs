@@ -121,6 +121,27 @@ impl Model for SlidingWindowCounter {
     fn expires_at(&self, limit: &Limit) -> u64 {
         self.start + 2 * limit.window_ms()
     }
+
+    /// Into the window the units were charged to: the current one, or the previous one
+    /// once the window rolled (where they still weigh); nothing once it is older.
+    fn refund(&mut self, _now: u64, limit: &Limit, units: u64, at: u64) {
+        let window = limit.window_ms();
+        let charged = at - at % window;
+        let units = u32::try_from(units).unwrap_or(u32::MAX);
+        if self.start == charged {
+            self.current -= units.min(self.current);
+        } else if self.start == charged.saturating_add(window) {
+            self.previous -= units.min(self.previous);
+        }
+    }
+
+    /// Counted even over the limit, but a window never counts more than its limit.
+    fn top_up(&mut self, _now: u64, limit: &Limit, units: u64) {
+        let units = u32::try_from(units).unwrap_or(u32::MAX);
+        self.current = self
+            .current
+            .max(self.current.saturating_add(units).min(limit.limit()));
+    }
 }
 
 #[cfg(test)]

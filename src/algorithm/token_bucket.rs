@@ -5,15 +5,19 @@ use crate::Limit;
 ///
 /// Tokens are counted in units of `1 / window_ms` of a token, so the bucket holds
 /// `burst * window_ms` units and refills exactly `limit` units per millisecond.
+///
+/// A [top-up](super::adjust) (units spent by a request that already ran) may take the
+/// bucket below zero, down to minus its capacity: later requests wait until the debt is
+/// refilled. A refund puts units back, up to the capacity.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenBucket {
     /// [`NEW`]: a key not seen yet, which is a full bucket. (No bucket holds that many
-    /// units: capacities stay below 2^50.)
-    tokens: u64,
+    /// units: capacities stay below 2^50.) Negative: a debt left by a top-up.
+    tokens: i64,
     last: u64,
 }
 
-const NEW: u64 = u64::MAX;
+const NEW: i64 = i64::MAX;
 
 impl Default for TokenBucket {
     fn default() -> Self {
@@ -25,11 +29,12 @@ impl Default for TokenBucket {
 }
 
 impl TokenBucket {
-    fn capacity(limit: &Limit) -> u64 {
-        u64::from(limit.burst()) * limit.window_ms()
+    fn capacity(limit: &Limit) -> i64 {
+        // Below 2^50 (Limit's validation).
+        (u64::from(limit.burst()) * limit.window_ms()) as i64
     }
 
-    fn tokens(&self) -> u64 {
+    fn tokens(&self) -> i64 {
         if self.tokens == NEW { 0 } else { self.tokens }
     }
 
@@ -48,7 +53,9 @@ impl TokenBucket {
         }
         self.normalize(now, limit);
         let capacity = Self::capacity(limit);
-        self.tokens = (self.tokens + units * limit.window_ms()).min(capacity);
+        // Below 2^50 (a lease holds at most half a bucket), as in the script.
+        let back = i64::try_from(units.saturating_mul(limit.window_ms())).unwrap_or(i64::MAX);
+        self.tokens = self.tokens.saturating_add(back).min(capacity);
     }
 }
 
@@ -65,35 +72,35 @@ impl Model for TokenBucket {
         self.tokens = self.tokens.min(capacity);
         if now > self.last {
             let elapsed = now - self.last;
-            let to_full = div_ceil(capacity - self.tokens, u64::from(limit.limit()));
+            let to_full = div_ceil((capacity - self.tokens) as u64, u64::from(limit.limit()));
             self.tokens = if elapsed >= to_full {
                 capacity
             } else {
-                self.tokens + elapsed * u64::from(limit.limit())
+                self.tokens + (elapsed * u64::from(limit.limit())) as i64
             };
             self.last = now;
         }
     }
 
     fn fits(&self, _now: u64, limit: &Limit, cost: u64) -> bool {
-        cost * limit.window_ms() <= self.tokens()
+        (cost * limit.window_ms()) as i64 <= self.tokens()
     }
 
     fn wait(&self, now: u64, limit: &Limit, cost: u64) -> u64 {
-        let missing = cost * limit.window_ms() - self.tokens();
-        self.paused(now) + div_ceil(missing, u64::from(limit.limit()))
+        let missing = (cost * limit.window_ms()) as i64 - self.tokens();
+        self.paused(now) + div_ceil(missing as u64, u64::from(limit.limit()))
     }
 
     fn commit(&mut self, _now: u64, limit: &Limit, cost: u64) {
-        self.tokens = self.tokens() - cost * limit.window_ms();
+        self.tokens = self.tokens() - (cost * limit.window_ms()) as i64;
     }
 
     fn remaining(&self, _now: u64, limit: &Limit) -> u64 {
-        self.tokens() / limit.window_ms()
+        self.tokens().max(0) as u64 / limit.window_ms()
     }
 
     fn reset_after(&self, now: u64, limit: &Limit) -> u64 {
-        let missing = Self::capacity(limit).saturating_sub(self.tokens());
+        let missing = (Self::capacity(limit) - self.tokens()).max(0) as u64;
         if missing == 0 {
             0
         } else {
@@ -102,9 +109,24 @@ impl Model for TokenBucket {
     }
 
     fn expires_at(&self, limit: &Limit) -> u64 {
-        // Saturating: a store may ask with a limit newer than the state (see `normalize`).
-        let missing = Self::capacity(limit).saturating_sub(self.tokens());
+        // At least 0: a store may ask with a limit newer than the state (see `normalize`).
+        let missing = (Self::capacity(limit) - self.tokens()).max(0) as u64;
         self.last + div_ceil(missing, u64::from(limit.limit()))
+    }
+
+    /// Back into the bucket, never above its capacity (the refill may have filled it).
+    fn refund(&mut self, _now: u64, limit: &Limit, units: u64, _at: u64) {
+        // A debt and a full bucket are two capacities apart: no refund gives back more.
+        let back = (units.min(2 * u64::from(limit.burst())) * limit.window_ms()) as i64;
+        self.tokens = (self.tokens() + back).min(Self::capacity(limit));
+    }
+
+    /// Out of the bucket even when it holds too few, down to minus its capacity.
+    fn top_up(&mut self, _now: u64, limit: &Limit, units: u64) {
+        let capacity = Self::capacity(limit);
+        // A full bucket and the deepest debt are two capacities apart.
+        let spent = (units.min(2 * u64::from(limit.burst())) * limit.window_ms()) as i64;
+        self.tokens = (self.tokens() - spent).max(-capacity).min(self.tokens());
     }
 }
 

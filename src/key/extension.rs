@@ -27,8 +27,9 @@ use super::{Key, KeyError, KeyExtractor, Namespace};
 /// let mut req = Request::get("/").body(()).unwrap();
 /// req.extensions_mut().insert(UserId(7));
 /// let key = ExtensionKey::<UserId>::new().extract(&req).unwrap();
-/// assert!(key.namespace().starts_with("ext:") && key.namespace().ends_with("::UserId"));
-/// assert!(key.as_str().ends_with("UserId|user-7"));
+/// // The type name, or its hash when long (as in merged doctests, whose paths grow).
+/// assert!(key.namespace().starts_with("ext:"));
+/// assert!(key.as_str().ends_with("|user-7"));
 /// ```
 pub struct ExtensionKey<T> {
     namespace: Namespace,

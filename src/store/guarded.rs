@@ -9,9 +9,9 @@
 
 use std::{sync::Arc, time::Duration};
 
-use super::{Check, Store};
+use super::{Check, Reset, Store};
 use crate::{
-    Decision, Limit, StoreError,
+    Adjustment, Decision, Limit, StoreError,
     breaker::{Admission, Breaker, Feedback},
     key::Key,
 };
@@ -69,6 +69,29 @@ impl Guarded {
         Err(self.wait(check, admission))
     }
 
+    /// [`Store::adjust`] under the same timeout and breaker as a check: a refund or top-up
+    /// after a response. Ready, or the call to wait for.
+    pub(crate) fn adjust_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        adjustment: Adjustment,
+    ) -> Result<Result<Decision, StoreError>, Check> {
+        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
+        if admission == Admission::Skip {
+            return Ok(Err(StoreError::circuit_open()));
+        }
+        match self.store.adjust(key, limits, adjustment).into_ready() {
+            Ok(result) => {
+                if let Some(breaker) = &self.breaker {
+                    breaker.record(admission, result.is_ok());
+                }
+                Ok(result)
+            }
+            Err(check) => Err(self.wait(check, admission)),
+        }
+    }
+
     /// `check` under the timeout, reporting to the breaker. Kept out of line: the ready
     /// path above is the hot one.
     #[inline(never)]
@@ -84,11 +107,44 @@ impl Guarded {
     }
 }
 
+impl Guarded {
+    /// [`Store::peek`] under the timeout. The breaker is neither asked nor told: an
+    /// operator's question reaches the store even while requests skip it, and its
+    /// outcome says nothing about the request path.
+    pub(crate) fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let check = self.store.peek(key, limits, cost);
+        match self.timeout {
+            Some(timeout) if !check.is_ready() => Check::pending(guard(check, Some(timeout), None)),
+            _ => check,
+        }
+    }
+
+    /// [`Store::reset`] under the timeout (the breaker as for [`peek`](Self::peek)).
+    pub(crate) fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        let reset = self.store.reset(key, limits);
+        match self.timeout {
+            Some(timeout) => Box::pin(async move {
+                tokio::time::timeout(timeout, reset)
+                    .await
+                    .unwrap_or_else(|_| Err(StoreError::timeout()))
+            }),
+            None => reset,
+        }
+    }
+}
+
 // The layer calls `check_now`; the tests here ask it as any store.
 #[cfg(test)]
 impl Store for Guarded {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         match self.check_now(key, limits, cost) {
+            Ok(result) => Check::ready(result),
+            Err(check) => check,
+        }
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        match self.adjust_now(key, limits, adjustment) {
             Ok(result) => Check::ready(result),
             Err(check) => check,
         }
@@ -145,6 +201,22 @@ mod tests {
                 Check::pending(async move { Ok(decision) })
             }
         }
+
+        fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+            if self.stalled.load(Ordering::SeqCst) {
+                Check::pending(std::future::pending())
+            } else {
+                self.memory.peek(key, limits, cost)
+            }
+        }
+
+        fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+            if self.stalled.load(Ordering::SeqCst) {
+                Box::pin(std::future::pending())
+            } else {
+                self.memory.reset(key, limits)
+            }
+        }
     }
 
     fn poll_once(check: &mut Check) -> Poll<Result<Decision, StoreError>> {
@@ -192,6 +264,48 @@ mod tests {
             decisions.push(decision.expect("decided by the store").is_allowed());
         }
         assert_eq!(decisions, [true, true, true, false, false]);
+    }
+
+    /// Peek and reset wait at most the timeout, and reach the store while the circuit is
+    /// open: an operator's reset is never skipped.
+    #[tokio::test(start_paused = true)]
+    async fn peek_and_reset_time_out_and_ignore_the_breaker() {
+        let clock = ManualClock::new(1_000_000);
+        let breaker = Breaker::with_clock(
+            CircuitBreaker::new(1, Duration::from_secs(60)),
+            Arc::new(clock.clone()),
+        );
+        let store = Arc::new(Stalling::default());
+        let guarded = Guarded::new(
+            Arc::new(store.clone()),
+            Some(Duration::from_millis(100)),
+            Some(Arc::new(breaker)),
+        );
+        let key = Key::new("k");
+        let limits = [Limit::fixed_window(3, Duration::from_secs(3600)).unwrap()];
+        store.stalled.store(true, Ordering::SeqCst);
+        // Bounded here too, so that a missing timeout fails rather than hangs.
+        let bound = Duration::from_secs(10);
+        let peeked = tokio::time::timeout(bound, guarded.peek(&key, &limits, 1)).await;
+        let error = peeked.expect("peek is bounded by the timeout").unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Timeout);
+        let reset = tokio::time::timeout(bound, guarded.reset(&key, &limits)).await;
+        let error = reset.expect("reset is bounded by the timeout").unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Timeout);
+        // Open the circuit with a failed request.
+        assert!(guarded.check(&key, &limits, 1).await.is_err());
+        assert!(
+            guarded
+                .check(&key, &limits, 1)
+                .await
+                .unwrap_err()
+                .is_circuit_open()
+        );
+        store.stalled.store(false, Ordering::SeqCst);
+        store.memory.decide(&key, &limits, 3);
+        assert!(!guarded.peek(&key, &limits, 1).await.unwrap().is_allowed());
+        guarded.reset(&key, &limits).await.unwrap();
+        assert!(guarded.peek(&key, &limits, 1).await.unwrap().is_allowed());
     }
 
     #[tokio::test(start_paused = true)]

@@ -21,9 +21,11 @@ use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
-use super::{Check, Store};
+mod lockout;
+
+use super::{Check, Reset, Store};
 use crate::{
-    Decision, Limit,
+    Adjustment, Decision, Limit,
     algorithm::{self, State},
     clock::{Clock, MonotonicClock},
     key::Key,
@@ -60,6 +62,9 @@ const EVICTION_MAX: usize = 64;
 /// double. (hashbrown clears those markers by rehashing the table in place when they run
 /// out of room, once per several thousand evictions in a shard: amortised O(1), but that
 /// one request holds the shard's lock for the rehash of one 64th of the store.)
+///
+/// [Lockout](crate::Limit::with_lockout) blocks live in a table of their own per shard
+/// (a block outlives its key's state), with the same bound as the keys.
 ///
 /// Expired state is dropped as requests come in: once a second a sweep round starts, and
 /// every request sweeps a few buckets until all have been, so memory follows the keys
@@ -123,6 +128,8 @@ struct Shard {
     hand: usize,
     /// The bucket where this shard's sweep resumes.
     swept_to: usize,
+    /// The keys blocked by a limit's lockout, apart from `table`: see `lockout`.
+    blocks: lockout::Blocks,
 }
 
 /// Beyond this many known limits, a limit is forgotten when its last slot goes.
@@ -303,6 +310,13 @@ impl MemoryStore {
         self.inner.decide(key, limits, cost, now)
     }
 
+    /// Applies `adjustment` now, synchronously: what [`Store::adjust`] answers. A refund
+    /// for a key this store no longer holds (expired or evicted) changes nothing.
+    pub fn adjust_now(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Decision {
+        let now = self.inner.clock.now_ms();
+        self.inner.adjust(key, limits, adjustment, now)
+    }
+
     /// How many keys hold state (expired state not yet swept included).
     pub fn len(&self) -> usize {
         self.inner.shards.iter().map(|s| lock(s).table.len()).sum()
@@ -324,10 +338,16 @@ impl MemoryStore {
         let now = self.inner.clock.now_ms();
         for shard in &self.inner.shards {
             let mut shard = lock(shard);
-            let Shard { table, known, .. } = &mut *shard;
+            let Shard {
+                table,
+                known,
+                blocks,
+                ..
+            } = &mut *shard;
             for index in 0..table.num_buckets() {
                 drop_expired(table, known, index, now);
             }
+            blocks.purge(now);
         }
     }
 }
@@ -337,8 +357,22 @@ impl Store for MemoryStore {
         Check::ready(Ok(self.decide(key, limits, cost)))
     }
 
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let now = self.inner.clock.now_ms();
+        Check::ready(Ok(self.inner.peek(key, limits, cost, now)))
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        self.inner.reset(key, limits);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// A carried-over limit keeps its fingerprint with new parameters: the sweeps judge
     /// its state's expiry by the new ones, as the next decision will.
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        Check::ready(Ok(self.adjust_now(key, limits, adjustment)))
+    }
+
     fn limits_changed(&self, limits: &[Limit]) {
         for shard in &self.inner.shards {
             let known = &mut lock(shard).known;
@@ -355,6 +389,9 @@ impl Inner {
     }
 
     fn decide(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        if lockouts(limits) {
+            return self.decide_with_lockouts(key, limits, cost, now);
+        }
         let hash = self.hash(key);
         // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
         // top seven as the tag, so within a shard both stay well spread.
@@ -366,22 +403,7 @@ impl Inner {
             hand,
             ..
         } = &mut *shard;
-        let entry = match table.find_entry(hash, |e| e.key == *key) {
-            Ok(occupied) => occupied.into_mut(),
-            Err(absent) => {
-                let table = absent.into_table();
-                if table.len() >= *max_keys {
-                    evict(table, known, hand, now);
-                }
-                let entry = Entry {
-                    key: key.clone(),
-                    slots: Slots::new(),
-                };
-                table
-                    .insert_unique(hash, entry, |e| self.hash(&e.key))
-                    .into_mut()
-            }
-        };
+        let entry = self.entry(table, known, *max_keys, hand, key, hash, now);
         let slots = &mut entry.slots;
 
         // One limit, the common case: decide on its slot's state in place. A slot that
@@ -430,6 +452,152 @@ impl Inner {
         decision
     }
 
+    /// The entry of `key` (hashed `hash`) in a shard's `table`, made when missing (after an
+    /// eviction when the shard is full).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn entry<'a>(
+        &self,
+        table: &'a mut HashTable<Entry>,
+        known: &mut Known,
+        max_keys: usize,
+        hand: &mut usize,
+        key: &Key,
+        hash: u64,
+        now: u64,
+    ) -> &'a mut Entry {
+        match table.find_entry(hash, |e| e.key == *key) {
+            Ok(occupied) => occupied.into_mut(),
+            Err(absent) => {
+                let table = absent.into_table();
+                if table.len() >= max_keys {
+                    evict(table, known, hand, now);
+                }
+                let entry = Entry {
+                    key: key.clone(),
+                    slots: Slots::new(),
+                };
+                table
+                    .insert_unique(hash, entry, |e| self.hash(&e.key))
+                    .into_mut()
+            }
+        }
+    }
+
+    /// [`decide`](Self::decide) on copies of the states: nothing is inserted, marked
+    /// used or changed.
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        let hash = self.hash(key);
+        let shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let slots = shard.table.find(hash, |e| e.key == *key).map(|e| &e.slots);
+        let states: SmallVec<[State; 2]> = limits
+            .iter()
+            .map(|limit| {
+                slots
+                    .and_then(|slots| slots.find(fingerprint(limit)).map(|i| &slots[i]))
+                    .map_or_else(|| State::new(limit.algorithm()), |slot| slot.state.clone())
+            })
+            .collect();
+        let blocked: SmallVec<[u64; 2]> = limits
+            .iter()
+            .map(|limit| match limit.lockout_ms() {
+                0 => 0,
+                _ => shard.blocks.until(hash, key, fingerprint(limit)),
+            })
+            .collect();
+        drop(shard);
+        if limits.iter().any(|limit| limit.lockout_ms() > 0) {
+            return algorithm::peek_with_lockouts(&states, &blocked, limits, now, cost);
+        }
+        algorithm::peek(&states, limits, now, cost)
+    }
+
+    /// Drops the state of `key` under `limits` (the key too once it holds none), under
+    /// the shard's lock: one step for every limit.
+    fn reset(&self, key: &Key, limits: &[Limit]) {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            blocks,
+            ..
+        } = &mut *shard;
+        for limit in limits {
+            blocks.remove(hash, key, fingerprint(limit));
+        }
+        let Ok(mut occupied) = table.find_entry(hash, |e| e.key == *key) else {
+            return;
+        };
+        let slots = &mut occupied.get_mut().slots;
+        slots.retain(|slot| {
+            let reset = limits
+                .iter()
+                .any(|limit| fingerprint(limit) == slot.tagged & !REFERENCED);
+            if reset {
+                known.release(slot);
+            }
+            !reset
+        });
+        if slots.is_empty() {
+            occupied.remove();
+        }
+    }
+
+    /// [`MemoryStore::adjust_now`]: the limits' states, as [`decide`](Self::decide) finds
+    /// them, through [`algorithm::adjust`]. A refund makes no state for a key or limit
+    /// that has none (nothing is there to give back to); a top-up does.
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment, now: u64) -> Decision {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            max_keys,
+            hand,
+            ..
+        } = &mut *shard;
+        let refund = matches!(adjustment, Adjustment::Refund { .. });
+        if refund && table.find(hash, |e| e.key == *key).is_none() {
+            let mut fresh: SmallVec<[State; 2]> =
+                limits.iter().map(|l| State::new(l.algorithm())).collect();
+            return algorithm::adjust(&mut fresh, limits, now, adjustment);
+        }
+        let slots = &mut self
+            .entry(table, known, *max_keys, hand, key, hash, now)
+            .slots;
+        let mut indexes: SmallVec<[Option<usize>; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match slots.find(fingerprint(limit)) {
+                Some(index) => Some(index),
+                None if refund => None,
+                None => {
+                    slots.push(Slot::new(limit, known));
+                    Some(slots.len() - 1)
+                }
+            };
+            indexes.push(index);
+        }
+        let mut states: SmallVec<[State; 2]> = indexes
+            .iter()
+            .zip(limits)
+            .map(|(index, limit)| {
+                let fresh = State::new(limit.algorithm());
+                match index {
+                    Some(i) => std::mem::replace(&mut slots[*i].state, fresh),
+                    None => fresh,
+                }
+            })
+            .collect();
+        let decision = algorithm::adjust(&mut states, limits, now, adjustment);
+        for (index, state) in indexes.iter().zip(states) {
+            if let Some(i) = index {
+                slots[*i].state = state;
+            }
+        }
+        decision
+    }
+
     /// While a sweep round is under way, sweeps the next [`SWEEP_BUCKETS`] buckets of the
     /// shard the round is in; the round ends after the last shard.
     fn maybe_sweep(&self, now: u64) {
@@ -465,6 +633,7 @@ impl Shard {
             max_keys,
             hand: 0,
             swept_to: 0,
+            blocks: lockout::Blocks::default(),
         }
     }
 
@@ -623,6 +792,15 @@ impl Slot {
             tagged: fingerprint,
             state: State::new(limit.algorithm()),
         }
+    }
+}
+
+/// Whether any of `limits` has a lockout.
+#[inline(always)]
+fn lockouts(limits: &[Limit]) -> bool {
+    match limits {
+        [limit] => limit.lockout_ms() != 0,
+        _ => limits.iter().any(|l| l.lockout_ms() != 0),
     }
 }
 

@@ -11,7 +11,7 @@ mod prefix;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
-use std::{fmt, sync::Arc};
+use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
 pub use check::Check;
 pub(crate) use guarded::Guarded;
@@ -24,7 +24,10 @@ pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisStore, SCRIPT_SOURCE};
 
-use crate::{Decision, Limit, key::Key};
+use crate::{Adjustment, Decision, Limit, StoreError, StoreErrorKind, key::Key};
+
+/// What [`Store::reset`] returns: the reset, done once it resolves.
+pub type Reset = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'static>>;
 
 /// Decides requests: checks `cost` against every limit for `key` in one atomic step,
 /// all-or-nothing, and records it when allowed.
@@ -51,6 +54,37 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         let _ = (key, limits, cost);
         None
     }
+
+    /// The decision [`check`](Self::check) would make now for a request of `cost`
+    /// (`remaining` as that request would leave it; cost 0 reads what is left), with
+    /// nothing written: no key created, no expiry moved. For admin tools and handlers
+    /// that show a client its budget. The default answers
+    /// [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let _ = (key, limits, cost);
+        Check::ready(Err(StoreError::unsupported("peek")))
+    }
+
+    /// Clears the state of `key` under `limits` in one atomic step: its next request
+    /// finds a full budget. A store that answers some requests without asking where the
+    /// state lives (the Redis store's block cache) forgets them too, on every replica.
+    /// The default answers [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        let _ = (key, limits);
+        Box::pin(std::future::ready(Err(StoreError::unsupported("reset"))))
+    }
+
+    /// Gives back or charges units after a request was decided (see [`Adjustment`]),
+    /// for every limit of `key` in one atomic step. The decision is the state after it.
+    /// Counting after the response ([`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when),
+    /// late costs) needs it; the default fails with [`StoreErrorKind::Unsupported`].
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        let _ = (key, limits, adjustment);
+        Check::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot give back or charge units after a decision",
+        )))
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -64,5 +98,17 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
         (**self).check_held(key, limits, cost)
+    }
+
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        (**self).peek(key, limits, cost)
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        (**self).reset(key, limits)
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        (**self).adjust(key, limits, adjustment)
     }
 }

@@ -112,7 +112,11 @@ impl RedisCluster {
             .collect();
         let mut tls_args = self.nodes[0].cli_args();
         tls_args.drain(..2); // not -p: the addresses are given
-        let out = Command::new("redis-cli")
+        // Under `timeout` (coreutils): on a machine loaded enough that the nodes never
+        // agree, `--cluster create` waits for the join forever; a failed test is better
+        // than a hung run.
+        let out = Command::new("timeout")
+            .args(["120", "redis-cli"])
             .args(&tls_args)
             .args(["--cluster", "create"])
             .args(&addresses)

@@ -3,6 +3,9 @@
 // where the modules' `crate::` paths expect each other. Not a module of `support`.
 
 #[allow(dead_code)]
+#[path = "../../examples/gateway/admin.rs"]
+mod admin;
+#[allow(dead_code)]
 #[path = "../../examples/gateway/config.rs"]
 mod config;
 #[allow(dead_code)]

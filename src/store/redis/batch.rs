@@ -5,7 +5,7 @@ use std::{mem, sync::Arc};
 use parking_lot::RwLock;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use super::{Connection, Encoded, invoke, parse, ping, script_call};
+use super::{Connection, Encoded, invoke, parse, ping, script_call, split_now};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
 /// How the batching task behaves.
@@ -184,29 +184,36 @@ async fn send(
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
     let result = invoke(connection, script_call(now, &requests)).await;
+    // The reply: every request's results in order, then the asks' results in the same
+    // order, then the script's `now` (lua/main.lua).
+    let own: usize = requests.iter().map(|r| r.quotas.len() * 4).sum();
+    let asked: usize = requests
+        .iter()
+        .map(|r| r.lease.as_ref().map_or(0, |a| a.reply_len(r)))
+        .sum();
+    let reply = result.as_ref().map(|values| split_now(values, own + asked));
     let mut offset = 0;
-    // The asks' results come after every request's.
-    let mut tail: usize = requests.iter().map(|r| r.quotas.len() * 4).sum();
-    for (request, reply) in batch {
-        let mut decision = match &result {
-            Ok(values) => {
-                let len = request.quotas.len() * 4;
+    let mut tail = own;
+    for (request, reply_to) in batch {
+        let len = request.quotas.len() * 4;
+        let mut decision = match &reply {
+            Ok((values, at)) => {
                 let share = values.get(offset..offset + len).unwrap_or_default();
-                offset += len;
-                parse(share, &request.quotas)
+                parse(share, &request.quotas, *at)
             }
-            Err(error) => Err(error.clone()),
+            Err(error) => Err((*error).clone()),
         };
+        offset += len;
         if let Some(attach) = &request.lease {
-            let mut grant = None;
-            if attach.ask > 0 {
-                let len = 2 + request.quotas.len();
-                grant = result.as_ref().ok().and_then(|v| v.get(tail..tail + len));
-                tail += len;
-            }
+            let len = attach.reply_len(&request);
+            let grant = reply
+                .as_ref()
+                .ok()
+                .and_then(|(values, _)| values.get(tail..tail + len));
+            tail += len;
             decision = attach.settle(&request, decision, grant);
         }
         // The caller may have given up (timeout); the decision stands all the same.
-        let _ = reply.send(decision);
+        let _ = reply_to.send(decision);
     }
 }

@@ -1,6 +1,16 @@
-//! The block cache: denied keys are answered locally until their `retry_after` passes.
+//! The block cache: denied keys are answered locally until their `retry_after` passes,
+//! or until a reset of the key (on this replica or, through Redis pub/sub, on any other;
+//! see [`invalidate`](super::invalidate)).
 
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, AtomicU64, Ordering},
+};
+
+use parking_lot::Mutex;
 use quick_cache::{Equivalent, sync::Cache};
+
+use super::invalidate::{Listener, Source};
 
 use crate::{Decision, Limit, LimitDecision, decision::LimitDecisions, key::Key};
 
@@ -13,6 +23,8 @@ struct Blocked {
     at: u64,
     until: u64,
     cost: u32,
+    /// The decision's lockout block, ms left at `at` (0: none).
+    blocked_ms: u64,
     limits: std::sync::Arc<[LimitDecision]>,
 }
 
@@ -38,13 +50,49 @@ impl Equivalent<CacheKey> for CacheKeyRef<'_> {
 /// Denied keys, bounded (quick_cache evicts the coldest entries when full).
 pub(crate) struct BlockCache {
     entries: Cache<CacheKey, Blocked>,
+    /// One more for every reset seen: a denial Redis gave before a reset that arrives
+    /// after it (its call was in flight) is not remembered.
+    generation: AtomicU64,
+    /// Where resets announced by other replicas are heard, once the first denial is
+    /// remembered.
+    listener: Mutex<Listener>,
+    /// Whether the listening task runs (it clears this when it ends).
+    listening: Arc<AtomicBool>,
 }
 
 impl BlockCache {
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
             entries: Cache::new(capacity),
+            generation: AtomicU64::new(0),
+            listener: Mutex::new(Listener::default()),
+            listening: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Hears resets on `source` from the next denial on (`None`: nowhere).
+    pub(crate) fn listen_to(&self, source: Option<Source>) {
+        self.listener.lock().set_source(source);
+    }
+
+    /// The generation to give [`insert`](Self::insert): read before asking Redis.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Forgets every denial of `key` (any limits): it was reset. Denials asked for
+    /// before now and answered after are not remembered either.
+    pub(crate) fn reset(&self, key: &str) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        if !self.entries.is_empty() {
+            self.entries.retain(|k, _| k.key.as_str() != key);
+        }
+    }
+
+    /// Forgets every denial: resets may have been missed (the subscription was lost).
+    pub(crate) fn reset_all(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.entries.clear();
     }
 
     /// A fingerprint of a list of limits, in order, and of all their parameters: a
@@ -78,7 +126,7 @@ impl BlockCache {
                 }
             })
             .collect();
-        Some(Decision::from_limits(limits))
+        Some(Decision::from_limits(limits).blocked_for(blocked.blocked_ms.saturating_sub(elapsed)))
     }
 
     /// Forgets a denial of `key`: a cheaper request fit, so the denial's `retry_after` may
@@ -89,18 +137,86 @@ impl BlockCache {
         }
     }
 
-    /// Remembers that Redis denied `key` at `now`.
-    pub(crate) fn insert(&self, key: Key, limits: u64, cost: u32, now: u64, decision: &Decision) {
-        let retry_after = decision.retry_after().as_millis() as u64;
-        if retry_after == 0 {
+    /// Remembers that Redis denied `key` at `now`, unless a reset came since
+    /// `generation` was read (the denial may predate it).
+    ///
+    /// A denial under a lockout block is remembered until the block ends at most, even
+    /// when `retry_after` is longer (the algorithm's wait): then the same request starts
+    /// a new block, which Redis must see.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn insert(
+        self: &Arc<Self>,
+        key: Key,
+        limits: u64,
+        cost: u32,
+        now: u64,
+        decision: &Decision,
+        generation: u64,
+    ) {
+        let mut valid = decision.retry_after().as_millis() as u64;
+        if decision.blocked_ms() > 0 {
+            valid = valid.min(decision.blocked_ms());
+        }
+        if valid == 0 {
+            return;
+        }
+        if !self.listening.load(Ordering::Acquire) {
+            self.listener.lock().start(self, &self.listening);
+        }
+        if self.generation() != generation {
             return;
         }
         let blocked = Blocked {
             at: now,
-            until: now + retry_after,
+            until: now + valid,
             cost,
+            blocked_ms: decision.blocked_ms(),
             limits: decision.limits().into(),
         };
-        self.entries.insert(CacheKey { key, limits }, blocked);
+        let cache_key = CacheKey { key, limits };
+        self.entries.insert(cache_key.clone(), blocked);
+        // A reset between the check above and the insert: take it back.
+        if self.generation() != generation {
+            self.entries.remove(&cache_key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn denial() -> Decision {
+        Decision::new(vec![LimitDecision {
+            allowed: false,
+            limit: 1,
+            remaining: 0,
+            reset_after_ms: 60_000,
+            retry_after_ms: 60_000,
+        }])
+    }
+
+    /// A denial Redis gave before a reset, answered after it (its call was in flight),
+    /// is not remembered; one asked for after the reset is.
+    #[test]
+    fn a_denial_from_before_a_reset_is_not_remembered() {
+        let cache = Arc::new(BlockCache::new(100));
+        let limits = [Limit::fixed_window(1, Duration::from_secs(60)).unwrap()];
+        let fingerprint = BlockCache::fingerprint(&limits);
+        let key = Key::new("k");
+        let asked = cache.generation();
+        cache.reset(key.as_str());
+        cache.insert(key.clone(), fingerprint, 1, 0, &denial(), asked);
+        assert!(cache.get(&key, fingerprint, 1, 1).is_none());
+        let asked = cache.generation();
+        cache.insert(key.clone(), fingerprint, 1, 0, &denial(), asked);
+        assert!(cache.get(&key, fingerprint, 1, 1).is_some());
+        // A reset of another key leaves it; one of this key drops it.
+        cache.reset(Key::new("other").as_str());
+        assert!(cache.get(&key, fingerprint, 1, 1).is_some());
+        cache.reset(key.as_str());
+        assert!(cache.get(&key, fingerprint, 1, 1).is_none());
     }
 }

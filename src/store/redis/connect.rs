@@ -1,11 +1,11 @@
 //! Connecting to Redis as it is run: one node or a cluster, over TLS (`rediss://`, a
 //! custom CA, client certificates) with feature `tls`, as an ACL user named in the URL.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use redis::aio::ConnectionManagerConfig;
 
-use super::{RedisStore, SCRIPT, store_error};
+use super::{RedisStore, SCRIPT, invalidate::Nodes, store_error};
 use crate::{StoreError, StoreErrorKind};
 
 /// How long one connection attempt may take: a Redis that is down fails calls quickly and
@@ -60,12 +60,12 @@ impl RedisStore {
             .set_max_delay(Duration::from_millis(250))
             .set_connection_timeout(Some(CONNECTION_TIMEOUT))
             .set_response_timeout(Some(RESPONSE_TIMEOUT));
-        let mut manager = redis::aio::ConnectionManager::new_with_config(client, config)
+        let mut manager = redis::aio::ConnectionManager::new_with_config(client.clone(), config)
             .await
             .map_err(store_error)?;
         // Loaded now, the first burst of calls does not all meet NOSCRIPT at once.
         SCRIPT.load_async(&mut manager).await.map_err(store_error)?;
-        Ok(Self::from_manager(manager))
+        Ok(Self::from_manager(manager).with_reset_source(Nodes::Fixed(Arc::new([client]))))
     }
 
     /// The store over a cluster client for `nodes`, with the script loaded.
@@ -94,7 +94,19 @@ impl RedisStore {
             .load_async(&mut connection)
             .await
             .map_err(store_error)?;
-        Ok(Self::new(super::Connection::Cluster(connection)))
+        // Resets are published cluster-wide: any one node hears them.
+        let listen = nodes
+            .iter()
+            .filter_map(|node| {
+                #[cfg(feature = "tls")]
+                if let Some(tls) = tls {
+                    return redis::Client::build_with_tls(*node, tls.certificates()).ok();
+                }
+                redis::Client::open(*node).ok()
+            })
+            .collect();
+        Ok(Self::new(super::Connection::Cluster(connection))
+            .with_reset_source(Nodes::Fixed(listen)))
     }
 
     /// Connects to the Redis at `url` (`rediss://[user:password@]host:port[/db]`) over TLS,

@@ -42,9 +42,11 @@ use quick_cache::{Equivalent, sync::Cache};
 use redis::Cmd;
 use smallvec::SmallVec;
 
-use super::{Connection, Encoded, SCRIPT, block_cache::BlockCache, invoke, local_now_ms};
+use super::{
+    Connection, Encoded, LIMIT_FIELDS, SCRIPT, block_cache::BlockCache, invoke, local_now_ms,
+};
 use crate::{
-    ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::leasable,
+    ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable,
     clock::Clock, decision::LimitDecisions, key::Key,
 };
 
@@ -211,6 +213,8 @@ struct EntryState {
     asking: bool,
     /// In [`Leases::held`].
     registered: bool,
+    /// Bumped by a reset: a grant asked for before it is not taken.
+    generation: u64,
     lease: Option<Lease>,
 }
 
@@ -246,6 +250,10 @@ struct Lease {
     starts: SmallVec<[u64; 2]>,
     /// Each limit's quota, remaining without this lease, and when it resets (local ms).
     limits: SmallVec<[(u32, u64, u64); 2]>,
+    /// The script's `now` at the grant: a decision spent from the lease says it was made
+    /// then, so that a refund or top-up after the response
+    /// ([`Store::adjust`](crate::Store::adjust)) finds the window the units were counted in.
+    granted_at: Option<u64>,
     /// Where to send the units back.
     target: Arc<Target>,
 }
@@ -260,14 +268,18 @@ impl Lease {
                 LimitDecision::allow(limit, base + self.units, reset_at.saturating_sub(now))
             })
             .collect();
-        Decision::from_limits(limits)
+        let decision = Decision::from_limits(limits);
+        match self.granted_at {
+            Some(at) => decision.decided_at(at),
+            None => decision,
+        }
     }
 }
 
 /// A lease's keys and limits, as a request encodes them.
 pub(crate) struct Target {
     keys: SmallVec<[String; 2]>,
-    group: SmallVec<[u64; 4]>,
+    group: SmallVec<[u64; LIMIT_FIELDS]>,
     slot: u16,
 }
 
@@ -294,6 +306,8 @@ pub(crate) struct Attach {
     /// Local ms when the request left: the lease's deadline counts from here, before
     /// Redis read its clock.
     sent_at: u64,
+    /// The entry's generation then: a reset since voids the grant.
+    generation: u64,
     pub(crate) ask: u64,
     /// The lease this request takes back to Redis (consumed when the call is made).
     pub(crate) back: Option<Return>,
@@ -336,7 +350,7 @@ impl Leases {
     fn cap(&self, limits: &[Limit]) -> u64 {
         let mut smallest = u32::MAX;
         for limit in limits {
-            if !leasable(limit.algorithm()) {
+            if !limit_leasable(limit) {
                 return 0;
             }
             smallest = smallest.min(limit.limit());
@@ -446,12 +460,14 @@ impl Leases {
         if ask > 0 {
             state.asking = true;
         }
+        let generation = state.generation;
         drop(state);
         Ok(Some(Attach {
             leases: self.clone(),
             entry,
             cost,
             sent_at: now,
+            generation,
             ask,
             back,
             refill,
@@ -519,6 +535,22 @@ impl Leases {
         result
     }
 
+    /// Drops this node's lease of `key` under `limits` without giving it back (a reset:
+    /// the state it was counted in is gone, and a return could take units from the new
+    /// state), and voids the grants of asks on their way. Leases other nodes hold stay
+    /// spendable until they end (their window; a bucket's: one window).
+    pub(crate) fn forget(&self, key: &Key, limits: &[Limit]) {
+        let lookup = EntryKeyRef {
+            key,
+            limits: BlockCache::fingerprint(limits),
+        };
+        if let Some(entry) = self.entries.get(&lookup) {
+            let mut state = entry.state.lock();
+            state.lease = None;
+            state.generation += 1;
+        }
+    }
+
     /// Returns every lease held (shutdown).
     pub(crate) async fn release(&self) -> Result<(), StoreError> {
         let returns = self.collect(true);
@@ -572,6 +604,17 @@ async fn sweep(leases: Weak<Leases>, idle_ms: u64) {
 }
 
 impl Attach {
+    /// How many values of the script's reply are this request's ask's result (after
+    /// every request's own): units, ms left, one window start per limit; none without
+    /// an ask.
+    pub(crate) fn reply_len(&self, encoded: &Encoded) -> usize {
+        if self.ask > 0 {
+            2 + encoded.quotas.len()
+        } else {
+            0
+        }
+    }
+
     /// Takes the request's reply (and its ask's share of the script's result, when it
     /// asked): installs the granted lease, and answers a refill that Redis denied or could
     /// not decide from the lease it still holds.
@@ -602,6 +645,10 @@ impl Attach {
             other => return other,
         };
         let m = decision.limits().len();
+        // A reset since the ask: the grant was counted in the state it cleared.
+        if state.generation != self.generation {
+            return Ok(decision);
+        }
         let Some(grant) = grant.filter(|g| g.len() >= 2 + m) else {
             return Ok(decision);
         };
@@ -649,6 +696,7 @@ impl Attach {
             starts,
             limits,
             target,
+            granted_at: decision.decided_at_ms(),
         };
         state.lease = Some(lease);
         let register = !state.registered;
@@ -683,7 +731,11 @@ fn with_more_remaining(decision: &Decision, more: u64) -> Decision {
             ..*l
         })
         .collect();
-    Decision::from_limits(limits)
+    // Still the decision Redis made, at its time (a refund names it).
+    match decision.decided_at_ms() {
+        Some(at) => Decision::from_limits(limits).decided_at(at),
+        None => Decision::from_limits(limits),
+    }
 }
 
 /// The script call that only returns units (no request).
@@ -702,7 +754,7 @@ fn return_call(now: Option<u64>, returns: &[Return]) -> Cmd {
     };
     cmd.arg(returns.len());
     for r in returns {
-        cmd.arg(r.target.group.len() / 4);
+        cmd.arg(r.target.group.len() / LIMIT_FIELDS);
         for &value in &r.target.group {
             cmd.arg(value);
         }

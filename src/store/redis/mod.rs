@@ -6,9 +6,11 @@ use std::{
 };
 
 mod acl;
+mod admin;
 mod batch;
 mod block_cache;
 mod connect;
+mod invalidate;
 mod lease;
 #[cfg(feature = "sentinel")]
 mod sentinel;
@@ -31,9 +33,9 @@ use self::{
     block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE},
     lease::{Leases, Spent},
 };
-use super::{Check, Store};
+use super::{Check, Reset, Store};
 use crate::{
-    ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
+    Adjustment, ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
     clock::{Clock, MonotonicClock},
     decision::LimitDecisions,
     key::Key,
@@ -49,6 +51,7 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/gcra.lua"),
     include_str!("../../../lua/lease.lua"),
+    include_str!("../../../lua/lockout.lua"),
     include_str!("../../../lua/main.lua"),
 );
 
@@ -102,6 +105,8 @@ pub struct RedisStore {
     /// Leased quota, when on: the settings, and the leases built from them.
     lease_config: Option<LeaseConfig>,
     leases: Option<Arc<Leases>>,
+    /// The nodes the block cache hears resets from (none: a connection given as is).
+    reset_source: Option<invalidate::Nodes>,
 }
 
 #[derive(Clone)]
@@ -209,6 +214,24 @@ impl RedisStore {
             block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
             lease_config: None,
             leases: None,
+            reset_source: None,
+        }
+    }
+
+    /// Listens for resets on `nodes` (see [`invalidate`]).
+    pub(crate) fn with_reset_source(mut self, nodes: invalidate::Nodes) -> Self {
+        self.reset_source = Some(nodes);
+        self.listen_for_resets();
+        self
+    }
+
+    /// Points the block cache at the reset channel of the current prefix.
+    fn listen_for_resets(&self) {
+        if let Some(cache) = &self.block_cache {
+            let source = self.reset_source.as_ref();
+            cache.listen_to(
+                source.map(|nodes| invalidate::Source::new(nodes.clone(), &self.prefix)),
+            );
         }
     }
 
@@ -222,6 +245,7 @@ impl RedisStore {
     pub fn with_prefix(mut self, prefix: &str) -> Result<Self, ConfigError> {
         super::validate_prefix(prefix)?;
         self.prefix = prefix.into();
+        self.listen_for_resets();
         Ok(self)
     }
 
@@ -273,6 +297,7 @@ impl RedisStore {
     /// stays denied until T.
     pub fn with_block_cache(mut self, entries: usize) -> Self {
         self.block_cache = (entries > 0).then(|| Arc::new(BlockCache::new(entries)));
+        self.listen_for_resets();
         self
     }
 
@@ -349,7 +374,20 @@ impl RedisStore {
     }
 
     fn encode(&self, key: &Key, limits: &[Limit], cost: u32) -> Encoded {
-        let keys: SmallVec<[String; 2]> = limits.iter().map(|l| self.redis_key(key, l)).collect();
+        self.encode_as(key, limits, cost, None)
+    }
+
+    /// [`encode`](Self::encode), for a request (`at` = None) or an adjustment of `cost`
+    /// units (`at`: the refund's decision time, or -1 for a top-up).
+    fn encode_as(&self, key: &Key, limits: &[Limit], cost: u32, at: Option<i64>) -> Encoded {
+        let mut keys: SmallVec<[String; 2]> =
+            limits.iter().map(|l| self.redis_key(key, l)).collect();
+        // After the limits' keys, the block key of each limit with a lockout.
+        for (i, limit) in limits.iter().enumerate() {
+            if limit.lockout_ms() > 0 {
+                keys.push(lockout_key(&keys[i]));
+            }
+        }
         let slot = if self.connection.is_cluster() {
             slot_of(&keys[0])
         } else {
@@ -361,12 +399,15 @@ impl RedisStore {
             group.push(u64::from(limit.limit()));
             group.push(limit.window_ms());
             group.push(u64::from(limit.capacity()));
+            group.push(limit.lockout_ms());
         }
         Encoded {
             keys,
             cost,
+            at,
             group,
             quotas: limits.iter().map(Limit::limit).collect(),
+            peek: false,
             slot,
             lease: None,
         }
@@ -407,7 +448,7 @@ impl Store for RedisStore {
                     }
                     return Check::ready(Ok(decision));
                 }
-                Some((cache.clone(), key.clone(), fingerprint))
+                Some((cache.clone(), key.clone(), fingerprint, cache.generation()))
             }
             _ => None,
         };
@@ -441,28 +482,105 @@ impl Store for RedisStore {
                     let now = clock.as_ref().map(|c| c.now_ms());
                     let reply = invoke(connection, script_call(now, &[&encoded])).await;
                     let len = encoded.quotas.len() * 4;
-                    let decision = match &reply {
-                        Ok(values) => parse(values.get(..len).unwrap_or(values), &encoded.quotas),
-                        Err(error) => Err(error.clone()),
+                    // The request's results, its ask's (when it asked), then `now`.
+                    let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
+                    let (decision, grant) = match &reply {
+                        Ok(reply) => {
+                            let (values, at) = split_now(reply, len + asked);
+                            let (own, grant) = values.split_at(len.min(values.len()));
+                            (parse(own, &encoded.quotas, at), Some(grant))
+                        }
+                        Err(error) => (Err(error.clone()), None),
                     };
                     match &encoded.lease {
-                        Some(attach) => {
-                            let grant = reply.as_ref().ok().and_then(|v| v.get(len..));
-                            attach.settle(&encoded, decision, grant)?
-                        }
+                        Some(attach) => attach.settle(&encoded, decision, grant)?,
                         None => decision?,
                     }
                 }
             };
-            if let Some((cache, key, fingerprint)) = block_cache {
+            if let Some((cache, key, fingerprint, generation)) = block_cache {
                 if decision.is_allowed() {
                     cache.forget(&key, fingerprint);
                 } else {
                     let now = local_now_ms(clock.as_ref());
-                    cache.insert(key, fingerprint, cost, now, &decision);
+                    cache.insert(key, fingerprint, cost, now, &decision, generation);
                 }
             }
             Ok(decision)
+        })
+    }
+
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        self.peek_check(key, limits, cost)
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        self.reset_state(key, limits)
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        self.adjust_call(key, limits, adjustment)
+    }
+}
+
+/// The numbers the script's ARGV has per limit.
+const LIMIT_FIELDS: usize = 5;
+
+/// The key that holds a limit's block ([`Limit::with_lockout`]) next to the limit's key
+/// `limit_key`: the same hash tag, and a last part no limit id has (ids end in digits).
+fn lockout_key(limit_key: &str) -> String {
+    let mut out = String::with_capacity(limit_key.len() + 8);
+    out.push_str(limit_key);
+    out.push_str(":lockout");
+    out
+}
+
+impl RedisStore {
+    /// [`Store::adjust`]: one script call (coalesced with the decisions waiting at the
+    /// same moment, so it keeps its place in their order). A refund drops the key's
+    /// cached denial here (it may fit earlier now); other replicas' block caches keep
+    /// theirs until its `retry_after`, denying no more than they would have.
+    fn adjust_call(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        let (units, at) = match adjustment {
+            Adjustment::Refund {
+                units,
+                charged_at_ms,
+            } => (units, i64::try_from(charged_at_ms).unwrap_or(i64::MAX)),
+            Adjustment::TopUp { units } => (units, -1),
+        };
+        if units == 0 {
+            // Nothing to move, and "-0" would read as a request of cost 0.
+            return Check::ready(Ok(Decision::unlimited()));
+        }
+        if let (Some(cache), Adjustment::Refund { .. }) = (&self.block_cache, adjustment) {
+            cache.forget(key, BlockCache::fingerprint(limits));
+        }
+        let encoded = self.encode_as(key, limits, units, Some(at));
+        let call = match self.coalescer() {
+            Some(coalescer) => match coalescer.submit(encoded) {
+                Submitted::Queued(reply) => Call::Queued(reply),
+                Submitted::Refused(error) => return Check::ready(Err(error)),
+                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
+            },
+            None => Call::Direct(encoded),
+        };
+        let connection = self.connection.clone();
+        let clock = self.clock.clone();
+        Check::pending(async move {
+            match call {
+                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the batch task stopped",
+                    ))
+                }),
+                Call::Direct(encoded) => {
+                    let now = clock.as_ref().map(|c| c.now_ms());
+                    let reply = invoke(connection, script_call(now, &[&encoded])).await?;
+                    let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
+                    parse(values, &encoded.quotas, at)
+                }
+            }
         })
     }
 }
@@ -478,9 +596,14 @@ enum Call {
 pub(crate) struct Encoded {
     keys: SmallVec<[String; 2]>,
     cost: u32,
-    /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity each.
-    group: SmallVec<[u64; 4]>,
+    /// An adjustment of `cost` units rather than a request: the script's `at` argument.
+    at: Option<i64>,
+    /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity,
+    /// lockout ms each.
+    group: SmallVec<[u64; LIMIT_FIELDS]>,
     quotas: SmallVec<[u32; 2]>,
+    /// Decided without committing: sent with its group index negated.
+    peek: bool,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
     /// What rides on it for leased quota (an ask, units going back).
@@ -507,7 +630,8 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     }
     let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
     let group_args: usize = groups.iter().map(|g| 1 + g.len()).sum();
-    let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len();
+    let adjustments = requests.iter().filter(|r| r.at.is_some()).count();
+    let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
     let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
@@ -522,14 +646,19 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     };
     cmd.arg(groups.len());
     for group in &groups {
-        cmd.arg(group.len() / 4);
+        cmd.arg(group.len() / LIMIT_FIELDS);
         for &value in *group {
             cmd.arg(value);
         }
     }
     cmd.arg(requests.len());
-    for (request, group) in requests.iter().zip(&group_of) {
-        cmd.arg(request.cost).arg(group);
+    for (request, &group) in requests.iter().zip(&group_of) {
+        match request.at {
+            None if request.peek => cmd.arg(request.cost).arg(-(group as i64)),
+            None => cmd.arg(request.cost).arg(group),
+            // A negative cost, then `at` (see lua/main.lua).
+            Some(at) => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
+        };
     }
     if requests.iter().any(|r| r.lease.is_some()) {
         lease::sections(&mut cmd, requests, &group_of);
@@ -609,8 +738,13 @@ async fn evalsha<C: ConnectionLike>(connection: &mut C, call: &Cmd) -> RedisResu
     }
 }
 
-/// One request's share of the script's reply: four integers per limit.
-pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreError> {
+/// One request's share of the script's reply: four integers per limit; `now` is the time
+/// the script decided at (the reply's last value).
+pub(crate) fn parse(
+    reply: &[i64],
+    quotas: &[u32],
+    now: Option<i64>,
+) -> Result<Decision, StoreError> {
     if reply.len() != quotas.len() * 4 {
         return Err(StoreError::new(
             StoreErrorKind::Response,
@@ -622,18 +756,44 @@ pub(crate) fn parse(reply: &[i64], quotas: &[u32]) -> Result<Decision, StoreErro
         ));
     }
     let to_u64 = |v: i64| u64::try_from(v).unwrap_or(0);
+    // A limit whose lockout blocks the request sends `remaining` as minus the time left
+    // on the block (lua/lockout.lua): remaining 0, and the block for the block cache.
+    let mut blocked_ms = 0;
     let decisions: LimitDecisions = reply
         .chunks_exact(4)
         .zip(quotas)
-        .map(|(v, &limit)| LimitDecision {
-            allowed: v[0] == 1,
-            limit,
-            remaining: to_u64(v[1]),
-            reset_after_ms: to_u64(v[2]),
-            retry_after_ms: to_u64(v[3]),
+        .map(|(v, &limit)| {
+            if v[1] < 0 {
+                let left = v[1].unsigned_abs();
+                blocked_ms = if blocked_ms == 0 {
+                    left
+                } else {
+                    blocked_ms.min(left)
+                };
+            }
+            LimitDecision {
+                allowed: v[0] == 1,
+                limit,
+                remaining: to_u64(v[1]),
+                reset_after_ms: to_u64(v[2]),
+                retry_after_ms: to_u64(v[3]),
+            }
         })
         .collect();
-    Ok(Decision::from_limits(decisions))
+    let decision = Decision::from_limits(decisions).blocked_for(blocked_ms);
+    Ok(match now.and_then(|now| u64::try_from(now).ok()) {
+        Some(now) => decision.decided_at(now),
+        None => decision,
+    })
+}
+
+/// A reply's values and the `now` the script appended last (see lua/main.lua): `values`
+/// counts the requests' results and their asks' results, which come before it.
+pub(crate) fn split_now(reply: &[i64], values: usize) -> (&[i64], Option<i64>) {
+    match reply.len().checked_sub(values) {
+        Some(1) => (&reply[..values], reply.last().copied()),
+        _ => (reply, None),
+    }
 }
 
 fn store_error(error: RedisError) -> StoreError {

@@ -201,7 +201,10 @@ impl RedisStore {
                 sentinel.watch().await;
             }
         });
-        Ok(Self::new(Connection::Sentinel(sentinel)))
+        // Resets are heard on whichever master the sentinels name (a PUBLISH on the master
+        // also reaches its replicas, so a subscription to a demoted one still hears it).
+        let nodes = super::invalidate::Nodes::Sentinel(sentinel.clone());
+        Ok(Self::new(Connection::Sentinel(sentinel)).with_reset_source(nodes))
     }
 }
 
@@ -319,6 +322,23 @@ impl SentinelConnection {
                 self.forget(generation);
             }
         }
+    }
+
+    /// A client for the master the sentinels name now.
+    pub(super) async fn master_client(&self) -> Option<redis::Client> {
+        self.client.lock().await.async_get_client().await.ok()
+    }
+
+    /// Sends one command to the master.
+    pub(super) async fn query(&self, cmd: &Cmd) -> Result<redis::Value, StoreError> {
+        let (generation, mut connection) = self.connection().await?;
+        let result = cmd.query_async(&mut connection).await;
+        if let Err(error) = &result
+            && lost_master(error)
+        {
+            self.forget(generation);
+        }
+        result.map_err(store_error)
     }
 
     /// Runs a script call on the master.

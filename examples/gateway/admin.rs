@@ -1,0 +1,368 @@
+//! The admin endpoints on `admin_listen`: read and reset one (route, key) budget.
+//!
+//! - `GET /ratelimit/<route>?key=<value>[&kind=<kind>][&cost=<n>]`: what a request of
+//!   `cost` (default 1) from that client would get now, per limit, with nothing counted.
+//! - `POST` or `DELETE` on the same address: a fresh budget for that client on the route,
+//!   on every gateway sharing the store.
+//!
+//! `<route>` is the route's `path` without its leading `/` (`/ratelimit/api/v1` for
+//! `path = "/api/v1"`, `/ratelimit/` for `/`). `kind` picks the route's key (`ip`,
+//! `header:<name>`, `global`) when the route has limits under several; `key` is the
+//! client's IP address or header value as the client sends it: the gateway makes the
+//! store key from it exactly as for a request (hashed header keys included).
+//! `admin_token_env` set: every request needs `Authorization: Bearer <token>`.
+
+use std::{collections::HashMap, fmt::Write as _, net::SocketAddr, sync::Arc};
+
+use axum::{
+    Router,
+    extract::{Path, Query, Request, State},
+    http::{HeaderMap, Method, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::any,
+};
+use tollgate::{
+    Decision, Limiter,
+    key::{ClientIp, GlobalKey, HeaderKey, Key},
+};
+
+use crate::{config::KeySpec, server::Live};
+
+/// One rate-limit layer of a route: its kind of key and its limiter.
+pub(crate) struct Entry {
+    route: String,
+    kind: KeySpec,
+    limiter: AnyLimiter,
+}
+
+enum AnyLimiter {
+    Ip(Limiter<ClientIp>),
+    Header(Limiter<HeaderKey>),
+    Global(Limiter<GlobalKey>),
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.route, self.kind)
+    }
+}
+
+impl Entry {
+    pub(crate) fn ip(route: &str, limiter: Limiter<ClientIp>) -> Self {
+        Self::new(route, KeySpec::Ip, AnyLimiter::Ip(limiter))
+    }
+
+    pub(crate) fn header(route: &str, kind: KeySpec, limiter: Limiter<HeaderKey>) -> Self {
+        Self::new(route, kind, AnyLimiter::Header(limiter))
+    }
+
+    pub(crate) fn global(route: &str, limiter: Limiter<GlobalKey>) -> Self {
+        Self::new(route, KeySpec::Global, AnyLimiter::Global(limiter))
+    }
+
+    fn new(route: &str, kind: KeySpec, limiter: AnyLimiter) -> Self {
+        Self {
+            route: route.to_owned(),
+            kind,
+            limiter,
+        }
+    }
+
+    /// The store key a request from this client would be counted against, made by the
+    /// layer's own extractor from a request that carries `value` where a client's would.
+    fn key(&self, value: Option<&str>) -> Result<Key, String> {
+        let mut request = http::Request::new(());
+        let extracted = match (&self.limiter, &self.kind) {
+            (AnyLimiter::Ip(limiter), _) => {
+                let value = value.ok_or("missing key (the client's IP address)")?;
+                let ip: std::net::IpAddr = value
+                    .parse()
+                    .map_err(|_| format!("key {value:?} is not an IP address"))?;
+                request.extensions_mut().insert(SocketAddr::new(ip, 0));
+                limiter.key_of(&request)
+            }
+            (AnyLimiter::Header(limiter), KeySpec::Header(name)) => {
+                let value = value.ok_or_else(|| format!("missing key (the {name} value)"))?;
+                let value = http::HeaderValue::from_str(value)
+                    .map_err(|_| format!("key is not a valid {name} value"))?;
+                request.headers_mut().insert(name.clone(), value);
+                limiter.key_of(&request)
+            }
+            (AnyLimiter::Global(limiter), _) => limiter.key_of(&request),
+            (AnyLimiter::Header(_), _) => return Err("header limiter without a header".into()),
+        };
+        extracted.map_err(|e| e.to_string())
+    }
+
+    async fn peek(&self, key: &Key, cost: u32) -> Result<(Decision, Decision), String> {
+        let (enforced, shadow) = match &self.limiter {
+            AnyLimiter::Ip(l) => (l.peek(key, cost).await, l.peek_shadow(key, cost).await),
+            AnyLimiter::Header(l) => (l.peek(key, cost).await, l.peek_shadow(key, cost).await),
+            AnyLimiter::Global(l) => (l.peek(key, cost).await, l.peek_shadow(key, cost).await),
+        };
+        let error = |e: tollgate::StoreError| store_error(&e);
+        Ok((enforced.map_err(error)?, shadow.map_err(error)?))
+    }
+
+    async fn reset(&self, key: &Key) -> Result<(), String> {
+        match &self.limiter {
+            AnyLimiter::Ip(l) => l.reset(key).await,
+            AnyLimiter::Header(l) => l.reset(key).await,
+            AnyLimiter::Global(l) => l.reset(key).await,
+        }
+        .map_err(|e| store_error(&e))
+    }
+
+    fn rules(&self) -> tollgate::Rules {
+        match &self.limiter {
+            AnyLimiter::Ip(l) => l.rules(),
+            AnyLimiter::Header(l) => l.rules(),
+            AnyLimiter::Global(l) => l.rules(),
+        }
+    }
+}
+
+/// A store error with its causes.
+fn store_error(error: &tollgate::StoreError) -> String {
+    let mut text = error.to_string();
+    let mut cause = std::error::Error::source(error);
+    while let Some(e) = cause {
+        let _ = write!(text, ": {e}");
+        cause = e.source();
+    }
+    text
+}
+
+/// The admin app: `/metrics` (when given) and the rate-limit endpoints.
+pub(crate) fn router(live: Arc<Live>) -> Router {
+    Router::new()
+        .route("/ratelimit/", any(root))
+        .route("/ratelimit/{*route}", any(route))
+        .with_state(live)
+}
+
+async fn root(
+    State(live): State<Arc<Live>>,
+    Query(query): Query<HashMap<String, String>>,
+    request: Request,
+) -> Response {
+    answer(&live, "/", &query, request.method(), request.headers()).await
+}
+
+async fn route(
+    State(live): State<Arc<Live>>,
+    Path(route): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    request: Request,
+) -> Response {
+    let route = format!("/{}", route.trim_end_matches('/'));
+    answer(&live, &route, &query, request.method(), request.headers()).await
+}
+
+async fn answer(
+    live: &Live,
+    route: &str,
+    query: &HashMap<String, String>,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Response {
+    if !authorized(live.admin_token().as_deref(), headers) {
+        let mut response = json(
+            StatusCode::UNAUTHORIZED,
+            &error_body("missing or wrong bearer token"),
+        );
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, "Bearer".parse().unwrap());
+        return response;
+    }
+    let reset = match *method {
+        Method::GET | Method::HEAD => false,
+        Method::POST | Method::DELETE => true,
+        _ => {
+            return json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                &error_body("GET reads, POST or DELETE resets"),
+            );
+        }
+    };
+    let gateway = live.gateway();
+    let entries: Vec<&Entry> = gateway
+        .admin()
+        .iter()
+        .filter(|e| e.route == route)
+        .collect();
+    if entries.is_empty() {
+        return json(
+            StatusCode::NOT_FOUND,
+            &error_body(&format!("no route with path {route:?} has limits")),
+        );
+    }
+    let entry = match query.get("kind") {
+        Some(kind) => match entries.iter().find(|e| e.kind.to_string() == *kind) {
+            Some(entry) => entry,
+            None => {
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    &error_body(&format!(
+                        "route {route:?} has no limits keyed by {kind:?} (it has {})",
+                        kinds(&entries)
+                    )),
+                );
+            }
+        },
+        None if entries.len() == 1 => &entries[0],
+        None => {
+            return json(
+                StatusCode::BAD_REQUEST,
+                &error_body(&format!(
+                    "route {route:?} has limits keyed by {}: choose one with kind=",
+                    kinds(&entries)
+                )),
+            );
+        }
+    };
+    let key = match entry.key(query.get("key").map(String::as_str)) {
+        Ok(key) => key,
+        Err(message) => return json(StatusCode::BAD_REQUEST, &error_body(&message)),
+    };
+    if reset {
+        return match entry.reset(&key).await {
+            Ok(()) => {
+                tracing::info!(route, kind = %entry.kind, key = %key.redacted(), "rate limit reset");
+                let mut body = String::from("{");
+                field(&mut body, "route", route);
+                body.push(',');
+                field(&mut body, "kind", &entry.kind.to_string());
+                body.push_str(",\"reset\":true}");
+                json(StatusCode::OK, &body)
+            }
+            Err(message) => json(StatusCode::SERVICE_UNAVAILABLE, &error_body(&message)),
+        };
+    }
+    let cost = match query.get("cost").map(|c| c.parse::<u32>()) {
+        None => 1,
+        Some(Ok(cost)) => cost,
+        Some(Err(_)) => {
+            return json(
+                StatusCode::BAD_REQUEST,
+                &error_body("cost must be a whole number"),
+            );
+        }
+    };
+    match entry.peek(&key, cost).await {
+        Ok((enforced, shadow)) => {
+            let rules = entry.rules();
+            json(
+                StatusCode::OK,
+                &peek_body(route, &entry.kind, cost, &rules, &enforced, &shadow),
+            )
+        }
+        Err(message) => json(StatusCode::SERVICE_UNAVAILABLE, &error_body(&message)),
+    }
+}
+
+/// Whether `headers` carry the bearer `token` (any request when there is none).
+fn authorized(token: Option<&[u8]>, headers: &HeaderMap) -> bool {
+    let Some(token) = token else {
+        return true;
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or_default();
+    // Compared in time that depends on the lengths only.
+    given.len() == token.len() && given.iter().zip(token).fold(0, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+fn kinds(entries: &[&Entry]) -> String {
+    let kinds: Vec<String> = entries.iter().map(|e| e.kind.to_string()).collect();
+    kinds.join(", ")
+}
+
+fn json(status: StatusCode, body: &str) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!("{body}\n"),
+    )
+        .into_response()
+}
+
+fn error_body(message: &str) -> String {
+    let mut body = String::from("{");
+    field(&mut body, "error", message);
+    body.push('}');
+    body
+}
+
+/// `"name":"value"`, with the value escaped as a JSON string.
+fn field(out: &mut String, name: &str, value: &str) {
+    let _ = write!(out, "\"{name}\":\"");
+    for c in value.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// `{"route":..,"kind":..,"cost":..,"allowed":..,"limits":[{..},..]}`: every limit,
+/// enforced then shadow, with what a request of `cost` would get from it.
+fn peek_body(
+    route: &str,
+    kind: &KeySpec,
+    cost: u32,
+    rules: &tollgate::Rules,
+    enforced: &Decision,
+    shadow: &Decision,
+) -> String {
+    let mut body = String::from("{");
+    field(&mut body, "route", route);
+    body.push(',');
+    field(&mut body, "kind", &kind.to_string());
+    let _ = write!(
+        body,
+        ",\"cost\":{cost},\"allowed\":{},\"limits\":[",
+        enforced.is_allowed() || rules.is_shadow()
+    );
+    let limits = rules
+        .limits()
+        .iter()
+        .zip(enforced.limits())
+        .map(|l| (l, rules.is_shadow()))
+        .chain(
+            rules
+                .shadow_limits()
+                .iter()
+                .zip(shadow.limits())
+                .map(|l| (l, true)),
+        );
+    for (i, ((limit, decision), in_shadow)) in limits.enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push('{');
+        field(&mut body, "name", limit.name().unwrap_or(""));
+        body.push(',');
+        field(&mut body, "algorithm", limit.algorithm().as_str());
+        let _ = write!(
+            body,
+            ",\"limit\":{},\"window_ms\":{},\"shadow\":{in_shadow},\"allowed\":{},\
+             \"remaining\":{},\"reset_after_ms\":{},\"retry_after_ms\":{}}}",
+            limit.limit(),
+            limit.window().as_millis(),
+            decision.allowed,
+            decision.remaining,
+            decision.reset_after_ms,
+            decision.retry_after_ms,
+        );
+    }
+    body.push_str("]}");
+    body
+}

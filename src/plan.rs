@@ -1,0 +1,721 @@
+//! [`Plans`]: limits chosen per request (free, paid, internal, ...).
+//!
+//! A [`Plan`] is a name with its limits, or unlimited. A layer given [`Plans`]
+//! ([`RateLimitLayer::plans`](crate::RateLimitLayer::plans), [`Rules::with_plans`]) asks
+//! their resolver which plan each request is on, after its key is extracted, and decides
+//! the request under that plan's limits instead of the layer's own: all-or-nothing, in
+//! one store call, as always.
+//!
+//! - **Resolvers.** A header whose value names the plan ([`Plans::with_header`]), a sync
+//!   closure over the request and its key ([`Plans::with_resolver`]: an extension set by
+//!   the auth layer, a claim), or an async lookup by key ([`Plans::with_lookup`]: a
+//!   database) whose answers are cached per key for a TTL, in a bounded cache.
+//! - **No answer.** A request the resolver gives no plan, an unknown plan name, or a
+//!   lookup that fails (logged at `warn`, not cached) is decided under the
+//!   [default plan](Plans::with_default) or, without one, under the layer's own limits:
+//!   never unlimited by accident.
+//! - **State.** Each plan's limits keep their own state: their store keys carry the
+//!   plan's name, so a client moving from `free` to `paid` starts `paid` with a full
+//!   budget, and moving back finds `free` as it left it. A plan built with
+//!   [`Plan::sharing_state`] keeps its limits' own keys instead: limits equal (or
+//!   [carried over](crate::OnChange::CarryOver) under one name) in two such plans share
+//!   one budget.
+//! - **Fields and metrics.** A plan's policies are called `<plan>.<policy>` in
+//!   `RateLimit-Policy` and `RateLimit` (`"free.hourly";q=100;w=3600`), their writers
+//!   prepared once per plan. With the feature `metrics`, each request decided under a
+//!   plan is also counted in [`tollgate_plan_requests_total`](crate::metrics::PLAN_REQUESTS_TOTAL)
+//!   with the labels `route`, `plan` and `outcome`.
+//! - **Changes.** Plans are part of the [`Rules`], so a [`RulesHandle`](crate::RulesHandle)
+//!   changes them while the layer serves.
+//!
+//! A layer without plans pays one predictable branch per request for them.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Limit, Plan, Plans, RateLimitLayer, key::HeaderKey};
+//!
+//! let hourly = |n| Limit::fixed_window(n, Duration::from_secs(3600));
+//! let plans = Plans::new([
+//!     Plan::new("free", [hourly(100)?])?,
+//!     Plan::new("paid", [hourly(10_000)?, Limit::token_bucket(50, Duration::from_secs(1))?])?,
+//!     Plan::unlimited("internal")?,
+//! ])?
+//! .with_default("free")?
+//! // Set by the auth layer in front, never by clients.
+//! .with_resolver(|request| request.header("x-plan"));
+//! // The layer's own limit applies only without a plan: here never, as there is a default.
+//! let layer = RateLimitLayer::new(hourly(100)?)
+//!     .key(HeaderKey::new("x-api-key")?)
+//!     .plans(plans);
+//! # let _ = layer;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use futures_util::{FutureExt, future::BoxFuture};
+use http::{Extensions, HeaderMap, HeaderName, Method, Request, Uri};
+use quick_cache::sync::Cache;
+
+use crate::{
+    ConfigError, Limit, Rules,
+    clock::{Clock, MonotonicClock},
+    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
+    key::Key,
+    metrics::Outcome,
+    rejection::OnRejection,
+    rules::Active,
+    store::Check,
+};
+
+/// A named set of limits, or unlimited: one tier of a product. See the
+/// [module docs](crate::plan).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    name: Arc<str>,
+    /// `None`: unlimited.
+    limits: Option<Arc<[Limit]>>,
+    shared_state: bool,
+}
+
+impl Plan {
+    /// The plan `name` with `limits` (at least one; all must allow a request).
+    ///
+    /// # Errors
+    ///
+    /// A name that is empty, longer than 64 bytes or not of `A-Z a-z 0-9 - _ .` (field
+    /// `plan`), no limit (field `limits`), two different limits with one state (field
+    /// `name`, as for [`Rules::with_limits`]).
+    pub fn new(
+        name: impl Into<String>,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Self, ConfigError> {
+        let name = plan_name(name.into())?;
+        let limits = crate::rules::unique(limits)?;
+        if limits.is_empty() {
+            return Err(ConfigError::new(
+                "limits",
+                format!("plan {name:?} must hold at least one limit (or be unlimited)"),
+            ));
+        }
+        Ok(Self {
+            name,
+            limits: Some(limits.into()),
+            shared_state: false,
+        })
+    }
+
+    /// The plan `name` without limits: its requests are never counted nor rejected and
+    /// get no rate-limit fields.
+    ///
+    /// # Errors
+    ///
+    /// An invalid name, as for [`new`](Self::new).
+    pub fn unlimited(name: impl Into<String>) -> Result<Self, ConfigError> {
+        Ok(Self {
+            name: plan_name(name.into())?,
+            limits: None,
+            shared_state: false,
+        })
+    }
+
+    /// Whether this plan's limits keep their own state (`false`, the default: their store
+    /// keys carry the plan's name) or share it with equal limits of the layer and of other
+    /// sharing plans (`true`). Share to let a client who changes plans keep what it spent:
+    /// give the limits of both plans one [name](Limit::named) and
+    /// [`OnChange::CarryOver`](crate::OnChange::CarryOver).
+    pub fn sharing_state(mut self, share: bool) -> Self {
+        self.shared_state = share;
+        self
+    }
+
+    /// The name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The limits, as given; `None` for an unlimited plan.
+    pub fn limits(&self) -> Option<&[Limit]> {
+        self.limits.as_deref()
+    }
+
+    /// Whether the plan is unlimited.
+    pub fn is_unlimited(&self) -> bool {
+        self.limits.is_none()
+    }
+
+    /// Whether the limits share their state. See [`sharing_state`](Self::sharing_state).
+    pub fn shares_state(&self) -> bool {
+        self.shared_state
+    }
+
+    /// The limits as the store keeps them: under the plan's name unless shared.
+    pub(crate) fn stored_limits(&self) -> Option<Arc<[Limit]>> {
+        let limits = self.limits.as_ref()?;
+        if self.shared_state {
+            return Some(limits.clone());
+        }
+        Some(limits.iter().map(|l| l.scoped(&self.name)).collect())
+    }
+}
+
+fn plan_name(name: String) -> Result<Arc<str>, ConfigError> {
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid {
+        return Err(ConfigError::new(
+            "plan",
+            format!("must be 1 to 64 of A-Z a-z 0-9 - _ . (got {name:?})"),
+        ));
+    }
+    Ok(name.into())
+}
+
+/// A layer's plans, its default plan and the resolver that picks one per request. See
+/// the [module docs](crate::plan).
+#[derive(Debug, Clone)]
+pub struct Plans {
+    plans: Arc<[Plan]>,
+    default: Option<Arc<str>>,
+    resolver: Resolver,
+}
+
+impl Plans {
+    /// These plans (at least one, each name once), with no resolver yet (every request
+    /// gets the default plan) and no default plan (the layer's own limits).
+    ///
+    /// # Errors
+    ///
+    /// No plan, or two plans with one name (field `plans`).
+    pub fn new(plans: impl IntoIterator<Item = Plan>) -> Result<Self, ConfigError> {
+        let plans: Vec<Plan> = plans.into_iter().collect();
+        if plans.is_empty() {
+            return Err(ConfigError::new("plans", "must hold at least one plan"));
+        }
+        for (i, plan) in plans.iter().enumerate() {
+            if plans[..i].iter().any(|p| p.name == plan.name) {
+                return Err(ConfigError::new(
+                    "plans",
+                    format!("{:?} is the name of two plans", plan.name()),
+                ));
+            }
+        }
+        Ok(Self {
+            plans: plans.into(),
+            default: None,
+            resolver: Resolver::None,
+        })
+    }
+
+    /// The plan of requests that the resolver gives none, an unknown one, or whose
+    /// lookup fails. Without it they are decided under the layer's own limits.
+    ///
+    /// # Errors
+    ///
+    /// `name` is not one of the plans (field `default_plan`).
+    pub fn with_default(mut self, name: &str) -> Result<Self, ConfigError> {
+        match self.plans.iter().find(|p| &*p.name == name) {
+            Some(plan) => {
+                self.default = Some(plan.name.clone());
+                Ok(self)
+            }
+            None => Err(ConfigError::new(
+                "default_plan",
+                format!("{name:?} is not one of the plans"),
+            )),
+        }
+    }
+
+    /// Picks the plan from the value of the header `name`, which names it.
+    ///
+    /// **Let only a component you trust set this header** (an auth proxy in front that
+    /// removes the client's own): a client that can send it chooses its own plan.
+    pub fn with_header(mut self, name: HeaderName) -> Self {
+        self.resolver = Resolver::Header(name);
+        self
+    }
+
+    /// Picks the plan with `resolve`, from the request and its key, without waiting: its
+    /// headers, an extension set by an auth layer in front, the key itself. `None` (or
+    /// an unknown name) means the default plan. The name is borrowed from the request
+    /// (a header, an extension's field) or `'static` (`Some("paid")`).
+    pub fn with_resolver<F>(mut self, resolve: F) -> Self
+    where
+        F: for<'a> Fn(&'a PlanRequest<'a>) -> Option<&'a str> + Send + Sync + 'static,
+    {
+        self.resolver = Resolver::Sync(Arc::new(resolve));
+        self
+    }
+
+    /// Picks the plan with an async lookup by key (a database), cached: see
+    /// [`PlanLookup`].
+    pub fn with_lookup(mut self, lookup: PlanLookup) -> Self {
+        self.resolver = Resolver::Lookup(lookup);
+        self
+    }
+
+    /// The plans.
+    pub fn plans(&self) -> &[Plan] {
+        &self.plans
+    }
+
+    /// The default plan's name, if any.
+    pub fn default_plan(&self) -> Option<&str> {
+        self.default.as_deref()
+    }
+}
+
+/// What a [resolver](Plans::with_resolver) sees of a request: its head and its key.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanRequest<'a> {
+    method: &'a Method,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+    extensions: &'a Extensions,
+    key: &'a Key,
+}
+
+impl<'a> PlanRequest<'a> {
+    /// The view of `request`, counted against `key`.
+    pub fn new<B>(request: &'a Request<B>, key: &'a Key) -> Self {
+        Self {
+            method: request.method(),
+            uri: request.uri(),
+            headers: request.headers(),
+            extensions: request.extensions(),
+            key,
+        }
+    }
+
+    /// The method.
+    pub fn method(&self) -> &'a Method {
+        self.method
+    }
+
+    /// The URI.
+    pub fn uri(&self) -> &'a Uri {
+        self.uri
+    }
+
+    /// The headers.
+    pub fn headers(&self) -> &'a HeaderMap {
+        self.headers
+    }
+
+    /// The extensions (where an auth layer leaves what it knows of the client).
+    pub fn extensions(&self) -> &'a Extensions {
+        self.extensions
+    }
+
+    /// The key the request is counted against.
+    pub fn key(&self) -> &'a Key {
+        self.key
+    }
+
+    /// The value of the header `name`, if it is present and visible ASCII.
+    pub fn header(&self, name: &str) -> Option<&'a str> {
+        self.headers.get(name)?.to_str().ok()
+    }
+}
+
+type SyncResolve = dyn for<'a> Fn(&'a PlanRequest<'a>) -> Option<&'a str> + Send + Sync;
+type Lookup = dyn Fn(Key) -> BoxFuture<'static, Result<Option<String>, BoxError>> + Send + Sync;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Clone)]
+enum Resolver {
+    /// Every request gets the default plan.
+    None,
+    Header(HeaderName),
+    Sync(Arc<SyncResolve>),
+    Lookup(PlanLookup),
+}
+
+impl fmt::Debug for Resolver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::None => f.write_str("None"),
+            Self::Header(name) => f.debug_tuple("Header").field(name).finish(),
+            Self::Sync(_) => f.write_str("Sync(..)"),
+            Self::Lookup(lookup) => f.debug_tuple("Lookup").field(lookup).finish(),
+        }
+    }
+}
+
+/// An async plan lookup by key (a database query), with its answers cached per key.
+///
+/// A request whose key has a fresh answer in the cache is decided at once; one whose key
+/// has none waits for the lookup, and requests for one key that miss together wait for
+/// one lookup. The answer, a plan name or none (the default plan), is kept for the
+/// [TTL](Self::ttl) in a cache of at most [`max_keys`](Self::max_keys) keys
+/// (`quick_cache`, which evicts the coldest keys when full). A lookup that fails is
+/// logged at `warn` and not cached: the request gets the default plan, the next one
+/// looks up again.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{PlanLookup, key::Key};
+///
+/// let lookup = PlanLookup::new(|key: Key| async move {
+///     // A database query in real code.
+///     let plan = if key.as_str().ends_with("|vip") { Some("paid".to_owned()) } else { None };
+///     Ok::<_, std::io::Error>(plan)
+/// })
+/// .ttl(Duration::from_secs(30))
+/// .max_keys(50_000);
+/// # let _ = lookup;
+/// ```
+#[derive(Clone)]
+pub struct PlanLookup {
+    lookup: Arc<Lookup>,
+    cache: Arc<Cache<Key, Cached>>,
+    ttl_ms: u64,
+    max_keys: usize,
+    clock: Arc<dyn Clock>,
+}
+
+#[derive(Debug, Clone)]
+struct Cached {
+    plan: Option<Arc<str>>,
+    expires_ms: u64,
+}
+
+impl PlanLookup {
+    /// The default time an answer is kept: one minute.
+    pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+    /// The default number of keys whose answers are kept.
+    pub const DEFAULT_MAX_KEYS: usize = 10_000;
+
+    /// Looks plans up with `lookup`: the key's plan name, `None` for the default plan,
+    /// or an error (the default plan, not cached).
+    pub fn new<F, Fut, E>(lookup: F) -> Self
+    where
+        F: Fn(Key) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Option<String>, E>> + Send + 'static,
+        E: Into<BoxError>,
+    {
+        let lookup: Arc<Lookup> =
+            Arc::new(move |key| lookup(key).map(|r| r.map_err(Into::into)).boxed());
+        Self {
+            lookup,
+            cache: Arc::new(Cache::new(Self::DEFAULT_MAX_KEYS)),
+            ttl_ms: Self::DEFAULT_TTL.as_millis() as u64,
+            max_keys: Self::DEFAULT_MAX_KEYS,
+            clock: Arc::new(MonotonicClock),
+        }
+    }
+
+    /// How long an answer is kept ([`DEFAULT_TTL`](Self::DEFAULT_TTL) by default): how
+    /// long a changed plan may take to apply. Zero looks up on every request.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// How many keys' answers are kept at most
+    /// ([`DEFAULT_MAX_KEYS`](Self::DEFAULT_MAX_KEYS) by default; at least 1). Starts an
+    /// empty cache.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys.max(1);
+        self.cache = Arc::new(Cache::new(self.max_keys));
+        self
+    }
+
+    /// Times the TTL with `clock` (tests: a [`ManualClock`](crate::clock::ManualClock)).
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The cached answer for `key`, if fresh: `Some(None)` is a cached "default plan".
+    fn cached(&self, key: &Key) -> Option<Option<Arc<str>>> {
+        let cached = self.cache.get(key)?;
+        (self.clock.now_ms() < cached.expires_ms).then_some(cached.plan)
+    }
+
+    /// Looks `key` up and caches the answer; `None` when it failed or named no plan. One
+    /// request per key looks up at a time: the others that miss meanwhile wait for its
+    /// answer (quick_cache's placeholder), so a cold key costs the database one query
+    /// however many requests it has at once.
+    fn resolve(&self, key: Key) -> BoxFuture<'static, Option<Arc<str>>> {
+        let this = self.clone();
+        async move {
+            let cache = this.cache.clone();
+            // An expired answer goes, so that the next lookup holds the placeholder.
+            let now = this.clock.now_ms();
+            cache.remove_if(&key, |cached| now >= cached.expires_ms);
+            let guard = match cache.get_value_or_guard_async(&key).await {
+                // Another request's lookup answered meanwhile.
+                Ok(cached) if this.clock.now_ms() < cached.expires_ms => return cached.plan,
+                Ok(_) => None,
+                Err(guard) => Some(guard),
+            };
+            match (this.lookup)(key.clone()).await {
+                Ok(plan) => {
+                    let plan: Option<Arc<str>> = plan.map(Into::into);
+                    let cached = Cached {
+                        plan: plan.clone(),
+                        expires_ms: this.clock.now_ms().saturating_add(this.ttl_ms),
+                    };
+                    match guard {
+                        Some(guard) => {
+                            let _ = guard.insert(cached);
+                        }
+                        None => this.cache.insert(key, cached),
+                    }
+                    plan
+                }
+                Err(error) => {
+                    // Never the key itself: it may be an API key.
+                    tracing::warn!(
+                        error = %error,
+                        key = %key.redacted(),
+                        "rate limit plan lookup failed; using the default plan"
+                    );
+                    None
+                }
+            }
+        }
+        .boxed()
+    }
+}
+
+impl fmt::Debug for PlanLookup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PlanLookup")
+            .field("ttl_ms", &self.ttl_ms)
+            .field("max_keys", &self.max_keys)
+            .field("cached", &self.cache.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A layer's plans as requests use them: each with its rules prepared once.
+#[derive(Debug)]
+pub(crate) struct PlanTable {
+    entries: Vec<(Arc<str>, Entry)>,
+    /// The index of the default plan in `entries`; `None`: the layer's own limits.
+    default: Option<usize>,
+    resolver: Resolver,
+}
+
+#[derive(Debug)]
+enum Entry {
+    Limited(Arc<Active>),
+    Unlimited,
+}
+
+/// The plan a request is decided under.
+pub(crate) enum Chosen<'a> {
+    /// The layer's own limits (no plan, and no default plan).
+    Layer,
+    /// A plan with limits: its rules.
+    Plan(&'a Arc<Active>),
+    /// An unlimited plan (its name): no store call.
+    Unlimited(&'a Arc<str>),
+}
+
+impl PlanTable {
+    /// The table of `plans` for a layer under `rules`, with version `version`: each plan's
+    /// rules are the layer's with the plan's limits (and its fields' writer).
+    pub(crate) fn new(plans: &Plans, rules: &Rules, version: u64) -> Self {
+        let entries = plans
+            .plans
+            .iter()
+            .map(|plan| {
+                let entry = match plan.stored_limits() {
+                    Some(limits) => {
+                        let rules = rules.for_plan(limits);
+                        Entry::Limited(Arc::new(Active::for_plan(rules, version, &plan.name)))
+                    }
+                    None => Entry::Unlimited,
+                };
+                (plan.name.clone(), entry)
+            })
+            .collect::<Vec<_>>();
+        let default = plans
+            .default
+            .as_ref()
+            .and_then(|name| entries.iter().position(|(n, _)| n == name));
+        Self {
+            entries,
+            default,
+            resolver: plans.resolver.clone(),
+        }
+    }
+
+    /// The plan of `request`, counted against `key`, or the lookup to wait for.
+    pub(crate) fn choose<B>(
+        &self,
+        request: &Request<B>,
+        key: &Key,
+    ) -> Result<Chosen<'_>, Resolving> {
+        Ok(match &self.resolver {
+            Resolver::None => self.named(None),
+            Resolver::Header(name) => {
+                self.named(request.headers().get(name).and_then(|v| v.to_str().ok()))
+            }
+            Resolver::Sync(resolve) => self.named(resolve(&PlanRequest::new(request, key))),
+            Resolver::Lookup(lookup) => match lookup.cached(key) {
+                Some(plan) => self.named(plan.as_deref()),
+                None => return Err(Resolving(lookup.resolve(key.clone()))),
+            },
+        })
+    }
+
+    /// The plan called `name`; the default one for `None` or an unknown name.
+    pub(crate) fn named(&self, name: Option<&str>) -> Chosen<'_> {
+        let found = name.and_then(|name| self.entries.iter().position(|(n, _)| &**n == name));
+        if found.is_none()
+            && let Some(name) = name
+        {
+            tracing::debug!(
+                plan = name,
+                "rate limit plan unknown; using the default plan"
+            );
+        }
+        match found.or(self.default) {
+            None => Chosen::Layer,
+            Some(index) => match &self.entries[index].1 {
+                Entry::Limited(rules) => Chosen::Plan(rules),
+                Entry::Unlimited => Chosen::Unlimited(&self.entries[index].0),
+            },
+        }
+    }
+}
+
+/// An async plan lookup in flight: its answer is the plan's name, `None` for the
+/// default plan.
+pub(crate) struct Resolving(BoxFuture<'static, Option<Arc<str>>>);
+
+impl Future for Resolving {
+    type Output = Option<Arc<str>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.0.poll_unpin(cx)
+    }
+}
+
+/// Counts a request let through by the unlimited plan `plan`: `allowed`, without a
+/// store call.
+pub(crate) fn unlimited<R>(shared: &Shared<R>, plan: &str) {
+    shared.metrics.request(Outcome::Allowed);
+    #[cfg(feature = "metrics")]
+    record(&shared.name, plan, Outcome::Allowed);
+    #[cfg(not(feature = "metrics"))]
+    let _ = plan;
+}
+
+/// How a request decided under `rules` goes on once its plan is known: the `rest` of
+/// [`RateLimit::call`](crate::RateLimit) for a request whose plan lookup had to be
+/// waited for.
+pub(crate) enum Started<ResB> {
+    /// Decided at once.
+    Next(Next<ResB>),
+    /// Waiting for the store.
+    Check(Check),
+    /// Waiting for the store, on enforced and shadow limits.
+    Checks(Checks),
+}
+
+/// Asks the store about `request` under `rules` (a plan's, or the layer's).
+pub(crate) fn start<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    request: &Request<ReqB>,
+    asked: &Asked,
+) -> Started<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    if let Some(shadow) = rules.shadow() {
+        return match Checks::start(&shared.store, asked, rules.limits(), shadow) {
+            Ok(answers) => Started::Next(settle_shadowed(shared, rules, answers, request, asked)),
+            Err(checks) => Started::Checks(checks),
+        };
+    }
+    match shared
+        .store
+        .check_now(&asked.key, rules.limits(), asked.cost)
+    {
+        Ok(result) => Started::Next(settle(shared, rules, result, request, asked)),
+        Err(check) => Started::Check(check),
+    }
+}
+
+/// Counts a request decided under `rules` in `tollgate_plan_requests_total` if they are
+/// a plan's. Nothing without the feature `metrics`.
+#[inline]
+pub(crate) fn decided<R>(shared: &Shared<R>, rules: &Active, outcome: Outcome) {
+    #[cfg(feature = "metrics")]
+    if let Some(plan) = &rules.plan {
+        record(&shared.name, plan, outcome);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (shared, rules, outcome);
+}
+
+/// Counts a request decided under a plan in `tollgate_plan_requests_total`.
+#[cfg(feature = "metrics")]
+pub(crate) fn record(route: &str, plan: &str, outcome: Outcome) {
+    ::metrics::counter!(
+        crate::metrics::PLAN_REQUESTS_TOTAL,
+        "route" => route.to_owned(),
+        "plan" => plan.to_owned(),
+        "outcome" => outcome.as_str(),
+    )
+    .increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(n: u32) -> Limit {
+        Limit::fixed_window(n, Duration::from_secs(60)).unwrap()
+    }
+
+    #[test]
+    fn invalid_plans_name_their_field() {
+        assert_eq!(Plan::new("", [limit(1)]).unwrap_err().field(), "plan");
+        assert_eq!(Plan::new("a b", [limit(1)]).unwrap_err().field(), "plan");
+        assert_eq!(Plan::new("free", []).unwrap_err().field(), "limits");
+        assert_eq!(Plans::new([]).unwrap_err().field(), "plans");
+        let twice = Plans::new([
+            Plan::new("a", [limit(1)]).unwrap(),
+            Plan::unlimited("a").unwrap(),
+        ]);
+        assert_eq!(twice.unwrap_err().field(), "plans");
+        let plans = Plans::new([Plan::unlimited("a").unwrap()]).unwrap();
+        assert_eq!(plans.with_default("b").unwrap_err().field(), "default_plan");
+    }
+
+    #[test]
+    fn a_plan_keeps_its_state_apart_unless_it_shares() {
+        let own = Plan::new("free", [limit(10)]).unwrap();
+        let shared = own.clone().sharing_state(true);
+        let stored = own.stored_limits().unwrap();
+        assert_eq!(stored[0].id(), format!("@free:{}", limit(10).id()));
+        assert_ne!(stored[0].fingerprint(), limit(10).fingerprint());
+        assert_ne!(
+            stored[0].params_fingerprint(),
+            limit(10).params_fingerprint()
+        );
+        assert_eq!(shared.stored_limits().unwrap()[0], limit(10));
+        let paid = Plan::new("paid", [limit(10)])
+            .unwrap()
+            .stored_limits()
+            .unwrap();
+        assert_ne!(paid[0].fingerprint(), stored[0].fingerprint());
+    }
+}

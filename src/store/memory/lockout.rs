@@ -1,0 +1,254 @@
+//! The memory store's lockouts ([`Limit::with_lockout`]): the blocks, in a table of their
+//! own next to the shard's keys, touched only by requests whose limits have a lockout.
+//!
+//! A block lives apart from the key's algorithm state because it outlives it (a 15-minute
+//! block on a one-minute window), and so that entries stay 56 bytes for everyone else.
+
+use hashbrown::HashTable;
+use smallvec::SmallVec;
+
+use super::{Inner, REFERENCED, SHARDS, Shard, Slot, fingerprint, lock};
+use crate::{
+    Decision, Limit,
+    algorithm::{self, State},
+    key::Key,
+};
+
+/// The blocks of one shard: (key, limit) -> when the block ends.
+#[derive(Default)]
+pub(super) struct Blocks {
+    table: HashTable<Block>,
+    /// The table's size at which expired blocks are dropped next: twice the live ones
+    /// after the last purge, so that purging costs O(1) per block written.
+    purge_at: usize,
+}
+
+struct Block {
+    /// The hash of (key, limit), kept for the table's rehashing.
+    hash: u64,
+    key: Key,
+    fingerprint: u64,
+    until: u64,
+}
+
+/// The fewest blocks a shard holds before it purges expired ones.
+const PURGE_MIN: usize = 64;
+
+impl Blocks {
+    fn hash(key_hash: u64, fingerprint: u64) -> u64 {
+        (key_hash ^ fingerprint).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// When the block of `key` under the limit with `fingerprint` ends (0: never blocked).
+    pub(super) fn until(&self, key_hash: u64, key: &Key, fingerprint: u64) -> u64 {
+        self.table
+            .find(Self::hash(key_hash, fingerprint), |b| {
+                b.fingerprint == fingerprint && b.key == *key
+            })
+            .map_or(0, |b| b.until)
+    }
+
+    /// Blocks `key` under the limit with `fingerprint` until `until`. Beyond `max` blocks
+    /// (the shard's share of the store's keys), expired blocks go first, then an eighth
+    /// of the table, oldest in table order: memory stays bounded, and as with the keys'
+    /// state, only a flood of breaching keys can end a block early.
+    fn set(
+        &mut self,
+        key_hash: u64,
+        key: &Key,
+        fingerprint: u64,
+        until: u64,
+        now: u64,
+        max: usize,
+    ) {
+        let hash = Self::hash(key_hash, fingerprint);
+        if let Some(block) = self
+            .table
+            .find_mut(hash, |b| b.fingerprint == fingerprint && b.key == *key)
+        {
+            block.until = until;
+            return;
+        }
+        if self.table.len() >= self.purge_at.max(PURGE_MIN) || self.table.len() >= max {
+            self.purge(now);
+            if self.table.len() >= max {
+                let mut to_drop = self.table.len() / 8 + 1;
+                self.table.retain(|_| {
+                    if to_drop == 0 {
+                        return true;
+                    }
+                    to_drop -= 1;
+                    false
+                });
+            }
+            self.purge_at = 2 * self.table.len();
+        }
+        self.table.insert_unique(
+            hash,
+            Block {
+                hash,
+                key: key.clone(),
+                fingerprint,
+                until,
+            },
+            |b| b.hash,
+        );
+    }
+
+    /// Ends the block of `key` under the limit with `fingerprint`, if any (a reset).
+    pub(super) fn remove(&mut self, key_hash: u64, key: &Key, fingerprint: u64) {
+        let hash = Self::hash(key_hash, fingerprint);
+        if let Ok(block) = self
+            .table
+            .find_entry(hash, |b| b.fingerprint == fingerprint && b.key == *key)
+        {
+            block.remove();
+        }
+    }
+
+    /// Drops the blocks that have ended.
+    pub(super) fn purge(&mut self, now: u64) {
+        self.table.retain(|b| b.until > now);
+    }
+
+    /// How many blocks are held (ended ones not yet purged included).
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.table.len()
+    }
+}
+
+impl Inner {
+    /// Decides a request whose limits have lockouts: the states from the key's slots
+    /// (made when missing) and the blocks from the shard's [`Blocks`], through the
+    /// reference model's [`check_with_lockouts`](algorithm::check_with_lockouts). Apart
+    /// from [`Inner::decide`], so that requests without lockouts pay one test for it.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn decide_with_lockouts(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        now: u64,
+    ) -> Decision {
+        let hash = self.hash(key);
+        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
+        let Shard {
+            table,
+            known,
+            max_keys,
+            hand,
+            blocks,
+            ..
+        } = &mut *shard;
+        let slots = &mut self
+            .entry(table, known, *max_keys, hand, key, hash, now)
+            .slots;
+        let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match slots.find(fingerprint(limit)) {
+                Some(index) => {
+                    slots[index].tagged |= REFERENCED;
+                    index
+                }
+                None => {
+                    slots.push(Slot::new(limit, known));
+                    slots.len() - 1
+                }
+            };
+            indexes.push(index);
+        }
+        let mut states: SmallVec<[State; 2]> = indexes
+            .iter()
+            .zip(limits)
+            .map(|(&i, limit)| {
+                std::mem::replace(&mut slots[i].state, State::new(limit.algorithm()))
+            })
+            .collect();
+        let before: SmallVec<[u64; 2]> = limits
+            .iter()
+            .map(|limit| match limit.lockout_ms() {
+                0 => 0,
+                _ => blocks.until(hash, key, fingerprint(limit)),
+            })
+            .collect();
+        let mut until = before.clone();
+        let decision = algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
+        for (&i, state) in indexes.iter().zip(states) {
+            slots[i].state = state;
+        }
+        for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
+            if new != old {
+                blocks.set(hash, key, fingerprint(limit), new, now, *max_keys);
+            }
+        }
+        decision
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::{MemoryStore, lock};
+    use crate::{Limit, clock::ManualClock, key::Key};
+
+    fn login() -> Limit {
+        Limit::fixed_window(2, Duration::from_secs(1))
+            .unwrap()
+            .with_lockout(Duration::from_secs(60))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_block_outlives_the_swept_state_of_its_key() {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let limits = [login()];
+        let key = Key::new("mallory");
+        for _ in 0..3 {
+            store.decide(&key, &limits, 1);
+        }
+        // The window's state expires and is purged; the block stays.
+        clock.advance(Duration::from_secs(30));
+        store.purge_expired();
+        assert_eq!(store.len(), 0);
+        let d = store.decide(&key, &limits, 1);
+        assert!(!d.is_allowed());
+        assert_eq!(d.retry_after(), Duration::from_secs(30));
+        clock.advance(Duration::from_secs(30));
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        // Limiting came back after the block: the window counts again.
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        assert!(!store.decide(&key, &limits, 1).is_allowed());
+    }
+
+    #[test]
+    fn blocks_are_bounded_and_purged() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::new()
+            .with_clock(clock.clone())
+            .with_max_keys(64 * 100);
+        let limits = [Limit::fixed_window(1, Duration::from_secs(1))
+            .unwrap()
+            .with_lockout(Duration::from_secs(3_600))
+            .unwrap()];
+        let blocks = || -> usize {
+            store
+                .inner
+                .shards
+                .iter()
+                .map(|s| lock(s).blocks.len())
+                .sum()
+        };
+        for i in 0..50_000u32 {
+            store.decide(&Key::from(i), &limits, 2);
+        }
+        assert!(blocks() <= 64 * 100, "{}", blocks());
+        assert!(blocks() >= 64 * 50, "{}", blocks());
+        clock.advance(Duration::from_secs(3_600));
+        store.purge_expired();
+        assert_eq!(blocks(), 0);
+    }
+}

@@ -1,0 +1,491 @@
+//! The example gateway's admin endpoints (`/ratelimit/<route>` on `admin_listen`), end to
+//! end over real TCP, with gateways started in-process as in `tests/gateway.rs`.
+//!
+//! Windows are an hour long, so counts are exact; the cross-gateway reset polls with a
+//! generous deadline.
+
+include!("support/gateway_modules.rs");
+#[cfg(feature = "redis")]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use http::{HeaderMap, Method, StatusCode};
+use http_body_util::BodyExt;
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+
+use config::Config;
+use server::Running;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+type HttpClient = Client<HttpConnector, Body>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).unwrap()
+    }
+}
+
+async fn send(client: &HttpClient, method: Method, url: &str, headers: &[(&str, &str)]) -> Reply {
+    let mut request = http::Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = tokio::time::timeout(
+        TIMEOUT,
+        client.request(request.body(Body::empty()).unwrap()),
+    )
+    .await
+    .expect("no answer in time")
+    .unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// The routes every test uses: `/api` limited per IP (2/h), per API key (3/h) and, in
+/// shadow, globally; `/` unlimited, so that the public listener answers any path.
+const ROUTES: &str = r#"
+[[routes]]
+path = "/api"
+[[routes.limits]]
+key = "ip"
+algorithm = "fixed_window"
+limit = 2
+window = "1h"
+[[routes.limits]]
+key = "header:x-api-key"
+algorithm = "gcra"
+limit = 3
+window = "1h"
+[[routes.limits]]
+key = "global"
+algorithm = "token_bucket"
+limit = 1
+window = "1h"
+shadow = true
+name = "all"
+
+[[routes]]
+path = "/"
+"#;
+
+async fn gateway(head: &str) -> Running {
+    let text =
+        format!("listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{head}\n{ROUTES}");
+    let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    server::start(config).await.unwrap()
+}
+
+/// The number that follows the first `after` in `text`.
+fn number_after(text: &str, after: &str) -> u64 {
+    let start = text
+        .find(after)
+        .unwrap_or_else(|| panic!("no {after} in {text}"))
+        + after.len();
+    let digits: String = text[start..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().unwrap()
+}
+
+/// `text` with every `reset_after_ms` value as 0: it counts down with the wall clock
+/// between two reads.
+fn without_reset_after(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("\"reset_after_ms\":") {
+        let end = at + "\"reset_after_ms\":".len();
+        out.push_str(&rest[..end]);
+        out.push('0');
+        rest = rest[end..].trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    out.push_str(rest);
+    out
+}
+
+fn public(gw: &Running, path: &str) -> String {
+    format!("http://{}{path}", gw.addr())
+}
+
+fn admin(gw: &Running, path: &str) -> String {
+    format!("http://{}{path}", gw.admin_addr().unwrap())
+}
+
+/// Statuses of requests to `/api` with `x-api-key: key`.
+async fn api(client: &HttpClient, gw: &Running, key: &str, n: usize) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for _ in 0..n {
+        let reply = send(
+            client,
+            Method::GET,
+            &public(gw, "/api"),
+            &[("x-api-key", key)],
+        )
+        .await;
+        statuses.push(reply.status.as_u16());
+    }
+    statuses
+}
+
+#[tokio::test]
+async fn admin_reads_and_resets_a_clients_budget() {
+    let gw = gateway("").await;
+    let client = client();
+    let ip = "/ratelimit/api?kind=ip&key=127.0.0.1";
+
+    // Fresh: what the first request would get, per limit, shadow ones included.
+    let fresh = send(&client, Method::GET, &admin(&gw, ip), &[]).await;
+    assert_eq!(fresh.status, StatusCode::OK, "{}", fresh.text());
+    assert_eq!(fresh.headers["content-type"], "application/json");
+    let body = fresh.text();
+    assert!(
+        body.contains(r#""route":"/api","kind":"ip","cost":1,"allowed":true"#),
+        "{body}"
+    );
+    assert!(
+        body.contains(r#""algorithm":"fixed_window","limit":2,"window_ms":3600000"#),
+        "{body}"
+    );
+    assert!(body.contains(r#""remaining":1,"#), "{body}");
+    // Reading twice counts nothing (the window's end is a millisecond nearer, maybe).
+    assert_eq!(
+        without_reset_after(
+            send(&client, Method::GET, &admin(&gw, ip), &[])
+                .await
+                .text()
+        ),
+        without_reset_after(body)
+    );
+
+    assert_eq!(api(&client, &gw, "k1", 3).await, [200, 200, 429]);
+    let spent = send(&client, Method::GET, &admin(&gw, ip), &[]).await;
+    let body = spent.text();
+    assert!(
+        body.contains(r#""shadow":false,"allowed":false,"remaining":0,"#),
+        "{body}"
+    );
+    let retry_after = number_after(body, "\"retry_after_ms\":");
+    assert!(retry_after > 0 && retry_after <= 3_600_000, "{body}");
+    // cost=0 reads what is left.
+    let left = send(
+        &client,
+        Method::GET,
+        &admin(&gw, &format!("{ip}&cost=0")),
+        &[],
+    )
+    .await;
+    assert!(left.text().contains(r#""remaining":0,"#), "{}", left.text());
+
+    // Reset by POST: the client's next request passes.
+    let reset = send(&client, Method::POST, &admin(&gw, ip), &[]).await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    assert_eq!(
+        reset.text().trim(),
+        r#"{"route":"/api","kind":"ip","reset":true}"#
+    );
+    assert_eq!(api(&client, &gw, "k1", 1).await, [200]);
+
+    // Header keys (hashed in the store): k1 has used 3 of 3 by now (the request the IP
+    // limit denied never reached them).
+    let key = "/ratelimit/api?kind=header:x-api-key&key=k1";
+    let spent = send(&client, Method::GET, &admin(&gw, key), &[]).await;
+    assert!(
+        spent.text().contains(r#""allowed":false"#),
+        "{}",
+        spent.text()
+    );
+    let other = "/ratelimit/api?kind=header:x-api-key&key=k2";
+    let other = send(&client, Method::GET, &admin(&gw, other), &[]).await;
+    assert!(
+        other.text().contains(r#""allowed":true"#),
+        "{}",
+        other.text()
+    );
+    let reset = send(&client, Method::DELETE, &admin(&gw, key), &[]).await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    // The IP budget was reset before 3 requests (2 allowed): reset it too.
+    send(&client, Method::POST, &admin(&gw, ip), &[]).await;
+    assert_eq!(api(&client, &gw, "k1", 1).await, [200]);
+
+    // The global limit is in shadow: shown, never the reason for a denial.
+    let global = send(
+        &client,
+        Method::GET,
+        &admin(&gw, "/ratelimit/api?kind=global"),
+        &[],
+    )
+    .await;
+    let body = global.text();
+    assert!(
+        body.contains(r#""kind":"global","cost":1,"allowed":true"#),
+        "{body}"
+    );
+    assert!(
+        body.contains(r#""name":"all","algorithm":"token_bucket""#),
+        "{body}"
+    );
+    assert!(body.contains(r#""shadow":true,"allowed":false"#), "{body}");
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_requests_that_cannot_be_answered_say_why() {
+    let gw = gateway("").await;
+    let client = client();
+    let cases = [
+        (
+            Method::GET,
+            "/ratelimit/api?key=127.0.0.1",
+            StatusCode::BAD_REQUEST,
+            "kind=",
+        ),
+        (
+            Method::GET,
+            "/ratelimit/api?kind=ip",
+            StatusCode::BAD_REQUEST,
+            "missing key",
+        ),
+        (
+            Method::GET,
+            "/ratelimit/api?kind=ip&key=nope",
+            StatusCode::BAD_REQUEST,
+            "not an IP",
+        ),
+        (
+            Method::GET,
+            "/ratelimit/api?kind=header:x-user&key=a",
+            StatusCode::BAD_REQUEST,
+            "x-user",
+        ),
+        (
+            Method::GET,
+            "/ratelimit/api?kind=ip&key=1.2.3.4&cost=x",
+            StatusCode::BAD_REQUEST,
+            "cost",
+        ),
+        (
+            Method::GET,
+            "/ratelimit/nowhere?key=1.2.3.4",
+            StatusCode::NOT_FOUND,
+            "/nowhere",
+        ),
+        (
+            Method::GET,
+            "/ratelimit/?key=1.2.3.4",
+            StatusCode::NOT_FOUND,
+            r#"path \"/\" has"#,
+        ),
+        (
+            Method::PUT,
+            "/ratelimit/api?kind=global",
+            StatusCode::METHOD_NOT_ALLOWED,
+            "GET",
+        ),
+    ];
+    for (method, path, status, says) in cases {
+        let reply = send(&client, method.clone(), &admin(&gw, path), &[]).await;
+        assert_eq!(reply.status, status, "{method} {path}: {}", reply.text());
+        assert!(
+            reply.text().contains(says),
+            "{method} {path}: {}",
+            reply.text()
+        );
+        assert!(reply.text().starts_with(r#"{"error":"#), "{}", reply.text());
+    }
+    gw.stop().await.unwrap();
+}
+
+/// The public listener has no admin endpoints: `/ratelimit/...` there is just a path of
+/// the `/` route, and a POST to it resets nothing.
+#[tokio::test]
+async fn the_public_listener_never_serves_the_admin_endpoints() {
+    let gw = gateway("").await;
+    let client = client();
+    assert_eq!(api(&client, &gw, "k", 3).await, [200, 200, 429]);
+    for method in [Method::GET, Method::POST, Method::DELETE] {
+        let reply = send(
+            &client,
+            method,
+            &public(&gw, "/ratelimit/api?kind=ip&key=127.0.0.1"),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.text(), "ok");
+    }
+    assert_eq!(api(&client, &gw, "k", 1).await, [429]);
+    gw.stop().await.unwrap();
+}
+
+/// With `admin_token_env`, every admin request needs the bearer token (`/metrics` keeps
+/// its own rules).
+#[tokio::test]
+async fn the_admin_token_is_required_when_configured() {
+    // An environment variable every test process has (setting one needs `unsafe`).
+    let token = std::env::var("PATH").unwrap();
+    let gw = gateway("admin_token_env = \"PATH\"").await;
+    let client = client();
+    let path = "/ratelimit/api?kind=ip&key=127.0.0.1";
+    let bearer = format!("Bearer {token}");
+    let wrong = format!("Bearer {token}x");
+    for headers in [
+        vec![],
+        vec![("authorization", wrong.as_str())],
+        vec![("authorization", token.as_str())],
+    ] {
+        for method in [Method::GET, Method::POST] {
+            let reply = send(&client, method, &admin(&gw, path), &headers).await;
+            assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{headers:?}");
+            assert_eq!(reply.headers["www-authenticate"], "Bearer");
+        }
+    }
+    let ok = send(
+        &client,
+        Method::GET,
+        &admin(&gw, path),
+        &[("authorization", &bearer)],
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::OK, "{}", ok.text());
+    let ok = send(
+        &client,
+        Method::POST,
+        &admin(&gw, path),
+        &[("authorization", &bearer)],
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::OK, "{}", ok.text());
+    gw.stop().await.unwrap();
+}
+
+#[test]
+fn admin_token_env_is_checked_when_the_config_loads() {
+    let parse = |text: &str| Config::parse(&format!("listen = \"127.0.0.1:0\"\n{text}"));
+    let without_admin = parse("admin_token_env = \"PATH\"").unwrap_err();
+    assert_eq!(without_admin.field, "admin_token_env");
+    assert!(
+        without_admin.message.contains("admin_listen"),
+        "{without_admin}"
+    );
+    let unset = parse(
+        "admin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"TOLLGATE_TEST_UNSET_ADMIN_TOKEN\"",
+    )
+    .unwrap_err();
+    assert_eq!(unset.field, "admin_token_env");
+    assert!(
+        unset.message.contains("TOLLGATE_TEST_UNSET_ADMIN_TOKEN"),
+        "{unset}"
+    );
+    let config = parse("admin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"PATH\"").unwrap();
+    // The token never shows in Debug.
+    let token = std::env::var("PATH").unwrap();
+    assert!(!format!("{config:?}").contains(&token));
+}
+
+/// Two gateways share one Redis: gateway B denies a client from its block cache, a reset
+/// through gateway A's admin endpoint reaches it, and B lets the client through.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_reset_through_one_gateway_reaches_another() {
+    let redis = support::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurl = \"{}\"\nprefix = \"gw\"",
+        redis.url()
+    );
+    let a = gateway(&store).await;
+    let b = gateway(&store).await;
+    let client = client();
+    assert_eq!(api(&client, &b, "k", 3).await, [200, 200, 429]);
+    // B remembers the denial; its listener subscribes (poll, no fixed sleep).
+    let start = Instant::now();
+    let subscribed = || {
+        redis
+            .cli(&["PUBSUB", "NUMSUB", "gw:reset"])
+            .and_then(|out| out.lines().nth(1).map(|n| n.trim() != "0"))
+            .unwrap_or(false)
+    };
+    while !subscribed() {
+        assert!(start.elapsed() < TIMEOUT, "gateway B never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(api(&client, &b, "k", 1).await, [429]);
+
+    let ip = "/ratelimit/api?kind=ip&key=127.0.0.1";
+    let reset = send(&client, Method::POST, &admin(&a, ip), &[]).await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    let start = Instant::now();
+    while api(&client, &b, "k", 1).await != [200] {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "gateway B still denies after the reset"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+}
+
+/// Header keys hashed with an HMAC secret (`key_secret_env`): the admin endpoint is given
+/// the API key itself and finds the same store key the requests were counted under.
+#[tokio::test]
+async fn hmac_hashed_header_keys_are_found_from_the_api_key() {
+    let text = r#"
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+[store]
+key_secret_env = "PATH"
+[[routes]]
+path = "/keyed"
+[[routes.limits]]
+key = "header:x-api-key"
+algorithm = "sliding_window"
+limit = 2
+window = "1h"
+"#;
+    let gw = server::start(Config::parse(text).unwrap()).await.unwrap();
+    let client = client();
+    let request = |key: &'static str| {
+        let url = public(&gw, "/keyed");
+        let client = client.clone();
+        async move {
+            send(&client, Method::GET, &url, &[("x-api-key", key)])
+                .await
+                .status
+                .as_u16()
+        }
+    };
+    for want in [200, 200, 429] {
+        assert_eq!(request("secret-key").await, want);
+    }
+    let path = "/ratelimit/keyed?key=secret-key";
+    let spent = send(&client, Method::GET, &admin(&gw, path), &[]).await;
+    assert!(
+        spent.text().contains(r#""allowed":false"#),
+        "{}",
+        spent.text()
+    );
+    let reset = send(&client, Method::DELETE, &admin(&gw, path), &[]).await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    assert_eq!(request("secret-key").await, 200);
+    gw.stop().await.unwrap();
+}

@@ -1,0 +1,299 @@
+//! `RateLimitLayer::max_wait`: a denied request whose `retry_after` is within the bound
+//! waits and then passes, instead of a 429; the line is bounded per layer and per key, and
+//! a client that hangs up gives its place back.
+//!
+//! Time is Tokio's, paused: the store reads a clock that follows it, so a request that
+//! sleeps its `retry_after` finds the store's window rolled exactly then.
+
+#[cfg(feature = "redis")]
+mod support;
+
+use std::{convert::Infallible, time::Duration};
+
+use futures_util::FutureExt;
+use http::{Request, Response, StatusCode};
+use tokio::time::Instant;
+use tollgate::{Limit, MemoryStore, RateLimitLayer, clock::Clock, key::HeaderKey};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+/// Milliseconds since a start on an aligned second, on Tokio's clock.
+#[derive(Debug, Clone)]
+struct TokioClock {
+    start: Instant,
+}
+
+/// A whole second: fixed windows of a second start with the test.
+const EPOCH_MS: u64 = 1_700_000_000_000;
+
+impl Clock for TokioClock {
+    fn now_ms(&self) -> u64 {
+        EPOCH_MS + self.start.elapsed().as_millis() as u64
+    }
+}
+
+type Svc = tower::util::BoxCloneService<Request<()>, Response<String>, Infallible>;
+
+/// 2 a second per `x-key`, waiting up to `max_wait`, at most `total` and `per_key`
+/// waiters.
+fn service(max_wait: Duration, total: usize, per_key: usize) -> Svc {
+    let clock = TokioClock {
+        start: Instant::now(),
+    };
+    service_on(
+        MemoryStore::new().with_clock(clock),
+        max_wait,
+        total,
+        per_key,
+    )
+}
+
+fn service_on(
+    store: impl tollgate::Store,
+    max_wait: Duration,
+    total: usize,
+    per_key: usize,
+) -> Svc {
+    let layer = RateLimitLayer::new(Limit::fixed_window(2, Duration::from_secs(1)).unwrap())
+        .key(HeaderKey::new("x-key").unwrap())
+        .store(store)
+        // Paused time runs ahead while Redis answers: no timeout.
+        .timeout(None)
+        .max_wait(max_wait)
+        .max_waiters(total, per_key);
+    let inner =
+        service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) });
+    tower::util::BoxCloneService::new(layer.layer(inner))
+}
+
+fn request(key: &str) -> Request<()> {
+    Request::get("/").header("x-key", key).body(()).unwrap()
+}
+
+async fn send(service: &Svc, key: &str) -> (StatusCode, Duration) {
+    let start = Instant::now();
+    let response = service.clone().oneshot(request(key)).await.unwrap();
+    (response.status(), start.elapsed())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_within_max_wait_waits_and_passes() {
+    let service = service(Duration::from_secs(2), 10, 10);
+    tokio::time::advance(Duration::from_millis(300)).await;
+    for _ in 0..2 {
+        assert_eq!(send(&service, "a").await, (StatusCode::OK, Duration::ZERO));
+    }
+    // Denied until the window ends in 700 ms: waits exactly that long, then passes.
+    let (status, waited) = send(&service, "a").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(waited, Duration::from_millis(700));
+    // Limiting holds: the next window has one unit left, then a wait of a second.
+    assert_eq!(send(&service, "a").await, (StatusCode::OK, Duration::ZERO));
+    assert_eq!(
+        send(&service, "a").await,
+        (StatusCode::OK, Duration::from_secs(1))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_beyond_max_wait_is_denied_at_once() {
+    let service = service(Duration::from_millis(500), 10, 10);
+    tokio::time::advance(Duration::from_millis(300)).await;
+    for _ in 0..2 {
+        send(&service, "a").await;
+    }
+    // 700 ms to wait, 500 allowed.
+    assert_eq!(
+        send(&service, "a").await,
+        (StatusCode::TOO_MANY_REQUESTS, Duration::ZERO)
+    );
+}
+
+/// Polls a request once (it starts waiting) and returns its future.
+fn start(service: &Svc, key: &str) -> tollgate_future::Boxed {
+    let mut service = service.clone();
+    let request = request(key);
+    let mut future: tollgate_future::Boxed = Box::pin(async move {
+        service.ready().await.unwrap();
+        service.call(request).await.unwrap()
+    });
+    assert!(future.as_mut().now_or_never().is_none(), "it waits");
+    future
+}
+
+mod tollgate_future {
+    pub(crate) type Boxed =
+        std::pin::Pin<Box<dyn std::future::Future<Output = http::Response<String>> + Send>>;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_line_is_bounded_per_key_and_per_layer_and_a_hang_up_leaves_it() {
+    let service = service(Duration::from_secs(5), 2, 1);
+    for key in ["a", "b", "c"] {
+        for _ in 0..2 {
+            send(&service, key).await;
+        }
+    }
+    let a = start(&service, "a");
+    // One waiter per key: a second one for "a" is denied at once.
+    assert_eq!(send(&service, "a").await.0, StatusCode::TOO_MANY_REQUESTS);
+    let b = start(&service, "b");
+    // Two per layer: "c" is denied at once.
+    assert_eq!(send(&service, "c").await.0, StatusCode::TOO_MANY_REQUESTS);
+    // "a" hangs up: its place, for its key and in the layer, is free again.
+    drop(a);
+    let a = start(&service, "a");
+    assert_eq!(send(&service, "c").await.0, StatusCode::TOO_MANY_REQUESTS);
+    let (a, b) = tokio::join!(a, b);
+    assert_eq!(a.status(), StatusCode::OK);
+    assert_eq!(b.status(), StatusCode::OK);
+    // Both answered: both places are free (in a new window, after two requests each).
+    for key in ["c", "d", "e"] {
+        for _ in 0..2 {
+            assert_eq!(send(&service, key).await.0, StatusCode::OK);
+        }
+    }
+    let c = start(&service, "c");
+    let d = start(&service, "d");
+    assert_eq!(send(&service, "e").await.0, StatusCode::TOO_MANY_REQUESTS);
+    drop((c, d));
+}
+
+/// A waiter that is overtaken (the units it waited for went to a later request) waits
+/// again while its whole wait stays within `max_wait`; beyond that it gets the 429.
+#[tokio::test(start_paused = true)]
+async fn an_overtaken_waiter_waits_again_within_max_wait_only() {
+    let service = service(Duration::from_millis(1500), 10, 10);
+    tokio::time::advance(Duration::from_millis(300)).await;
+    for _ in 0..2 {
+        send(&service, "a").await;
+    }
+    let t0 = Instant::now();
+    let waiter = start(&service, "a");
+    // At the window's end, two others take both units before the waiter is polled again.
+    tokio::time::advance(Duration::from_millis(700)).await;
+    let (s1, s2) = (send(&service, "a").await.0, send(&service, "a").await.0);
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    // The waiter is denied again with a second to wait: 1.7 s in all, over 1.5 s.
+    let response = waiter.await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(t0.elapsed(), Duration::from_millis(700));
+    assert_eq!(response.headers()["retry-after"], "1");
+}
+
+/// Overtaken, but the next wait still ends within `max_wait`: it waits again and passes.
+#[tokio::test(start_paused = true)]
+async fn an_overtaken_waiter_within_max_wait_waits_again_and_passes() {
+    let service = service(Duration::from_millis(1800), 10, 10);
+    tokio::time::advance(Duration::from_millis(300)).await;
+    for _ in 0..2 {
+        send(&service, "a").await;
+    }
+    let t0 = Instant::now();
+    let waiter = start(&service, "a");
+    tokio::time::advance(Duration::from_millis(700)).await;
+    for _ in 0..2 {
+        assert_eq!(send(&service, "a").await.0, StatusCode::OK);
+    }
+    let response = waiter.await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(t0.elapsed(), Duration::from_millis(1700));
+}
+
+/// On Redis the decision is not ready at once: the response future waits for it, then
+/// waits its turn, then asks Redis again.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_request_waits_on_redis_too() {
+    let server = support::RedisServer::start();
+    // Connected on the real clock (its connection timeout must not run ahead), then
+    // paused.
+    let store = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    tokio::time::pause();
+    let clock = TokioClock {
+        start: Instant::now(),
+    };
+    let store = store.with_clock(clock);
+    let service = service_on(store, Duration::from_secs(2), 10, 10);
+    let t0 = Instant::now();
+    for _ in 0..2 {
+        assert_eq!(send(&service, "a").await.0, StatusCode::OK);
+    }
+    let (status, _) = send(&service, "a").await;
+    assert_eq!(status, StatusCode::OK);
+    // It waited for the window to end, a second after the first request (and a
+    // millisecond more when the timer woke it just before the store's clock said so:
+    // then it waits again for what is left).
+    let waited = t0.elapsed();
+    assert!(
+        waited > Duration::ZERO && waited <= Duration::from_millis(1_010),
+        "{waited:?}"
+    );
+}
+
+/// Over real HTTP (axum, real time): the second request of a GCRA of 1 per 2 s waits
+/// about 2 s and passes; a client that hangs up while it waits gives its place (the only
+/// one) back, so the next request may wait in turn instead of a 429.
+#[tokio::test]
+async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
+    use axum::{Router, routing::get};
+    use http_body_util::Empty;
+    use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+
+    let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(2)).unwrap())
+        .key(HeaderKey::new("x-key").unwrap())
+        .max_wait(Duration::from_secs(5))
+        .max_waiters(1, 1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let get = |key: &'static str| {
+        let request = Request::get(format!("http://{addr}/"))
+            .header("x-key", key)
+            .body(Empty::new())
+            .unwrap();
+        client.request(request)
+    };
+    async fn within<F: std::future::Future>(future: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(10), future)
+            .await
+            .expect("an answer within 10 s")
+    }
+
+    assert_eq!(within(get("a")).await.unwrap().status(), StatusCode::OK);
+    let start = std::time::Instant::now();
+    let waited = within(get("a")).await.unwrap();
+    assert_eq!(waited.status(), StatusCode::OK);
+    // 2 s less the moments between the two requests (under a second, generously).
+    assert!(
+        start.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+
+    // "b" spends its unit; its next request waits, and its client gives up after 200 ms.
+    assert_eq!(within(get("b")).await.unwrap().status(), StatusCode::OK);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), get("b"))
+            .await
+            .is_err()
+    );
+    // The place is free again (one in all): this one waits and passes.
+    let response = within(async {
+        loop {
+            let response = get("b").await.unwrap();
+            // The server may not have seen the hang-up yet: then a quick 429.
+            if response.status() != StatusCode::TOO_MANY_REQUESTS {
+                return response;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+}
