@@ -8,6 +8,7 @@ use http::Request;
 use crate::{
     Decision, FailurePolicy, Limit, Rules, StoreError,
     key::{Key, KeyError, KeyExtractor},
+    plan::Chosen,
     rules::Cell,
     store::{Guarded, Store},
 };
@@ -90,6 +91,29 @@ impl<K> Limiter<K> {
         self.peek_limits(key, rules.rules.limits(), cost)
     }
 
+    /// [`peek`](Self::peek) under the [plan](crate::plan) called `plan`: its limits and
+    /// its own state. An unlimited plan answers [`Decision::unlimited`]; a name that is no
+    /// plan of the layer is answered as a request naming it is decided (the default
+    /// plan, else the layer's own limits).
+    ///
+    /// # Errors
+    ///
+    /// As [`peek`](Self::peek).
+    pub fn peek_plan(
+        &self,
+        plan: &str,
+        key: &Key,
+        cost: u32,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send + use<K> {
+        let rules = self.cell.active.load();
+        let limits = match rules.named(Some(plan)) {
+            Chosen::Layer => rules.limits().clone(),
+            Chosen::Plan(plan) => plan.limits().clone(),
+            Chosen::Unlimited(_) => Arc::<[Limit]>::from([]),
+        };
+        self.peek_limits(key, &limits, cost)
+    }
+
     /// [`peek`](Self::peek) for the [shadow limits](crate#shadow-mode).
     ///
     /// # Errors
@@ -123,8 +147,9 @@ impl<K> Limiter<K> {
         }
     }
 
-    /// Clears `key`'s state under every limit of the layer (enforced and shadow), in one
-    /// atomic step per store: its next request finds full budgets. With the Redis store,
+    /// Clears `key`'s state under every limit of the layer (enforced, shadow, and every
+    /// [plan](crate::plan)'s), in one atomic step per store: its next request finds full
+    /// budgets, whatever plan it is decided under. With the Redis store,
     /// every replica's block cache forgets the key's denials (see
     /// [`Store::reset`]); with [`FailurePolicy::Local`], the fallback store's state goes
     /// too.
@@ -135,7 +160,7 @@ impl<K> Limiter<K> {
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     pub fn reset(&self, key: &Key) -> impl Future<Output = Result<(), StoreError>> + Send + use<K> {
         let rules = self.cell.active.load();
-        let limits = rules.rules.all_limits();
+        let limits = rules.rules.every_stored_limit();
         let reset = self.store.reset(key, &limits);
         let local = match rules.rules.on_store_error() {
             FailurePolicy::Local(store) => Some(store.reset(key, &limits)),

@@ -206,6 +206,20 @@ impl Rules {
             .collect()
     }
 
+    /// [`all_limits`](Self::all_limits), and every plan's limits as they are stored
+    /// (each plan's state apart): every limit that may hold state for a key.
+    pub(crate) fn every_stored_limit(&self) -> Arc<[Limit]> {
+        let all = self.all_limits();
+        let Some(plans) = &self.plans else {
+            return all;
+        };
+        let planned = plans.plans().iter().filter_map(|p| p.stored_limits());
+        all.iter()
+            .cloned()
+            .chain(planned.flat_map(|l| l.to_vec()))
+            .collect()
+    }
+
     /// The failure policy.
     pub fn on_store_error(&self) -> &FailurePolicy {
         &self.on_store_error
@@ -459,16 +473,8 @@ impl RulesHandle {
     /// Applies `rules` to every request that arrives from now on; requests in flight
     /// finish under the rules they started with. Returns the new version.
     pub fn set(&self, rules: Rules) -> u64 {
-        let mut all = rules.all_limits();
-        if let Some(plans) = &rules.plans {
-            // The memory store learns when their state expires too.
-            let planned = plans.plans().iter().filter_map(|p| p.stored_limits());
-            all = all
-                .iter()
-                .cloned()
-                .chain(planned.flat_map(|l| l.to_vec()))
-                .collect();
-        }
+        // The memory store learns when the plans' state expires too.
+        let all = rules.every_stored_limit();
         self.cell.store.limits_changed(&all);
         if let FailurePolicy::Local(store) = &rules.on_store_error {
             store.limits_changed(&all);

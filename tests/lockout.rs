@@ -333,6 +333,36 @@ mod redis {
         assert!(!free.is_allowed());
         assert_eq!(free.retry_after(), Duration::from_secs(9));
     }
+
+    /// A request that can never fit goes past the block cache to Redis, where it can
+    /// start a block: the key's cached denial (of a limit that did not block then) must
+    /// not answer afterwards with its earlier `retry_after` and `remaining`.
+    #[tokio::test]
+    async fn a_block_started_past_the_block_cache_is_not_hidden_by_it() {
+        let server = RedisServer::start();
+        let clock = ManualClock::new(NOW_MS);
+        let store = store(&server, &clock).await;
+        // One a minute, and the login limit: 3 a minute with a 15-minute lockout.
+        let limits = [Limit::fixed_window(1, MINUTE).unwrap(), login()];
+        let key = Key::new("mallory");
+        assert!(store.check(&key, &limits, 1).await.unwrap().is_allowed());
+        // The first limit denies, for the 40 s left in its window; the login limit fits,
+        // so no block: this denial is cached.
+        let denied = store.check(&key, &limits, 1).await.unwrap();
+        assert_eq!(denied.retry_after(), Duration::from_secs(40));
+        assert_eq!(denied.limits()[1].remaining, 2);
+        // More than the login limit ever holds: it denies, and blocks the key.
+        let breach = store.check(&key, &limits, 4).await.unwrap();
+        assert_eq!(breach.retry_after(), LOCKOUT);
+        // The first request again: blocked for the whole lockout, not the 40 s cached.
+        for _ in 0..3 {
+            let blocked = store.check(&key, &limits, 1).await.unwrap();
+            assert!(!blocked.is_allowed());
+            assert_eq!(blocked.retry_after(), LOCKOUT);
+            assert!(!blocked.limits()[1].allowed);
+            assert_eq!(blocked.limits()[1].remaining, 0);
+        }
+    }
 }
 
 #[cfg(feature = "cluster")]

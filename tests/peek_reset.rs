@@ -241,6 +241,93 @@ async fn the_limiter_peeks_and_resets_what_the_layer_counts() {
     assert_eq!(peeked.limits()[0].limit, 10);
 }
 
+/// A layer with plans: `peek_plan` reads a plan's own state, and a reset clears every
+/// plan's state of the key, so the client finds a full budget whatever its plan.
+#[tokio::test]
+async fn the_limiter_peeks_each_plan_and_resets_them_all() {
+    use tollgate::{Plan, Plans};
+    let plans = Plans::new([
+        Plan::new("free", [Limit::fixed_window(2, HOUR).unwrap()]).unwrap(),
+        Plan::new("paid", [Limit::fixed_window(5, HOUR).unwrap()]).unwrap(),
+        Plan::unlimited("internal").unwrap(),
+    ])
+    .unwrap()
+    .with_default("free")
+    .unwrap()
+    .with_header(http::HeaderName::from_static("x-plan"));
+    let layer = RateLimitLayer::new(Limit::fixed_window(1, HOUR).unwrap())
+        .store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
+        .key(HeaderKey::new("x-api-key").unwrap())
+        .plans(plans);
+    let limiter = layer.limiter();
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(()))
+    }));
+    let request = |plan: &str| {
+        Request::get("/")
+            .header("x-api-key", "k")
+            .header("x-plan", plan)
+            .body(())
+            .unwrap()
+    };
+    let key = limiter.key_of(&request("free")).unwrap();
+    for _ in 0..2 {
+        let status = service
+            .clone()
+            .oneshot(request("free"))
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, StatusCode::OK);
+    }
+    let status = service
+        .clone()
+        .oneshot(request("paid"))
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, StatusCode::OK);
+    let left = |d: Decision| d.remaining();
+    assert_eq!(
+        left(limiter.peek_plan("free", &key, 0).await.unwrap()),
+        Some(0)
+    );
+    assert_eq!(
+        left(limiter.peek_plan("paid", &key, 0).await.unwrap()),
+        Some(4)
+    );
+    assert!(
+        limiter
+            .peek_plan("internal", &key, 1)
+            .await
+            .unwrap()
+            .limits()
+            .is_empty()
+    );
+    // An unknown plan is the default one, as for a request.
+    assert_eq!(
+        left(limiter.peek_plan("gold", &key, 0).await.unwrap()),
+        Some(0)
+    );
+
+    limiter.reset(&key).await.unwrap();
+    assert_eq!(
+        left(limiter.peek_plan("free", &key, 0).await.unwrap()),
+        Some(2)
+    );
+    assert_eq!(
+        left(limiter.peek_plan("paid", &key, 0).await.unwrap()),
+        Some(5)
+    );
+    let status = service
+        .clone()
+        .oneshot(request("free"))
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, StatusCode::OK);
+}
+
 /// Shadow limits are peeked apart and reset with the rest; the local fallback store of
 /// `FailurePolicy::Local` is reset too.
 #[tokio::test]

@@ -42,7 +42,7 @@ impl Guarded {
     /// The decision if it was made at once, else the check to wait for: what
     /// [`check`](Store::check) returns, without wrapping a ready answer into a [`Check`]
     /// only for the caller to unwrap it again.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check_now(
         &self,
         key: &Key,

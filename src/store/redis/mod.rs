@@ -294,7 +294,9 @@ impl RedisStore {
     /// The decision and `retry_after` are exact, because nothing can make a denied request
     /// fit earlier than its `retry_after`; `remaining` is the value Redis gave at the
     /// denial (it may have grown since). If the Redis state is wiped meanwhile, the key
-    /// stays denied until T.
+    /// stays denied until T. A request that can never fit (a cost above a limit's
+    /// capacity) always goes to Redis; if it runs into a lockout, which may start a block,
+    /// the key's cached denial is dropped.
     pub fn with_block_cache(mut self, entries: usize) -> Self {
         self.block_cache = (entries > 0).then(|| Arc::new(BlockCache::new(entries)));
         self.listen_for_resets();
@@ -436,21 +438,23 @@ impl Store for RedisStore {
         // A request that can never fit is not "blocked until" anything: Redis answers it.
         let fits_at_all = limits.iter().all(|l| cost <= l.capacity());
         let block_cache = match &self.block_cache {
-            Some(cache) if fits_at_all => {
+            Some(cache) => {
                 let fingerprint = BlockCache::fingerprint(limits);
-                let now = local_now_ms(self.clock.as_ref());
-                if let Some(decision) = cache.get(key, fingerprint, cost, now) {
-                    // A lease due for a refill still pays before a cached denial answers.
-                    if let (Some(leases), Some(_)) = (&self.leases, &lease_entry)
-                        && let Some(decision) = leases.spend_held(key, limits, cost)
-                    {
+                if fits_at_all {
+                    let now = local_now_ms(self.clock.as_ref());
+                    if let Some(decision) = cache.get(key, fingerprint, cost, now) {
+                        // A lease due for a refill still pays before a cached denial answers.
+                        if let (Some(leases), Some(_)) = (&self.leases, &lease_entry)
+                            && let Some(decision) = leases.spend_held(key, limits, cost)
+                        {
+                            return Check::ready(Ok(decision));
+                        }
                         return Check::ready(Ok(decision));
                     }
-                    return Check::ready(Ok(decision));
                 }
                 Some((cache.clone(), key.clone(), fingerprint, cache.generation()))
             }
-            _ => None,
+            None => None,
         };
         let mut encoded = self.encode(key, limits, cost);
         if let (Some(leases), Some(entry)) = (&self.leases, lease_entry) {
@@ -499,7 +503,13 @@ impl Store for RedisStore {
                 }
             };
             if let Some((cache, key, fingerprint, generation)) = block_cache {
-                if decision.is_allowed() {
+                if !fits_at_all {
+                    // Not cached, but a lockout it ran into may have started a block
+                    // (its only write), which a cached denial of the key would not show.
+                    if decision.blocked_ms() > 0 {
+                        cache.forget(&key, fingerprint);
+                    }
+                } else if decision.is_allowed() {
                     cache.forget(&key, fingerprint);
                 } else {
                     let now = local_now_ms(clock.as_ref());
