@@ -9,7 +9,8 @@
 #   ROUNDS=3 DURATION=10 WARMUP=2   rounds; seconds measured and warmed up per run
 #   CONNECTIONS=64 THREADS=1        wrk -c / -t
 #   MODES="plain memory redis ..."  which servers (plain is always measured: ratios need it);
-#                                   the default set, plus redis-nocache (block cache off) and
+#                                   the default set, plus redis-nocache (block cache off),
+#                                   redis-lease (leased quota, RedisStore::with_leases) and
 #                                   redis-tls (the redis mode over TLS: adds the tls feature,
 #                                   certificates made with the openssl CLI)
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour); also
@@ -71,7 +72,7 @@ for scenario in $SCENARIOS; do
   [[ $scenario == allow || $scenario == reject || $scenario == clients || $scenario == flood ]] ||
     die "unknown scenario '$scenario' (allow, reject, clients or flood)"
 done
-KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-pool redis-cluster redis-tls governor handwritten "
+KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-lease redis-pool redis-cluster redis-tls governor handwritten "
 for mode in $MODES; do
   [[ $KNOWN_MODES == *" $mode "* ]] || die "unknown mode '$mode'; one of:$KNOWN_MODES"
 done

@@ -12,7 +12,8 @@
 //!   rate-limit fields on responses (`HeaderStyle::NONE`), to see what writing them costs;
 //! - `redis`: tollgate with `RedisStore::connect` (the defaults: `ConnectionManager`,
 //!   coalescing and block cache on); `redis-nocoalesce`: coalescing off;
-//!   `redis-nocache`: block cache off; `redis-pool`: over a bb8-redis pool of 16
+//!   `redis-nocache`: block cache off; `redis-lease`: leased quota on
+//!   (`RedisStore::with_leases` with the defaults); `redis-pool`: over a bb8-redis pool of 16
 //!   (bb8's defaults, so a `PING` per checkout); `redis-cluster`: `connect_cluster` on
 //!   the nodes given with `--cluster`;
 //! - `governor`: tower_governor 0.8;
@@ -59,7 +60,7 @@ use axum::{
 use tollgate::{
     FailurePolicy, HeaderStyle, Limit, MemoryStore, RateLimitLayer,
     key::{GlobalKey, Key, KeyError, KeyExtractor},
-    store::RedisStore,
+    store::{LeaseConfig, RedisStore},
 };
 use tower::util::MapResponseLayer;
 use tower_governor::{
@@ -106,6 +107,7 @@ enum Mode {
     Redis,
     RedisNoCoalesce,
     RedisNoCache,
+    RedisLease,
     RedisPool,
     RedisCluster,
     RedisTls,
@@ -114,13 +116,14 @@ enum Mode {
 }
 
 impl Mode {
-    const ALL: [(&'static str, Mode); 11] = [
+    const ALL: [(&'static str, Mode); 12] = [
         ("plain", Mode::Plain),
         ("memory", Mode::Memory),
         ("memory-noheaders", Mode::MemoryNoHeaders),
         ("redis", Mode::Redis),
         ("redis-nocoalesce", Mode::RedisNoCoalesce),
         ("redis-nocache", Mode::RedisNoCache),
+        ("redis-lease", Mode::RedisLease),
         ("redis-pool", Mode::RedisPool),
         ("redis-cluster", Mode::RedisCluster),
         ("redis-tls", Mode::RedisTls),
@@ -341,6 +344,13 @@ async fn app(args: &Args) -> Result<Router, Error> {
         Mode::RedisNoCache => {
             router.layer(layer.store(RedisStore::connect(redis_url()?).await?.with_block_cache(0)))
         }
+        Mode::RedisLease => router.layer(
+            layer.store(
+                RedisStore::connect(redis_url()?)
+                    .await?
+                    .with_leases(LeaseConfig::new()),
+            ),
+        ),
         Mode::RedisPool => {
             let manager = bb8_redis::RedisConnectionManager::new(redis_url()?)?;
             let pool = bb8_redis::bb8::Pool::builder()

@@ -14,10 +14,20 @@
 -- lockout block is neither read nor started by one).
 -- A request's keys are its limits' keys, then one block key per limit with a lockout, in
 -- the order of those limits (lockout.lua).
--- Returns, for each limit of each request in order: allowed (0/1), remaining (minus the
--- time left on a lockout block when one blocks it), reset_after ms, retry_after ms. A
--- request is allowed when all its limits are. Then, once, at the very end: the `now` the
--- call decided at (ms), for a later refund's `at`.
+-- Leases (optional, lua/lease.lua): after the requests, the number of asks A and for
+-- each: request index (1-based), units wanted; then the number of returns R and for each:
+-- group index, index in KEYS of its first key, units, and one window start per limit of
+-- the group. Returns run before the requests. Without these sections nothing changes.
+-- An ask beside a peek or an adjustment, or for a group with a lockout limit (or a
+-- sliding-window log), is granted nothing.
+--
+-- Returns (empty when there are no requests), in this order:
+-- 1. for each limit of each request in order: allowed (0/1), remaining (minus the time
+--    left on a lockout block when one blocks it), reset_after ms, retry_after ms. A
+--    request is allowed when all its limits are;
+-- 2. for each ask in the order of the asks: units granted (0 when its request was
+--    denied), ms until the lease ends, and each limit's window start;
+-- 3. once, last: the `now` the call decided at (ms), for a later refund's `at`.
 --
 -- Requests are decided one after the other, exactly as N separate calls would decide
 -- them. A key that several requests touch is read once and written once, at the end:
@@ -62,6 +72,7 @@ for g = 1, ARGV[2] + 0 do
       bk = m + blocked - 1
     end
     group[i] = {
+      code = ARGV[a + 1] + 0,
       alg = algorithm(ARGV[a + 1] + 0),
       L = ARGV[a + 2] + 0,
       W = ARGV[a + 3] + 0,
@@ -76,6 +87,18 @@ for g = 1, ARGV[2] + 0 do
   groups[g] = group
 end
 
+-- The lease sections follow the requests (an adjustment has one argument more than a
+-- request): looked for only when ARGV goes on past N plain requests.
+local asks
+if #ARGV > a + 2 * ARGV[a] then
+  local e = a + 1
+  for _ = 1, ARGV[a] + 0 do
+    if ARGV[e] + 0 < 0 then e = e + 3 else e = e + 2 end
+  end
+  asks = lease_sections(e, groups, now)
+end
+local tail = {} -- the asks' results, after the requests'
+
 local states = {} -- key -> state, loaded on first use
 local changed = {} -- states committed to, in order: saved at the end
 local out = { 0, 0, 0, 0, 0 } -- sized for one request with one limit and `now`: no regrowth
@@ -84,7 +107,7 @@ local k = 1
 -- Per-limit scratch space, reused by every request.
 local held, fits, retries = { false }, { false }, { 0 } -- (sized for one limit)
 
-for _ = 1, ARGV[a] + 0 do
+for r = 1, ARGV[a] + 0 do
   local cost = ARGV[a + 1] + 0
   local g = ARGV[a + 2] + 0
   local peek = g < 0
@@ -190,6 +213,14 @@ for _ = 1, ARGV[a] + 0 do
       for f, v in pairs(kept) do s[f] = v end
     end
   end
+  local asked = asks and asks[r]
+  if asked then
+    if peek or cost < 0 then
+      lease_none(#group, tail) -- a peek or an adjustment never takes a lease
+    else
+      lease_grant(group, held, now, all_fit and asked or 0, tail)
+    end
+  end
   k = k + group.keys
 end
 
@@ -199,5 +230,8 @@ for i = 1, #changed do
   limit.alg.save(s, now, limit.L, limit.W, limit.B)
 end
 if n == 0 then return {} end -- no requests: nothing of the presized table
-out[n + 1] = now
+for i = 1, #tail do
+  out[n + i] = tail[i]
+end
+out[n + #tail + 1] = now
 return out

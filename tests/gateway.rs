@@ -1530,6 +1530,64 @@ mod redis {
         )
     }
 
+    /// `leases = true`: a hot global key is decided from leased units (Redis counts more
+    /// than was spent while the gateway runs), and a graceful stop gives them back.
+    #[tokio::test]
+    async fn redis_leases_spend_locally_and_go_back_on_shutdown() {
+        let redis = RedisServer::start();
+        let store = store(&redis, "leases") + "leases = true\n";
+        let routes = r#"
+            [[routes]]
+            path = "/"
+            [[routes.limits]]
+            key = "global"
+            algorithm = "fixed_window"
+            limit = 1000
+            window = "1h"
+        "#;
+        let gw = gateway(&store, routes).await;
+        let client = client();
+        for _ in 0..60 {
+            assert_eq!(get(&client, &url(&gw, "/")).await.status, StatusCode::OK);
+        }
+        let keys = redis.cli(&["--scan", "--pattern", "leases:*"]).unwrap();
+        let key = keys.lines().next().unwrap().trim().to_owned();
+        let counted = || -> u64 {
+            let value = redis.cli(&["GET", &key]).unwrap();
+            value.trim().split(':').nth(1).unwrap().parse().unwrap()
+        };
+        assert!(counted() > 60, "{}", counted());
+        gw.stop().await.unwrap();
+        assert_eq!(counted(), 60);
+    }
+
+    #[test]
+    fn invalid_leases_are_rejected_naming_the_field() {
+        let with = |backend: &str, leases: &str| {
+            format!("listen = \"127.0.0.1:0\"\n[store]\n{backend}\nleases = {leases}\n")
+        };
+        let redis = "backend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"";
+        for ok in [
+            "true",
+            "false",
+            "{ period = \"200ms\", max_fraction = 0.05, idle = \"2s\" }",
+        ] {
+            let config = Config::parse(&with(redis, ok)).unwrap();
+            assert_eq!(config.store.leases.is_some(), ok != "false", "{ok}");
+        }
+        for (backend, leases, field) in [
+            ("", "true", "store.leases:"),
+            (redis, "{ max_fraction = 0.9 }", "store.leases.max_fraction"),
+            (redis, "{ period = \"soon\" }", "store.leases.period"),
+            (redis, "{ idle = \"1ms\" }", "store.leases.idle"),
+        ] {
+            let error = Config::parse(&with(backend, leases))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(field), "{leases}: {error}");
+        }
+    }
+
     #[tokio::test]
     async fn redis_per_route_limits() {
         let redis = RedisServer::start();

@@ -672,6 +672,257 @@ proptest! {
     }
 }
 
+/// Up to two limits for leasing: every algorithm, the sliding-window log (whose list then
+/// never gets a lease) less often, and a lockout now and then (a list with one is never
+/// leased either).
+fn lease_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    let algorithm = prop_oneof![
+        3 => Just(Algorithm::FixedWindow),
+        3 => Just(Algorithm::SlidingWindowCounter),
+        2 => Just(Algorithm::TokenBucket),
+        2 => Just(Algorithm::Gcra),
+        1 => algorithm_strategy(),
+    ];
+    let window = prop_oneof![1u64..20, 1u64..3_000];
+    let lockout = prop::option::weighted(0.15, 1u64..3_000);
+    prop::collection::vec((algorithm, 1u32..80, window, 1u32..100, lockout), 1..=2).prop_map(
+        |limits| {
+            let mut seen = std::collections::HashSet::new();
+            limits
+                .into_iter()
+                .map(|(a, l, w, b, lockout)| {
+                    let limit = Limit::new(a, l, Duration::from_millis(w)).unwrap();
+                    let limit = match a {
+                        Algorithm::TokenBucket | Algorithm::Gcra => limit.with_burst(b).unwrap(),
+                        _ => limit,
+                    };
+                    match lockout {
+                        Some(ms) => limit.with_lockout(Duration::from_millis(ms)).unwrap(),
+                        None => limit,
+                    }
+                })
+                .filter(|l| seen.insert(format!("{l:?}")))
+                .collect()
+        },
+    )
+}
+
+/// The script's algorithm codes (`Algorithm::code`).
+fn code(algorithm: Algorithm) -> u64 {
+    match algorithm {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindow => 2,
+        Algorithm::SlidingWindowCounter => 3,
+        Algorithm::TokenBucket => 4,
+        Algorithm::Gcra => 5,
+        _ => unreachable!(),
+    }
+}
+
+/// One step of the lease test: a request (with an ask, and units of an earlier grant
+/// going back before it) or a return alone. The request may be a peek or an adjustment,
+/// whose ask is never granted.
+#[derive(Debug, Clone)]
+struct LeaseStep {
+    wait: Wait,
+    cost: u32,
+    ask: u64,
+    back: Option<(usize, u64)>,
+    alone: bool,
+    kind: LeaseKind,
+}
+
+/// What the request of a [`LeaseStep`] is.
+#[derive(Debug, Clone, Copy)]
+enum LeaseKind {
+    Check,
+    Peek,
+    /// A refund to the state as it was this many ms ago.
+    Refund(u64),
+    TopUp,
+}
+
+fn lease_steps_strategy() -> impl Strategy<Value = Vec<LeaseStep>> {
+    let wait = prop_oneof![
+        3 => Just(Wait::Ms(0)),
+        3 => (0u64..50).prop_map(Wait::Ms),
+        2 => (0u64..4_000).prop_map(Wait::Ms),
+        1 => (1u64..3_000).prop_map(Wait::Back),
+    ];
+    let back = prop::option::weighted(0.4, (any::<usize>(), 1u64..40));
+    prop::collection::vec(
+        (
+            wait,
+            0u32..8,
+            prop_oneof![1 => Just(0u64), 3 => 1u64..40],
+            back,
+            prop::bool::weighted(0.15),
+            prop_oneof![
+                6 => Just(LeaseKind::Check),
+                1 => Just(LeaseKind::Peek),
+                1 => (0u64..100).prop_map(LeaseKind::Refund),
+                1 => Just(LeaseKind::TopUp),
+            ],
+        ),
+        1..60,
+    )
+    .prop_map(|steps| {
+        steps
+            .into_iter()
+            .map(|(wait, cost, ask, back, alone, kind)| LeaseStep {
+                wait,
+                cost,
+                ask,
+                back,
+                alone,
+                kind,
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// The lease path of the script (`lua/lease.lua`) grants and takes back exactly like
+    /// the model (`algorithm::lease`): the same units, lease end and window starts, and
+    /// the same decisions before and after returns, also when the clock steps back, for
+    /// lists that hold an algorithm that is not leased or a lockout (never granted), and
+    /// beside peeks and adjustments (never granted). The reply is the requests' results,
+    /// then the asks', then the script's `now`.
+    #[test]
+    fn lua_leases_like_the_model(limits in lease_limits_strategy(), steps in lease_steps_strategy()) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let case = CASE.with(|c| { c.set(c.get() + 1); c.get() });
+        let mut keys: Vec<String> = (0..limits.len()).map(|i| format!("lease{case}:{{k}}:{i}")).collect();
+        // Then a block key per limit with a lockout.
+        for (i, l) in limits.iter().enumerate() {
+            if l.lockout().is_some() {
+                keys.push(format!("lease{case}:{{k}}:{i}:lockout"));
+            }
+        }
+        let mut group = vec![limits.len() as u64];
+        for l in &limits {
+            let lockout = l.lockout().map_or(0, |d| d.as_millis() as u64);
+            group.extend([code(l.algorithm()), u64::from(l.limit()), l.window().as_millis() as u64, u64::from(l.capacity()), lockout]);
+        }
+        let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        let mut blocks: Vec<u64> = vec![0; limits.len()];
+        // Grants so far: window starts and units not yet given back.
+        let mut grants: Vec<(Vec<u64>, u64)> = Vec::new();
+        let mut now = START;
+        runtime.block_on(async {
+            let url = SERVER.with(|s| s.url());
+            let client = redis::Client::open(url).unwrap();
+            let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+            for (i, step) in steps.iter().enumerate() {
+                now = match step.wait {
+                    Wait::Back(ms) => now - ms,
+                    Wait::Ms(ms) => now + ms,
+                    _ => now,
+                };
+                let back = match step.back {
+                    Some((pick, units)) if !grants.is_empty() => {
+                        let n = grants.len();
+                        let grant = &mut grants[pick % n];
+                        let units = units.min(grant.1).max(1);
+                        grant.1 = grant.1.saturating_sub(units);
+                        Some((grant.0.clone(), units))
+                    }
+                    _ => None,
+                };
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(tollgate::store::SCRIPT_SOURCE).arg(keys.len());
+                for key in &keys {
+                    cmd.arg(key);
+                }
+                cmd.arg(now).arg(1).arg(&group);
+                let alone = step.alone && back.is_some();
+                // An adjustment of 0 units is never sent ("-0" is a request of cost 0).
+                let kind = match step.kind {
+                    LeaseKind::Refund(_) | LeaseKind::TopUp if step.cost == 0 => LeaseKind::Check,
+                    kind => kind,
+                };
+                let cost = i64::from(step.cost);
+                if alone {
+                    cmd.arg(0).arg(0);
+                } else {
+                    match kind {
+                        LeaseKind::Check => cmd.arg(1).arg(cost).arg(1),
+                        LeaseKind::Peek => cmd.arg(1).arg(cost).arg(-1),
+                        LeaseKind::Refund(ago) => cmd.arg(1).arg(-cost).arg(1).arg(now - ago.min(now)),
+                        LeaseKind::TopUp => cmd.arg(1).arg(-cost).arg(1).arg(-1),
+                    };
+                    if step.ask > 0 {
+                        cmd.arg(1).arg(1).arg(step.ask);
+                    } else {
+                        cmd.arg(0);
+                    }
+                }
+                match &back {
+                    Some((starts, units)) => {
+                        cmd.arg(1).arg(1).arg(1).arg(units).arg(starts);
+                    }
+                    None => { cmd.arg(0); }
+                }
+                let mut got: Vec<i64> = cmd.query_async(&mut connection).await.unwrap();
+                // Any reply with requests ends with the script's `now`.
+                if !alone {
+                    prop_assert_eq!(got.pop(), Some(now as i64), "step {}", i);
+                }
+                // A lockout block sends remaining as minus its time left: the lockout
+                // tests check that; here it is the model's 0.
+                for v in got.chunks_mut(4).take(if alone { 0 } else { limits.len() }) {
+                    v[1] = v[1].max(0);
+                }
+                // The model: returns first, then the request and its grant.
+                if let Some((starts, units)) = &back {
+                    algorithm::lease::give_back(&mut states, &limits, now, starts, *units);
+                }
+                let mut want: Vec<i64> = Vec::new();
+                if !alone {
+                    let decision = match kind {
+                        LeaseKind::Check => algorithm::check_with_lockouts(&mut states, &mut blocks, &limits, now, step.cost),
+                        LeaseKind::Peek => algorithm::peek_with_lockouts(&states, &blocks, &limits, now, step.cost),
+                        LeaseKind::Refund(ago) => {
+                            let a = tollgate::Adjustment::Refund { units: step.cost, charged_at_ms: now - ago.min(now) };
+                            algorithm::adjust(&mut states, &limits, now, a)
+                        }
+                        LeaseKind::TopUp => {
+                            let a = tollgate::Adjustment::TopUp { units: step.cost };
+                            algorithm::adjust(&mut states, &limits, now, a)
+                        }
+                    };
+                    for d in decision.limits() {
+                        want.extend([i64::from(d.allowed), d.remaining as i64, d.reset_after_ms as i64, d.retry_after_ms as i64]);
+                    }
+                    if step.ask > 0 {
+                        if !matches!(kind, LeaseKind::Check) {
+                            // A peek or an adjustment never takes a lease.
+                            want.extend(std::iter::repeat_n(0, 2 + limits.len()));
+                        } else if decision.is_allowed() {
+                            let grant = algorithm::lease::grant(&mut states, &limits, now, step.ask);
+                            want.extend([grant.units as i64, grant.ms_left as i64]);
+                            want.extend(grant.starts.iter().map(|&s| s as i64));
+                            if grant.units > 0 {
+                                prop_assert!(limits.iter().all(algorithm::lease::limit_leasable));
+                                grants.push((grant.starts.to_vec(), grant.units));
+                            }
+                        } else {
+                            // Denied: nothing granted (the rest is not read).
+                            let n = want.len();
+                            prop_assert_eq!(got.get(n), Some(&0), "step {}", i);
+                            want.extend_from_slice(&got[n..]);
+                        }
+                    }
+                }
+                prop_assert_eq!(&got, &want, "step {} of {:?} with {:?}", i, steps, limits);
+            }
+            Ok(())
+        })?;
+    }
+}
+
 /// At the largest sizes a limit may have (capacity x window just under 2^50), the script
 /// still decides like the model and stores every number as plain decimal digits: state
 /// that went through "%.14g" (Lua's tostring) would come back rounded.
@@ -1030,42 +1281,42 @@ fn a_refund_of_an_emptied_entry_changes_nothing() {
 /// One step against the permits of one key (after a wait, with a lease): take a permit,
 /// renew the `n`-th permit taken so far, or give it back.
 #[derive(Debug, Clone, Copy)]
-enum LeaseOp {
+enum PermitOp {
     Acquire,
     Renew(usize),
     Release(usize),
 }
 
-fn lease_steps_strategy() -> impl Strategy<Value = Vec<(LeaseWait, LeaseOp, u64)>> {
+fn permit_steps_strategy() -> impl Strategy<Value = Vec<(PermitWait, PermitOp, u64)>> {
     let op = prop_oneof![
-        3 => Just(LeaseOp::Acquire),
-        2 => (0usize..8).prop_map(LeaseOp::Renew),
-        1 => (0usize..8).prop_map(LeaseOp::Release),
+        3 => Just(PermitOp::Acquire),
+        2 => (0usize..8).prop_map(PermitOp::Renew),
+        1 => (0usize..8).prop_map(PermitOp::Release),
     ];
     // Leases of seconds: a write sets the key's TTL (real time) to at least one lease, so
     // no key expires while a case runs; waits as long as leases end them on the model's
     // clock.
     let wait = prop_oneof![
-        (0u64..3).prop_map(LeaseWait::Ms),
-        (0u64..10_000).prop_map(LeaseWait::Ms),
-        (-1i64..=1).prop_map(LeaseWait::ToFirstEnd),
+        (0u64..3).prop_map(PermitWait::Ms),
+        (0u64..10_000).prop_map(PermitWait::Ms),
+        (-1i64..=1).prop_map(PermitWait::ToFirstEnd),
     ];
     prop::collection::vec((wait, op, 1_000u64..8_000), 1..40)
 }
 
 /// How far the clock moves before a step.
 #[derive(Debug, Clone, Copy)]
-enum LeaseWait {
+enum PermitWait {
     Ms(u64),
     /// To the first lease end not yet passed, plus -1, 0 or +1 ms: where off-by-one
     /// mistakes live.
     ToFirstEnd(i64),
 }
 
-fn next_lease_now(now: u64, wait: LeaseWait, model: &algorithm::Leases) -> u64 {
+fn next_permit_now(now: u64, wait: PermitWait, model: &algorithm::Leases) -> u64 {
     match wait {
-        LeaseWait::Ms(ms) => now + ms,
-        LeaseWait::ToFirstEnd(delta) => model
+        PermitWait::Ms(ms) => now + ms,
+        PermitWait::ToFirstEnd(delta) => model
             .ends()
             .map(|(_, end)| end)
             .filter(|&end| end >= now)
@@ -1083,7 +1334,7 @@ proptest! {
     #[test]
     fn in_flight_scripts_follow_the_lease_model(
         max in 1u32..4,
-        steps in lease_steps_strategy(),
+        steps in permit_steps_strategy(),
     ) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
@@ -1099,9 +1350,9 @@ proptest! {
             let mut taken: Vec<String> = Vec::new();
             let mut now = START;
             for (i, &(wait, op, lease)) in steps.iter().enumerate() {
-                now = next_lease_now(now, wait, &model);
+                now = next_permit_now(now, wait, &model);
                 match op {
-                    LeaseOp::Acquire => {
+                    PermitOp::Acquire => {
                         let id = format!("p{i}");
                         let expected = model.acquire(now, lease, max, &id);
                         let got: (i64, i64) = acquire
@@ -1122,10 +1373,10 @@ proptest! {
                             taken.push(id);
                         }
                     }
-                    LeaseOp::Renew(n) | LeaseOp::Release(n) if taken.is_empty() => {
+                    PermitOp::Renew(n) | PermitOp::Release(n) if taken.is_empty() => {
                         let _ = n;
                     }
-                    LeaseOp::Renew(n) => {
+                    PermitOp::Renew(n) => {
                         let id = &taken[n % taken.len()];
                         let expected = model.renew(now, lease, id);
                         let got: i64 = renew
@@ -1138,7 +1389,7 @@ proptest! {
                             .unwrap();
                         prop_assert_eq!(got == 1, expected, "step {}", i);
                     }
-                    LeaseOp::Release(n) => {
+                    PermitOp::Release(n) => {
                         let id = &taken[n % taken.len()];
                         model.release(id);
                         let _: i64 = redis::cmd("ZREM")

@@ -13,6 +13,11 @@ use tollgate::{Algorithm, Limit, OnChange};
 
 use crate::path;
 
+/// `[store] leases` (next to this file, so that every crate that includes this module by
+/// path gets it too).
+#[path = "leases.rs"]
+pub(crate) mod leases;
+
 /// The config used without `--config`: a demo that shows a 429 after five quick `curl`s.
 pub(crate) const DEMO: &str = r#"
 listen = "127.0.0.1:8080"
@@ -37,7 +42,7 @@ pub(crate) struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             field: field.into(),
             message: message.into(),
@@ -119,6 +124,8 @@ pub(crate) struct StoreConfig {
     pub(crate) on_error: OnError,
     /// How `header:<name>` keys are stored.
     pub(crate) header_keys: HeaderKeys,
+    /// Leased quota (`leases`): off when `None`.
+    pub(crate) leases: Option<leases::LeasesConfig>,
 }
 
 /// How header values (API keys) appear in store keys.
@@ -342,6 +349,7 @@ struct RawStore {
     on_error: Option<String>,
     hash_header_keys: Option<bool>,
     key_secret_env: Option<String>,
+    leases: Option<leases::RawLeases>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -714,6 +722,10 @@ impl RawStore {
         };
         let header_keys =
             header_key_hashing(self.hash_header_keys, self.key_secret_env.as_deref())?;
+        let leases = match self.leases {
+            Some(leases) => leases.validate(!matches!(backend, Backend::Memory))?,
+            None => None,
+        };
         Ok(StoreConfig {
             backend,
             tls,
@@ -721,6 +733,7 @@ impl RawStore {
             timeout,
             on_error,
             header_keys,
+            leases,
         })
     }
 }

@@ -161,6 +161,9 @@ impl Live {
         if new.store.prefix != running.store.prefix {
             restart("store.prefix");
         }
+        if new.store.leases != running.store.leases {
+            restart("store.leases");
+        }
         if new.rules != running.rules {
             restart("[rules]");
         }
@@ -169,6 +172,7 @@ impl Live {
         new.server = running.server.clone();
         new.store.backend = running.store.backend.clone();
         new.store.prefix = running.store.prefix.clone();
+        new.store.leases = running.store.leases.clone();
         new.rules = running.rules.clone();
         let gateway = build_gateway(&new, &self.store, &self.local, &self.client);
         // Limits whose state carries over keep their store keys with new parameters: a
@@ -199,6 +203,24 @@ pub(crate) struct Running {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     live: Arc<Live>,
+    leased: Leased,
+}
+
+/// The Redis store whose leased units a shutdown gives back (`store.leases` on).
+#[derive(Debug, Default)]
+pub(crate) struct Leased(#[cfg(feature = "redis")] Option<tollgate::store::RedisStore>);
+
+impl Leased {
+    /// Gives the leased units back to Redis, so that the other gateways can spend them.
+    async fn release(self) {
+        #[cfg(feature = "redis")]
+        if let Some(store) = self.0 {
+            match store.release_leases().await {
+                Ok(()) => tracing::info!("leased units returned to redis"),
+                Err(error) => tracing::warn!(%error, "could not return leased units to redis"),
+            }
+        }
+    }
 }
 
 impl Running {
@@ -240,6 +262,7 @@ impl Running {
         for task in self.tasks {
             task.await.map_err(io::Error::other)?;
         }
+        self.leased.release().await;
         Ok(())
     }
 
@@ -255,7 +278,7 @@ impl Running {
 /// Connects the store, builds every route, binds the listeners and starts serving.
 pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
-    let store = connect_store(&config.store).await?;
+    let (store, leased) = connect_store(&config.store).await?;
     let follow = first_rule_set(&mut config).await?;
     let client = proxy::client();
     let local = FailurePolicy::local();
@@ -336,6 +359,7 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         shutdown,
         tasks,
         live,
+        leased,
     })
 }
 
@@ -734,14 +758,14 @@ fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<RouteLimit>)> {
     groups
 }
 
-async fn connect_store(config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
+async fn connect_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Leased), Error> {
     tracing::debug!(
         prefix = config.prefix,
         tls_files = config.tls.is_set(),
         "connecting the store"
     );
     match &config.backend {
-        Backend::Memory => Ok(Arc::new(MemoryStore::new())),
+        Backend::Memory => Ok((Arc::new(MemoryStore::new()), Leased::default())),
         Backend::Redis { url } => connect_redis(url, config).await,
         Backend::RedisCluster { nodes } => connect_redis_cluster(nodes, config).await,
         Backend::RedisSentinel(sentinel) => connect_redis_sentinel(sentinel, config).await,
@@ -765,16 +789,25 @@ fn tls_config(tls: &crate::config::StoreTls) -> Result<tollgate::store::TlsConfi
     Ok(config)
 }
 
+/// The store under `store.prefix`, with `store.leases`.
 #[cfg(feature = "redis")]
-fn with_prefix(store: tollgate::store::RedisStore, prefix: &str) -> Result<Arc<dyn Store>, Error> {
-    let store = store
-        .with_prefix(prefix)
+fn with_prefix(
+    store: tollgate::store::RedisStore,
+    config: &StoreConfig,
+) -> Result<(Arc<dyn Store>, Leased), Error> {
+    let mut store = store
+        .with_prefix(&config.prefix)
         .map_err(|e| format!("store.prefix: {e}"))?;
-    Ok(Arc::new(store))
+    let mut leased = Leased::default();
+    if let Some(leases) = &config.leases {
+        store = store.with_leases(leases.library()?);
+        leased = Leased(Some(store.clone()));
+    }
+    Ok((Arc::new(store), leased))
 }
 
 #[cfg(feature = "redis")]
-async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
+async fn connect_redis(url: &str, config: &StoreConfig) -> Result<(Arc<dyn Store>, Leased), Error> {
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
@@ -797,7 +830,7 @@ async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Arc<dyn Store>
         prefix = config.prefix,
         "connected to redis"
     );
-    with_prefix(store, &config.prefix)
+    with_prefix(store, config)
 }
 
 /// `: <cause>` of a store error (its `Display` names only its own level).
@@ -807,7 +840,10 @@ fn cause(error: &tollgate::StoreError) -> String {
 }
 
 #[cfg(not(feature = "redis"))]
-async fn connect_redis(_url: &str, _config: &StoreConfig) -> Result<Arc<dyn Store>, Error> {
+async fn connect_redis(
+    _url: &str,
+    _config: &StoreConfig,
+) -> Result<(Arc<dyn Store>, Leased), Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
 }
@@ -816,7 +852,7 @@ async fn connect_redis(_url: &str, _config: &StoreConfig) -> Result<Arc<dyn Stor
 async fn connect_redis_cluster(
     nodes: &[String],
     config: &StoreConfig,
-) -> Result<Arc<dyn Store>, Error> {
+) -> Result<(Arc<dyn Store>, Leased), Error> {
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
@@ -835,14 +871,14 @@ async fn connect_redis_cluster(
         )
     })?;
     tracing::info!(?nodes, prefix = config.prefix, "connected to redis cluster");
-    with_prefix(store, &config.prefix)
+    with_prefix(store, config)
 }
 
 #[cfg(not(feature = "cluster"))]
 async fn connect_redis_cluster(
     _nodes: &[String],
     _config: &StoreConfig,
-) -> Result<Arc<dyn Store>, Error> {
+) -> Result<(Arc<dyn Store>, Leased), Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis-cluster\" needs the gateway built with the cluster feature".into())
 }
@@ -851,7 +887,7 @@ async fn connect_redis_cluster(
 async fn connect_redis_sentinel(
     sentinel: &SentinelBackend,
     config: &StoreConfig,
-) -> Result<Arc<dyn Store>, Error> {
+) -> Result<(Arc<dyn Store>, Leased), Error> {
     let mut library =
         tollgate::store::SentinelConfig::new(&sentinel.sentinels, &sentinel.master_name);
     if let Some(password) = &sentinel.password {
@@ -884,14 +920,14 @@ async fn connect_redis_sentinel(
         prefix = config.prefix,
         "connected to redis through sentinel"
     );
-    with_prefix(store, &config.prefix)
+    with_prefix(store, config)
 }
 
 #[cfg(not(feature = "sentinel"))]
 async fn connect_redis_sentinel(
     _sentinel: &SentinelBackend,
     _config: &StoreConfig,
-) -> Result<Arc<dyn Store>, Error> {
+) -> Result<(Arc<dyn Store>, Leased), Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err(
         "store.backend: \"redis-sentinel\" needs the gateway built with the sentinel feature"

@@ -11,6 +11,21 @@ pub struct FixedWindow {
     count: u64,
 }
 
+impl FixedWindow {
+    /// The start of the counted window.
+    pub(super) fn start(&self) -> u64 {
+        self.start
+    }
+
+    /// Takes back `units` counted into the window that starts at `start`, if it is still
+    /// the counted one (a lease's unspent units; see [`lease`](super::lease)).
+    pub(super) fn give_back(&mut self, start: u64, units: u64) {
+        if self.start == start {
+            self.count = self.count.saturating_sub(units);
+        }
+    }
+}
+
 impl Model for FixedWindow {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let start = now - now % limit.window_ms();

@@ -34,6 +34,24 @@ impl Gcra {
     }
 }
 
+impl Gcra {
+    /// Moves the TAT back by `units` emission intervals (a lease's unspent units), never
+    /// before `now`; not at all when the TAT is more than the tolerance ahead (the clock
+    /// stepped back), where the capped distance would move it back further (see
+    /// [`lease`](super::lease)).
+    pub(super) fn give_back(&mut self, now: u64, limit: &Limit, units: u64) {
+        let limit_per_window = u64::from(limit.limit());
+        if self.tat < now || self.tat - now > Self::tolerance(limit).div_ceil(limit_per_window) {
+            return;
+        }
+        let ahead = self
+            .ahead(now, limit)
+            .saturating_sub(units * limit.window_ms());
+        self.tat = now + ahead / limit_per_window;
+        self.frac = ahead % limit_per_window;
+    }
+}
+
 impl Model for Gcra {
     fn normalize(&mut self, _now: u64, _limit: &Limit) {}
 

@@ -38,6 +38,7 @@
 mod fixed_window;
 mod gcra;
 mod in_flight;
+pub mod lease;
 mod lockout;
 mod sliding_window;
 mod sliding_window_counter;

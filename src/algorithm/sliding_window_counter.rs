@@ -32,6 +32,26 @@ impl SlidingWindowCounter {
     }
 }
 
+impl SlidingWindowCounter {
+    /// The start of the counted window.
+    pub(super) fn start(&self) -> u64 {
+        self.start
+    }
+
+    /// Takes back `units` counted into the window that starts at `start`: from the current
+    /// count while that window is the counted one, from the previous count once it is the
+    /// previous one (it still weighs on this window), not at all later (see
+    /// [`lease`](super::lease)).
+    pub(super) fn give_back(&mut self, start: u64, window: u64, units: u64) {
+        let units = u32::try_from(units).unwrap_or(u32::MAX);
+        if self.start == start {
+            self.current = self.current.saturating_sub(units);
+        } else if self.start == start + window {
+            self.previous = self.previous.saturating_sub(units);
+        }
+    }
+}
+
 impl Model for SlidingWindowCounter {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let window = limit.window_ms();

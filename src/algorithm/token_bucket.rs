@@ -44,6 +44,21 @@ impl TokenBucket {
     }
 }
 
+impl TokenBucket {
+    /// Puts back `units` taken at an earlier moment (a lease's unspent units), refilled to
+    /// `now` first: never beyond the bucket (see [`lease`](super::lease)).
+    pub(super) fn give_back(&mut self, now: u64, limit: &Limit, units: u64) {
+        if self.tokens == NEW {
+            return;
+        }
+        self.normalize(now, limit);
+        let capacity = Self::capacity(limit);
+        // Below 2^50 (a lease holds at most half a bucket), as in the script.
+        let back = i64::try_from(units.saturating_mul(limit.window_ms())).unwrap_or(i64::MAX);
+        self.tokens = self.tokens.saturating_add(back).min(capacity);
+    }
+}
+
 impl Model for TokenBucket {
     fn normalize(&mut self, now: u64, limit: &Limit) {
         let capacity = Self::capacity(limit);

@@ -51,7 +51,11 @@ impl Guarded {
     ) -> Result<Result<Decision, StoreError>, Check> {
         let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
         if admission == Admission::Skip {
-            return Ok(Err(StoreError::circuit_open()));
+            // Quota the store holds already (leases) is spent while the circuit is open.
+            return Ok(self
+                .store
+                .check_held(key, limits, cost)
+                .ok_or_else(StoreError::circuit_open));
         }
         let check = match self.store.check(key, limits, cost).into_ready() {
             Ok(result) => {

@@ -22,11 +22,11 @@ pub use redis::SentinelConfig;
 #[cfg(feature = "tls")]
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
-pub use redis::{DEFAULT_PREFIX, RedisStore, SCRIPT_SOURCE};
+pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisStore, SCRIPT_SOURCE};
 #[cfg(feature = "redis")]
 pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 
-use crate::{Adjustment, Limit, StoreError, StoreErrorKind, key::Key};
+use crate::{Adjustment, Decision, Limit, StoreError, StoreErrorKind, key::Key};
 
 /// What [`Store::reset`] returns: the reset, done once it resolves.
 pub type Reset = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'static>>;
@@ -46,6 +46,15 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// state expires) updates those whose state carries over; the default does nothing.
     fn limits_changed(&self, limits: &[Limit]) {
         let _ = limits;
+    }
+
+    /// What the store can decide without I/O when it must not be asked (the layer's
+    /// circuit breaker is open): an allowed decision paid from quota it holds already
+    /// (the Redis store's leases), or `None` for the failure policy. Never a denial. The
+    /// default holds nothing.
+    fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        let _ = (key, limits, cost);
+        None
     }
 
     /// The decision [`check`](Self::check) would make now for a request of `cost`
@@ -94,6 +103,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn limits_changed(&self, limits: &[Limit]) {
         (**self).limits_changed(limits);
+    }
+
+    fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        (**self).check_held(key, limits, cost)
     }
 
     fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {

@@ -47,6 +47,13 @@ impl RedisStore {
                 any = true;
             }
         }
+        // This node's lease of the key goes (before the DEL, so that none of its units is
+        // spent meanwhile, and after it, for a grant that arrived in between).
+        let leases = self.leases.clone();
+        let owned: Option<(Key, Vec<Limit>)> = leases.as_ref().map(|leases| {
+            leases.forget(key, limits);
+            (key.clone(), limits.to_vec())
+        });
         let connection = self.connection.clone();
         let cache = self.block_cache.clone();
         let channel = invalidate::channel(&self.prefix);
@@ -54,6 +61,9 @@ impl RedisStore {
         Box::pin(async move {
             if any {
                 query(connection.clone(), &del).await?;
+            }
+            if let (Some(leases), Some((key, limits))) = (&leases, &owned) {
+                leases.forget(key, limits);
             }
             if let Some(cache) = cache {
                 cache.reset(&key);

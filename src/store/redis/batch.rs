@@ -184,20 +184,36 @@ async fn send(
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
     let result = invoke(connection, script_call(now, &requests)).await;
-    let total: usize = batch.iter().map(|(r, _)| r.quotas.len() * 4).sum();
+    // The reply: every request's results in order, then the asks' results in the same
+    // order, then the script's `now` (lua/main.lua).
+    let own: usize = requests.iter().map(|r| r.quotas.len() * 4).sum();
+    let asked: usize = requests
+        .iter()
+        .map(|r| r.lease.as_ref().map_or(0, |a| a.reply_len(r)))
+        .sum();
+    let reply = result.as_ref().map(|values| split_now(values, own + asked));
     let mut offset = 0;
-    for (request, reply) in batch {
-        let decision = match &result {
-            Ok(values) => {
-                let (values, at) = split_now(values, total);
-                let len = request.quotas.len() * 4;
+    let mut tail = own;
+    for (request, reply_to) in batch {
+        let len = request.quotas.len() * 4;
+        let mut decision = match &reply {
+            Ok((values, at)) => {
                 let share = values.get(offset..offset + len).unwrap_or_default();
-                offset += len;
-                parse(share, &request.quotas, at)
+                parse(share, &request.quotas, *at)
             }
-            Err(error) => Err(error.clone()),
+            Err(error) => Err((*error).clone()),
         };
+        offset += len;
+        if let Some(attach) = &request.lease {
+            let len = attach.reply_len(&request);
+            let grant = reply
+                .as_ref()
+                .ok()
+                .and_then(|(values, _)| values.get(tail..tail + len));
+            tail += len;
+            decision = attach.settle(&request, decision, grant);
+        }
         // The caller may have given up (timeout); the decision stands all the same.
-        let _ = reply.send(decision);
+        let _ = reply_to.send(decision);
     }
 }

@@ -11,12 +11,14 @@ mod batch;
 mod block_cache;
 mod connect;
 mod invalidate;
+mod lease;
 mod permits;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
+pub use self::lease::LeaseConfig;
 pub(crate) use self::permits::HeldPermit;
 pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_RENEW_SOURCE};
 #[cfg(feature = "sentinel")]
@@ -32,6 +34,7 @@ use tokio::sync::oneshot;
 use self::{
     batch::{Coalescer, CoalescerConfig, Submitted},
     block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE},
+    lease::{Leases, Spent},
 };
 use super::{Check, Reset, Store};
 use crate::{
@@ -50,6 +53,7 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../../lua/sliding_window_counter.lua"),
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/gcra.lua"),
+    include_str!("../../../lua/lease.lua"),
     include_str!("../../../lua/lockout.lua"),
     include_str!("../../../lua/main.lua"),
 );
@@ -101,6 +105,9 @@ pub struct RedisStore {
     /// cell. Clones share it.
     coalescer: Arc<OnceLock<Coalescer>>,
     block_cache: Option<Arc<BlockCache>>,
+    /// Leased quota, when on: the settings, and the leases built from them.
+    lease_config: Option<LeaseConfig>,
+    leases: Option<Arc<Leases>>,
     /// The nodes the block cache hears resets from (none: a connection given as is).
     reset_source: Option<invalidate::Nodes>,
 }
@@ -144,6 +151,7 @@ impl fmt::Debug for RedisStore {
             .field("coalescing", &self.coalescing)
             .field("queue_limit", &self.coalescer_config.queue)
             .field("block_cache", &self.block_cache.is_some())
+            .field("leases", &self.lease_config)
             .finish()
     }
 }
@@ -207,6 +215,8 @@ impl RedisStore {
             coalescer_config: CoalescerConfig::default(),
             coalescer: Arc::default(),
             block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
+            lease_config: None,
+            leases: None,
             reset_source: None,
         }
     }
@@ -296,10 +306,50 @@ impl RedisStore {
         self
     }
 
-    /// The batching machinery follows the settings: built anew, from all of them, on first
-    /// use.
+    /// Leases quota for hot keys (off by default): a request that goes to Redis anyway
+    /// takes a batch of units beside its own, in the same script call, and the next
+    /// requests of that key on this node spend them without a Redis call. See
+    /// [`LeaseConfig`] and the README's "Leased quota" for what holds with several nodes.
+    ///
+    /// Every leased unit is counted in Redis before it is spent. Fixed window and
+    /// sliding-window counter limits keep "at most `limit` per aligned window" exactly
+    /// across any number of nodes; token bucket and GCRA keep their long-run rate, and an
+    /// interval admits at most what it would without leases plus what the leases held. A
+    /// list with a sliding-window log limit is never leased.
+    /// A cold key (fewer than two requests within a lease period on this node) is decided
+    /// exactly as without leases. Call [`release_leases`](Self::release_leases) on
+    /// shutdown.
+    pub fn with_leases(mut self, config: LeaseConfig) -> Self {
+        self.lease_config = Some(config);
+        self.settings_changed();
+        self
+    }
+
+    /// Gives every unit this store holds in leases back to Redis, so that other nodes can
+    /// spend it: call it on shutdown, once no more requests come. (Idle leases go back by
+    /// themselves; a store dropped inside a Tokio runtime returns its leases too.)
+    ///
+    /// # Errors
+    ///
+    /// When a return call fails: those units stay counted until their window ends.
+    pub async fn release_leases(&self) -> Result<(), StoreError> {
+        match &self.leases {
+            Some(leases) => leases.release().await,
+            None => Ok(()),
+        }
+    }
+
+    /// The batching machinery and the leases follow the settings: built anew, from all of
+    /// them.
     fn settings_changed(&mut self) {
         self.coalescer = Arc::default();
+        self.leases = self.lease_config.map(|config| {
+            Arc::new(Leases::new(
+                config,
+                self.connection.clone(),
+                self.clock.clone(),
+            ))
+        });
     }
 
     /// The coalescer, when coalescing is on.
@@ -364,6 +414,7 @@ impl RedisStore {
             quotas: limits.iter().map(Limit::limit).collect(),
             peek: false,
             slot,
+            lease: None,
         }
     }
 }
@@ -375,7 +426,18 @@ fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
 }
 
 impl Store for RedisStore {
+    fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        self.leases.as_ref()?.spend_held(key, limits, cost)
+    }
+
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        let mut lease_entry = None;
+        if let Some(leases) = &self.leases {
+            match leases.spend(key, limits, cost) {
+                Spent::Here(decision) => return Check::ready(Ok(decision)),
+                Spent::Redis(entry) => lease_entry = entry,
+            }
+        }
         // A request that can never fit is not "blocked until" anything: Redis answers it.
         let fits_at_all = limits.iter().all(|l| cost <= l.capacity());
         let block_cache = match &self.block_cache {
@@ -384,6 +446,12 @@ impl Store for RedisStore {
                 if fits_at_all {
                     let now = local_now_ms(self.clock.as_ref());
                     if let Some(decision) = cache.get(key, fingerprint, cost, now) {
+                        // A lease due for a refill still pays before a cached denial answers.
+                        if let (Some(leases), Some(_)) = (&self.leases, &lease_entry)
+                            && let Some(decision) = leases.spend_held(key, limits, cost)
+                        {
+                            return Check::ready(Ok(decision));
+                        }
                         return Check::ready(Ok(decision));
                     }
                 }
@@ -391,7 +459,13 @@ impl Store for RedisStore {
             }
             None => None,
         };
-        let encoded = self.encode(key, limits, cost);
+        let mut encoded = self.encode(key, limits, cost);
+        if let (Some(leases), Some(entry)) = (&self.leases, lease_entry) {
+            match leases.attach(entry, limits, cost) {
+                Ok(attach) => encoded.lease = attach.map(Arc::new),
+                Err(decision) => return Check::ready(Ok(decision)),
+            }
+        }
         // Queued for the batching task, or (no runtime to run it on) sent directly.
         let call = match self.coalescer() {
             Some(coalescer) => match coalescer.submit(encoded) {
@@ -413,9 +487,22 @@ impl Store for RedisStore {
                 })?,
                 Call::Direct(encoded) => {
                     let now = clock.as_ref().map(|c| c.now_ms());
-                    let reply = invoke(connection, script_call(now, &[&encoded])).await?;
-                    let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
-                    parse(values, &encoded.quotas, at)?
+                    let reply = invoke(connection, script_call(now, &[&encoded])).await;
+                    let len = encoded.quotas.len() * 4;
+                    // The request's results, its ask's (when it asked), then `now`.
+                    let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
+                    let (decision, grant) = match &reply {
+                        Ok(reply) => {
+                            let (values, at) = split_now(reply, len + asked);
+                            let (own, grant) = values.split_at(len.min(values.len()));
+                            (parse(own, &encoded.quotas, at), Some(grant))
+                        }
+                        Err(error) => (Err(error.clone()), None),
+                    };
+                    match &encoded.lease {
+                        Some(attach) => attach.settle(&encoded, decision, grant)?,
+                        None => decision?,
+                    }
                 }
             };
             if let Some((cache, key, fingerprint, generation)) = block_cache {
@@ -536,6 +623,8 @@ pub(crate) struct Encoded {
     peek: bool,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
+    /// What rides on it for leased quota (an ask, units going back).
+    lease: Option<Arc<lease::Attach>>,
 }
 
 /// The `EVALSHA` deciding `requests` in order, at `now` (None: Redis `TIME`).
@@ -580,13 +669,16 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
         }
     }
     cmd.arg(requests.len());
-    for (request, group) in requests.iter().zip(group_of) {
+    for (request, &group) in requests.iter().zip(&group_of) {
         match request.at {
             None if request.peek => cmd.arg(request.cost).arg(-(group as i64)),
             None => cmd.arg(request.cost).arg(group),
             // A negative cost, then `at` (see lua/main.lua).
             Some(at) => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
         };
+    }
+    if requests.iter().any(|r| r.lease.is_some()) {
+        lease::sections(&mut cmd, requests, &group_of);
     }
     cmd
 }
@@ -712,7 +804,8 @@ pub(crate) fn parse(
     })
 }
 
-/// A reply's per-request values and the `now` the script appended (see lua/main.lua).
+/// A reply's values and the `now` the script appended last (see lua/main.lua): `values`
+/// counts the requests' results and their asks' results, which come before it.
 pub(crate) fn split_now(reply: &[i64], values: usize) -> (&[i64], Option<i64>) {
     match reply.len().checked_sub(values) {
         Some(1) => (&reply[..values], reply.last().copied()),

@@ -1,0 +1,805 @@
+//! Leased quota: a hot key's units taken from Redis ahead of time, in batches, and spent
+//! in process.
+//!
+//! The units are pre-paid: a request that goes to Redis anyway asks for a few more units
+//! beside its own, and the script counts them into the window in the same call that
+//! decides the request (see [`algorithm::lease`](crate::algorithm::lease) for the model,
+//! which algorithms are leased and what holds for each). Spending them is a local
+//! decision under a short lock, with no await. Whatever happens to a lease afterwards (lost in a timeout,
+//! stranded by a node that dies) can only under-admit.
+//!
+//! - A key asks only once it is hot on this node: at least two requests within one
+//!   [`period`](LeaseConfig::period). Before that, its requests, Redis calls and decisions
+//!   are exactly those with leasing off.
+//! - The size asked for is the node's smoothed traffic of that key over one period,
+//!   bounded by a [fraction](LeaseConfig::max_fraction) of the smallest limit; the script
+//!   grants at most half of what is left, so leases shrink as the budget runs out.
+//! - A lease belongs to the window it was granted in and ends with it (the earliest
+//!   window of its limits, a thousandth of the time left early for clock drift; a
+//!   bucket's lease lasts one window). A request that does not fit the lease (or finds it
+//!   ended) goes to Redis, and takes the lease's units back to Redis in the same call, so
+//!   that with one node and a window algorithm Redis decides it exactly as without
+//!   leases. An empty lease never rejects: every 429 comes from Redis (or the block
+//!   cache) with its exact `retry_after`.
+//! - A lease at a quarter of its units is refilled by the next request, which goes to
+//!   Redis (one refill in flight per key); if Redis denies that request or fails, it is
+//!   spent from the lease instead.
+//! - Unused units go back when the key idles, on
+//!   [`release_leases`](super::RedisStore::release_leases), and when the store is dropped
+//!   inside a Tokio runtime.
+
+use std::{
+    fmt,
+    sync::{
+        Arc, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use parking_lot::Mutex;
+use quick_cache::{Equivalent, sync::Cache};
+use redis::Cmd;
+use smallvec::SmallVec;
+
+use super::{
+    Connection, Encoded, LIMIT_FIELDS, SCRIPT, block_cache::BlockCache, invoke, local_now_ms,
+};
+use crate::{
+    ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable,
+    clock::Clock, decision::LimitDecisions, key::Key,
+};
+
+/// How a [`RedisStore`](super::RedisStore) leases quota
+/// ([`with_leases`](super::RedisStore::with_leases)).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::store::LeaseConfig;
+///
+/// let config = LeaseConfig::new()
+///     .period(Duration::from_millis(200))?
+///     .max_fraction(0.05)?
+///     .idle(Duration::from_secs(2))?;
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LeaseConfig {
+    period_ms: u64,
+    max_fraction: f64,
+    idle_ms: u64,
+    keys: usize,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            period_ms: 100,
+            max_fraction: 0.1,
+            idle_ms: 1_000,
+            keys: 10_000,
+        }
+    }
+}
+
+impl LeaseConfig {
+    /// The defaults: a period of 100 ms, at most a tenth of a limit per lease, returned
+    /// after 1 s idle, 10 000 keys watched.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A lease holds about this much of the node's traffic of its key (100 ms by
+    /// default), and a key is hot after two requests within it. Longer: fewer Redis
+    /// calls, more units held per node.
+    ///
+    /// # Errors
+    ///
+    /// `period` outside 1 ms ..= 60 s.
+    pub fn period(mut self, period: Duration) -> Result<Self, ConfigError> {
+        let ms = period.as_millis();
+        if !(1..=60_000).contains(&ms) {
+            return Err(ConfigError::new(
+                "leases.period",
+                format!("must be between 1ms and 60s (got {period:?})"),
+            ));
+        }
+        self.period_ms = ms as u64;
+        Ok(self)
+    }
+
+    /// A lease holds at most this fraction of the smallest limit it covers (0.1 by
+    /// default): what one node can hold back from the others. Limits too small for one
+    /// unit are not leased.
+    ///
+    /// # Errors
+    ///
+    /// `fraction` outside (0, 0.5].
+    pub fn max_fraction(mut self, fraction: f64) -> Result<Self, ConfigError> {
+        if !(fraction > 0.0 && fraction <= 0.5) {
+            return Err(ConfigError::new(
+                "leases.max_fraction",
+                format!("must be above 0 and at most 0.5 (got {fraction})"),
+            ));
+        }
+        self.max_fraction = fraction;
+        Ok(self)
+    }
+
+    /// A lease not spent from for this long goes back to Redis (1 s by default), so that
+    /// other nodes can spend it.
+    ///
+    /// # Errors
+    ///
+    /// `idle` outside 10 ms ..= 1 h.
+    pub fn idle(mut self, idle: Duration) -> Result<Self, ConfigError> {
+        let ms = idle.as_millis();
+        if !(10..=3_600_000).contains(&ms) {
+            return Err(ConfigError::new(
+                "leases.idle",
+                format!("must be between 10ms and 1h (got {idle:?})"),
+            ));
+        }
+        self.idle_ms = ms as u64;
+        Ok(self)
+    }
+
+    /// How many keys' traffic is watched at most (10 000 by default; the coldest are
+    /// forgotten first). Leases held are never forgotten before they go back.
+    pub fn max_keys(mut self, keys: usize) -> Self {
+        self.keys = keys.max(1);
+        self
+    }
+}
+
+/// The leases of one store (shared by its clones).
+pub(crate) struct Leases {
+    config: LeaseConfig,
+    connection: Connection,
+    clock: Option<Arc<dyn Clock>>,
+    entries: Cache<EntryKey, Arc<Entry>>,
+    /// Entries that hold a lease: what the sweeper and a release walk.
+    held: Mutex<Vec<Arc<Entry>>>,
+    /// The task that returns idle leases; started again when its runtime shut down.
+    sweeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl fmt::Debug for Leases {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leases")
+            .field("config", &self.config)
+            .field("held", &self.held.lock().len())
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct EntryKey {
+    key: Key,
+    limits: u64,
+}
+
+#[derive(Hash)]
+struct EntryKeyRef<'a> {
+    key: &'a Key,
+    limits: u64,
+}
+
+impl Equivalent<EntryKey> for EntryKeyRef<'_> {
+    fn equivalent(&self, other: &EntryKey) -> bool {
+        self.limits == other.limits && *self.key == other.key
+    }
+}
+
+/// One key and list of limits on this node: its traffic and its lease.
+#[derive(Default)]
+pub(crate) struct Entry {
+    state: Mutex<EntryState>,
+}
+
+#[derive(Default)]
+struct EntryState {
+    /// The current measuring period: since when, requests and units in it.
+    since: u64,
+    requests: u64,
+    units: u64,
+    /// Requests in the period before, if it ended less than a period ago.
+    previous_requests: u64,
+    /// Smoothed units per period.
+    rate: u64,
+    /// The last request (local ms).
+    last: u64,
+    /// A request carrying an ask is on its way.
+    asking: bool,
+    /// In [`Leases::held`].
+    registered: bool,
+    /// Bumped by a reset: a grant asked for before it is not taken.
+    generation: u64,
+    lease: Option<Lease>,
+}
+
+impl EntryState {
+    fn observe(&mut self, now: u64, cost: u32, period: u64) {
+        if now >= self.since + period {
+            let elapsed = now - self.since;
+            self.rate = (self.rate + self.units.saturating_mul(period) / elapsed) / 2;
+            self.previous_requests = if elapsed < 2 * period {
+                self.requests
+            } else {
+                0
+            };
+            (self.since, self.requests, self.units) = (now, 0, 0);
+        }
+        self.requests += 1;
+        self.units += u64::from(cost);
+        self.last = now;
+    }
+
+    fn hot(&self) -> bool {
+        self.requests >= 2 || self.previous_requests >= 2
+    }
+}
+
+/// Units held for one key and list of limits, in one window.
+struct Lease {
+    units: u64,
+    granted: u64,
+    /// Local ms from which the lease is worthless (its window ended).
+    deadline: u64,
+    /// Each limit's window start, as Redis counted it.
+    starts: SmallVec<[u64; 2]>,
+    /// Each limit's quota, remaining without this lease, and when it resets (local ms).
+    limits: SmallVec<[(u32, u64, u64); 2]>,
+    /// The script's `now` at the grant: a decision spent from the lease says it was made
+    /// then, so that a refund or top-up after the response
+    /// ([`Store::adjust`](crate::Store::adjust)) finds the window the units were counted in.
+    granted_at: Option<u64>,
+    /// Where to send the units back.
+    target: Arc<Target>,
+}
+
+impl Lease {
+    /// A local decision: allowed, `remaining` counting what the lease still holds.
+    fn decision(&self, now: u64) -> Decision {
+        let limits: LimitDecisions = self
+            .limits
+            .iter()
+            .map(|&(limit, base, reset_at)| {
+                LimitDecision::allow(limit, base + self.units, reset_at.saturating_sub(now))
+            })
+            .collect();
+        let decision = Decision::from_limits(limits);
+        match self.granted_at {
+            Some(at) => decision.decided_at(at),
+            None => decision,
+        }
+    }
+}
+
+/// A lease's keys and limits, as a request encodes them.
+pub(crate) struct Target {
+    keys: SmallVec<[String; 2]>,
+    group: SmallVec<[u64; LIMIT_FIELDS]>,
+    slot: u16,
+}
+
+/// Units going back, named by their windows.
+pub(crate) struct Return {
+    target: Arc<Target>,
+    units: u64,
+    starts: SmallVec<[u64; 2]>,
+}
+
+/// What the lease part of a check found.
+pub(crate) enum Spent {
+    /// Decided from the lease.
+    Here(Decision),
+    /// Ask Redis; the entry, when the key is watched.
+    Redis(Option<Arc<Entry>>),
+}
+
+/// What rides on a request to Redis: an ask, a return, or both.
+pub(crate) struct Attach {
+    leases: Arc<Leases>,
+    entry: Arc<Entry>,
+    cost: u32,
+    /// Local ms when the request left: the lease's deadline counts from here, before
+    /// Redis read its clock.
+    sent_at: u64,
+    /// The entry's generation then: a reset since voids the grant.
+    generation: u64,
+    pub(crate) ask: u64,
+    /// The lease this request takes back to Redis (consumed when the call is made).
+    pub(crate) back: Option<Return>,
+    /// This request refills a lease that still holds its cost.
+    refill: bool,
+    settled: AtomicBool,
+}
+
+impl fmt::Debug for Attach {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Attach")
+            .field("ask", &self.ask)
+            .field("back", &self.back.as_ref().map(|b| b.units))
+            .field("refill", &self.refill)
+            .finish()
+    }
+}
+
+impl Leases {
+    pub(crate) fn new(
+        config: LeaseConfig,
+        connection: Connection,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Self {
+        Self {
+            config,
+            connection,
+            clock,
+            entries: Cache::new(config.keys),
+            held: Mutex::new(Vec::new()),
+            sweeper: Mutex::new(None),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        local_now_ms(self.clock.as_ref())
+    }
+
+    /// Units one lease of `limits` may hold: 0 when they cannot be leased.
+    fn cap(&self, limits: &[Limit]) -> u64 {
+        let mut smallest = u32::MAX;
+        for limit in limits {
+            if !limit_leasable(limit) {
+                return 0;
+            }
+            smallest = smallest.min(limit.limit());
+        }
+        (f64::from(smallest) * self.config.max_fraction) as u64
+    }
+
+    /// Spends `cost` from the lease of `key` under `limits` when it holds enough and
+    /// needs no refill; else says to ask Redis.
+    pub(crate) fn spend(&self, key: &Key, limits: &[Limit], cost: u32) -> Spent {
+        if self.cap(limits) == 0 {
+            return Spent::Redis(None);
+        }
+        let now = self.now();
+        let lookup = EntryKeyRef {
+            key,
+            limits: BlockCache::fingerprint(limits),
+        };
+        let Some(entry) = self.entries.get(&lookup) else {
+            // First sight: watched from now on, and sent exactly as without leases.
+            let entry = Entry::default();
+            entry.state.lock().observe(now, cost, self.config.period_ms);
+            let key = EntryKey {
+                key: key.clone(),
+                limits: lookup.limits,
+            };
+            self.entries.insert(key, Arc::new(entry));
+            return Spent::Redis(None);
+        };
+        let mut state = entry.state.lock();
+        state.observe(now, cost, self.config.period_ms);
+        let asking = state.asking;
+        if let Some(lease) = &mut state.lease
+            && now < lease.deadline
+            && lease.units >= u64::from(cost)
+            && (asking || lease.units > lease.granted / 4)
+        {
+            lease.units -= u64::from(cost);
+            return Spent::Here(lease.decision(now));
+        }
+        drop(state);
+        Spent::Redis(Some(entry))
+    }
+
+    /// Spends `cost` from the lease of `key` under `limits` if it holds enough, refill
+    /// due or not (Redis must not be asked): [`Store::check_held`](crate::Store::check_held).
+    pub(crate) fn spend_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
+        let lookup = EntryKeyRef {
+            key,
+            limits: BlockCache::fingerprint(limits),
+        };
+        let entry = self.entries.get(&lookup)?;
+        let now = self.now();
+        let mut state = entry.state.lock();
+        let lease = state.lease.as_mut()?;
+        if now >= lease.deadline || lease.units < u64::from(cost) {
+            return None;
+        }
+        lease.units -= u64::from(cost);
+        Some(lease.decision(now))
+    }
+
+    /// What a request going to Redis for `entry` carries: the lease's units back when it
+    /// ended or cannot pay the request, and an ask when the key is hot. `None`: nothing,
+    /// the request goes exactly as without leases.
+    pub(crate) fn attach(
+        self: &Arc<Self>,
+        entry: Arc<Entry>,
+        limits: &[Limit],
+        cost: u32,
+    ) -> Result<Option<Attach>, Decision> {
+        let now = self.now();
+        let mut state = entry.state.lock();
+        let mut back = None;
+        let mut refill = false;
+        if let Some(lease) = &mut state.lease {
+            if now >= lease.deadline || lease.units < u64::from(cost) {
+                let lease = state.lease.take().expect("a lease");
+                // Also after the lease ended: the script takes them back only where their
+                // window still counts (a previous window, a longer limit, a bucket).
+                if lease.units > 0 {
+                    back = Some(Return {
+                        target: lease.target,
+                        units: lease.units,
+                        starts: lease.starts,
+                    });
+                }
+            } else {
+                refill = true;
+            }
+        }
+        let ask = if !state.asking && state.hot() {
+            let wanted = state.rate.max(state.units);
+            wanted.min(self.cap(limits))
+        } else {
+            0
+        };
+        if refill && ask == 0 {
+            // Another request started the refill since: spend here after all.
+            let lease = state.lease.as_mut().expect("a lease");
+            lease.units -= u64::from(cost);
+            return Err(lease.decision(now));
+        }
+        if ask == 0 && back.is_none() {
+            return Ok(None);
+        }
+        if ask > 0 {
+            state.asking = true;
+        }
+        let generation = state.generation;
+        drop(state);
+        Ok(Some(Attach {
+            leases: self.clone(),
+            entry,
+            cost,
+            sent_at: now,
+            generation,
+            ask,
+            back,
+            refill,
+            settled: AtomicBool::new(false),
+        }))
+    }
+
+    /// Registers `entry` as holding a lease, and starts the sweeper if none runs.
+    fn register(self: &Arc<Self>, entry: &Arc<Entry>) {
+        self.held.lock().push(entry.clone());
+        let mut sweeper = self.sweeper.lock();
+        if sweeper
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            *sweeper = Some(runtime.spawn(sweep(Arc::downgrade(self), self.config.idle_ms)));
+        }
+    }
+
+    /// Takes the leases that ended or idled (all of them with `all`), for returning.
+    fn collect(&self, all: bool) -> Vec<Return> {
+        let now = self.now();
+        let mut out = Vec::new();
+        self.held.lock().retain(|entry| {
+            let mut state = entry.state.lock();
+            let Some(lease) = &state.lease else {
+                state.registered = false;
+                return false;
+            };
+            let ended = now >= lease.deadline;
+            let idle = now.saturating_sub(state.last) >= self.config.idle_ms;
+            if !(all || ended || idle) {
+                return true;
+            }
+            let lease = state.lease.take().expect("a lease");
+            state.registered = false;
+            if lease.units > 0 {
+                out.push(Return {
+                    target: lease.target,
+                    units: lease.units,
+                    starts: lease.starts,
+                });
+            }
+            false
+        });
+        out
+    }
+
+    /// Sends `returns` back to Redis: one call per hash slot.
+    async fn send_back(
+        connection: Connection,
+        now: Option<u64>,
+        mut returns: Vec<Return>,
+    ) -> Result<(), StoreError> {
+        returns.sort_by_key(|r| r.target.slot);
+        let mut result = Ok(());
+        for same_slot in returns.chunk_by(|a, b| a.target.slot == b.target.slot) {
+            for chunk in same_slot.chunks(64) {
+                if let Err(error) = invoke(connection.clone(), return_call(now, chunk)).await {
+                    result = Err(error);
+                }
+            }
+        }
+        result
+    }
+
+    /// Drops this node's lease of `key` under `limits` without giving it back (a reset:
+    /// the state it was counted in is gone, and a return could take units from the new
+    /// state), and voids the grants of asks on their way. Leases other nodes hold stay
+    /// spendable until they end (their window; a bucket's: one window).
+    pub(crate) fn forget(&self, key: &Key, limits: &[Limit]) {
+        let lookup = EntryKeyRef {
+            key,
+            limits: BlockCache::fingerprint(limits),
+        };
+        if let Some(entry) = self.entries.get(&lookup) {
+            let mut state = entry.state.lock();
+            state.lease = None;
+            state.generation += 1;
+        }
+    }
+
+    /// Returns every lease held (shutdown).
+    pub(crate) async fn release(&self) -> Result<(), StoreError> {
+        let returns = self.collect(true);
+        if returns.is_empty() {
+            return Ok(());
+        }
+        let now = self.clock.as_ref().map(|c| c.now_ms());
+        Self::send_back(self.connection.clone(), now, returns).await
+    }
+}
+
+impl Drop for Leases {
+    /// A dropped store gives its leases back, when a runtime is there to send them.
+    fn drop(&mut self) {
+        let returns = self.collect(true);
+        if returns.is_empty() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let now = self.clock.as_ref().map(|c| c.now_ms());
+            let connection = self.connection.clone();
+            runtime.spawn(async move {
+                if let Err(error) = Self::send_back(connection, now, returns).await {
+                    tracing::warn!(%error, "could not return leased units to Redis");
+                }
+            });
+        }
+    }
+}
+
+/// Returns leases that idled or ended, every half idle period, until the store is gone.
+async fn sweep(leases: Weak<Leases>, idle_ms: u64) {
+    let mut tick = tokio::time::interval(Duration::from_millis((idle_ms / 2).max(5)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(leases) = leases.upgrade() else {
+            return;
+        };
+        let returns = leases.collect(false);
+        if returns.is_empty() {
+            continue;
+        }
+        let now = leases.clock.as_ref().map(|c| c.now_ms());
+        let connection = leases.connection.clone();
+        drop(leases);
+        if let Err(error) = Leases::send_back(connection, now, returns).await {
+            tracing::warn!(%error, "could not return idle leased units to Redis");
+        }
+    }
+}
+
+impl Attach {
+    /// How many values of the script's reply are this request's ask's result (after
+    /// every request's own): units, ms left, one window start per limit; none without
+    /// an ask.
+    pub(crate) fn reply_len(&self, encoded: &Encoded) -> usize {
+        if self.ask > 0 {
+            2 + encoded.quotas.len()
+        } else {
+            0
+        }
+    }
+
+    /// Takes the request's reply (and its ask's share of the script's result, when it
+    /// asked): installs the granted lease, and answers a refill that Redis denied or could
+    /// not decide from the lease it still holds.
+    pub(crate) fn settle(
+        &self,
+        encoded: &Encoded,
+        result: Result<Decision, StoreError>,
+        grant: Option<&[i64]>,
+    ) -> Result<Decision, StoreError> {
+        self.settled.store(true, Ordering::Release);
+        let now = self.leases.now();
+        let mut state = self.entry.state.lock();
+        if self.ask > 0 {
+            state.asking = false;
+        }
+        let mut decision = match result {
+            Ok(decision) if decision.is_allowed() => decision,
+            other if self.refill => {
+                if let Some(lease) = &mut state.lease
+                    && now < lease.deadline
+                    && lease.units >= u64::from(self.cost)
+                {
+                    lease.units -= u64::from(self.cost);
+                    return Ok(lease.decision(now));
+                }
+                return other;
+            }
+            other => return other,
+        };
+        let m = decision.limits().len();
+        // A reset since the ask: the grant was counted in the state it cleared.
+        if state.generation != self.generation {
+            return Ok(decision);
+        }
+        let Some(grant) = grant.filter(|g| g.len() >= 2 + m) else {
+            return Ok(decision);
+        };
+        let to_u64 = |v: i64| u64::try_from(v).unwrap_or(0);
+        let (units, ms_left) = (to_u64(grant[0]), to_u64(grant[1]));
+        let starts: SmallVec<[u64; 2]> = grant[2..2 + m].iter().map(|&v| to_u64(v)).collect();
+        // Units this node still holds in the same windows count as remaining too.
+        let same = state
+            .lease
+            .as_ref()
+            .filter(|l| l.starts == starts && now < l.deadline);
+        let held = same.map_or(0, |l| l.units);
+        if held > 0 {
+            decision = with_more_remaining(&decision, held);
+        }
+        if units == 0 {
+            return Ok(decision);
+        }
+        // A thousandth of the time left earlier: this node's clock may run a little slower
+        // than Redis's over a long window, and a unit must never be spent in the next one.
+        let deadline = self.sent_at + ms_left - ms_left / 1_000;
+        let limits = decision
+            .limits()
+            .iter()
+            .map(|l| {
+                (
+                    l.limit,
+                    l.remaining.saturating_sub(held + units),
+                    self.sent_at + l.reset_after_ms,
+                )
+            })
+            .collect();
+        let target = match same {
+            Some(lease) => lease.target.clone(),
+            None => Arc::new(Target {
+                keys: encoded.keys.clone(),
+                group: encoded.group.clone(),
+                slot: encoded.slot,
+            }),
+        };
+        let lease = Lease {
+            units: held + units,
+            granted: held + units,
+            deadline: same.map_or(deadline, |l| l.deadline.min(deadline)),
+            starts,
+            limits,
+            target,
+            granted_at: decision.decided_at_ms(),
+        };
+        state.lease = Some(lease);
+        let register = !state.registered;
+        state.registered = true;
+        drop(state);
+        if register {
+            self.leases.register(&self.entry);
+        }
+        Ok(decision)
+    }
+}
+
+impl Drop for Attach {
+    /// Never settled (the call was never made): the entry may ask again. Units it was
+    /// taking back are lost to this window: an under-admission, never an overshoot.
+    fn drop(&mut self) {
+        if self.settled.load(Ordering::Acquire) {
+            return;
+        }
+        if self.ask > 0 {
+            self.entry.state.lock().asking = false;
+        }
+    }
+}
+
+fn with_more_remaining(decision: &Decision, more: u64) -> Decision {
+    let limits: LimitDecisions = decision
+        .limits()
+        .iter()
+        .map(|l| LimitDecision {
+            remaining: l.remaining + more,
+            ..*l
+        })
+        .collect();
+    // Still the decision Redis made, at its time (a refund names it).
+    match decision.decided_at_ms() {
+        Some(at) => Decision::from_limits(limits).decided_at(at),
+        None => Decision::from_limits(limits),
+    }
+}
+
+/// The script call that only returns units (no request).
+fn return_call(now: Option<u64>, returns: &[Return]) -> Cmd {
+    let keys: usize = returns.iter().map(|r| r.target.keys.len()).sum();
+    let mut cmd = Cmd::new();
+    cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
+    for r in returns {
+        for key in &r.target.keys {
+            cmd.arg(key.as_str());
+        }
+    }
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+    cmd.arg(returns.len());
+    for r in returns {
+        cmd.arg(r.target.group.len() / LIMIT_FIELDS);
+        for &value in &r.target.group {
+            cmd.arg(value);
+        }
+    }
+    // No requests, no asks; then the returns, each with a group of its own.
+    cmd.arg(0).arg(0).arg(returns.len());
+    let mut first_key = 1;
+    for (index, r) in returns.iter().enumerate() {
+        cmd.arg(index + 1).arg(first_key).arg(r.units);
+        for &start in &r.starts {
+            cmd.arg(start);
+        }
+        first_key += r.target.keys.len();
+    }
+    cmd
+}
+
+/// Appends the lease sections of a script call for `requests` (see `lua/main.lua`): the
+/// asks, then the returns riding on requests, each naming its request's group and keys.
+pub(crate) fn sections(cmd: &mut Cmd, requests: &[&Encoded], group_of: &[usize]) {
+    let asks = requests
+        .iter()
+        .filter(|r| r.lease.as_ref().is_some_and(|a| a.ask > 0))
+        .count();
+    cmd.arg(asks);
+    for (index, request) in requests.iter().enumerate() {
+        if let Some(attach) = &request.lease
+            && attach.ask > 0
+        {
+            cmd.arg(index + 1).arg(attach.ask);
+        }
+    }
+    let returns = requests
+        .iter()
+        .filter(|r| r.lease.as_ref().is_some_and(|a| a.back.is_some()))
+        .count();
+    cmd.arg(returns);
+    let mut first_key = 1;
+    for (request, &group) in requests.iter().zip(group_of) {
+        if let Some(back) = request.lease.as_ref().and_then(|a| a.back.as_ref()) {
+            cmd.arg(group).arg(first_key).arg(back.units);
+            for &start in &back.starts {
+                cmd.arg(start);
+            }
+        }
+        first_key += request.keys.len();
+    }
+}

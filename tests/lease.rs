@@ -1,0 +1,891 @@
+//! Leased quota against real Redis: several `RedisStore`s in one process are several
+//! nodes sharing one budget, on one injected clock.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use proptest::prelude::*;
+use support::RedisServer;
+use tollgate::{
+    Algorithm, Decision, Limit, Store,
+    algorithm::{self, State},
+    clock::{Clock, ManualClock},
+    key::Key,
+    store::{LeaseConfig, RedisStore},
+};
+
+/// A multiple of every window used here.
+const START: u64 = 1_700_000_000_000;
+
+async fn node(url: &str, prefix: &str, clock: &ManualClock, config: LeaseConfig) -> RedisStore {
+    RedisStore::connect(url)
+        .await
+        .unwrap()
+        .with_prefix(prefix)
+        .unwrap()
+        .with_clock(clock.clone())
+        .with_leases(config)
+}
+
+/// `tasks` tasks on each node send `each[node]` requests of cost 1 for `key`, yielding
+/// between requests as requests from a network would; allowed per node.
+async fn hammer(
+    nodes: &[RedisStore],
+    limits: &[Limit],
+    key: &Key,
+    tasks: usize,
+    each: &[usize],
+) -> Vec<u64> {
+    hammer_until(nodes, limits, key, tasks, each, usize::MAX).await
+}
+
+/// [`hammer`], where a task also stops after `denials` denials: a load that lasts as
+/// long as the budget does.
+async fn hammer_until(
+    nodes: &[RedisStore],
+    limits: &[Limit],
+    key: &Key,
+    tasks: usize,
+    each: &[usize],
+    denials: usize,
+) -> Vec<u64> {
+    let limits: Arc<[Limit]> = limits.into();
+    let counts: Vec<Arc<AtomicU64>> = nodes.iter().map(|_| Arc::default()).collect();
+    let mut handles = Vec::new();
+    for ((store, count), &each) in nodes.iter().zip(&counts).zip(each) {
+        for _ in 0..tasks {
+            let (store, count, limits, key) =
+                (store.clone(), count.clone(), limits.clone(), key.clone());
+            handles.push(tokio::spawn(async move {
+                let mut denied = 0;
+                for _ in 0..each {
+                    let decision = store.check(&key, &limits, 1).await.unwrap();
+                    if decision.is_allowed() {
+                        count.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        assert!(decision.retry_after() > Duration::ZERO, "{decision:?}");
+                        denied += 1;
+                        if denied == denials {
+                            break;
+                        }
+                    }
+                    tokio::task::yield_now().await;
+                }
+            }));
+        }
+    }
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+}
+
+/// Script calls the server has run so far.
+fn script_calls(server: &RedisServer) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// 10 windows, each hit at two moments by every node's 32 tasks: first with 60% of the
+/// limit in all (the nodes keep leases), then until every task was denied 3 times (at
+/// saturation: the leases held must be spent, the rest goes by Redis); allowed per window
+/// and node, and requests sent.
+async fn saturate(
+    nodes: &[RedisStore],
+    clock: &ManualClock,
+    limit: &Limit,
+) -> (Vec<Vec<u64>>, u64) {
+    let w = limit.window().as_millis() as u64;
+    let l = limit.limit() as usize;
+    let first = vec![(6 * l / 10).div_ceil(32 * nodes.len()); nodes.len()];
+    let key = Key::new("global");
+    let mut windows = Vec::new();
+    let mut requests = 0;
+    for window in 0..10u64 {
+        let mut allowed = vec![0; nodes.len()];
+        clock.set(START + window * w + (window * 97) % (w / 2));
+        let got = hammer(nodes, std::slice::from_ref(limit), &key, 32, &first).await;
+        requests += (first[0] * 32 * nodes.len()) as u64;
+        clock.set(START + window * w + w / 2 + (window * 31) % (w / 2));
+        let many = vec![l; nodes.len()];
+        let then = hammer_until(nodes, std::slice::from_ref(limit), &key, 32, &many, 3).await;
+        for (a, g) in allowed.iter_mut().zip(got.into_iter().zip(then)) {
+            *a += g.0 + g.1;
+            requests += g.1 + 3 * 32;
+        }
+        windows.push(allowed);
+    }
+    (windows, requests)
+}
+
+fn assert_bound(windows: &[Vec<u64>], limit: &Limit) {
+    for (i, allowed) in windows.iter().enumerate() {
+        let total: u64 = allowed.iter().sum();
+        assert!(
+            total <= u64::from(limit.limit()),
+            "window {i}: {allowed:?} allowed, over {limit:?}"
+        );
+    }
+}
+
+async fn bound_on_nodes(n: usize, algorithm: Algorithm) {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::new(algorithm, 1_000, Duration::from_secs(1)).unwrap();
+    let mut nodes = Vec::new();
+    for _ in 0..n {
+        nodes.push(node(&server.url(), "bound", &clock, LeaseConfig::new()).await);
+    }
+    let calls = script_calls(&server);
+    let (windows, requests) = saturate(&nodes, &clock, &limit).await;
+    let calls = script_calls(&server) - calls;
+    assert_bound(&windows, &limit);
+    let totals: Vec<u64> = windows.iter().map(|w| w.iter().sum()).collect();
+    println!(
+        "{n} nodes, {algorithm:?}: allowed per window {totals:?}; {calls} script calls for \
+         {requests} requests ({:.4} per request)",
+        calls as f64 / requests as f64
+    );
+    if algorithm == Algorithm::FixedWindow {
+        // Little stranded: at saturation nearly the whole limit is spent in every window.
+        for (i, &total) in totals.iter().enumerate() {
+            assert!(total >= 970, "window {i}: only {total} of 1000 allowed");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_never_exceed_a_fixed_window() {
+    bound_on_nodes(2, Algorithm::FixedWindow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_never_exceed_a_fixed_window() {
+    bound_on_nodes(4, Algorithm::FixedWindow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_never_exceed_a_sliding_window_counter() {
+    bound_on_nodes(2, Algorithm::SlidingWindowCounter).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_never_exceed_a_sliding_window_counter() {
+    bound_on_nodes(4, Algorithm::SlidingWindowCounter).await;
+}
+
+/// Token bucket and GCRA: 2 and 4 nodes x 32 tasks on one key, 10 moments half a window
+/// apart, each until every task was denied 3 times. From the first moment on, no more
+/// passes than the bucket and its refill allow (every leased unit was taken from it
+/// first); between any two moments, at most that plus what the leases held (taken
+/// earlier, spent later); and nearly all of it is spent.
+async fn bucket_bound_on_nodes(n: usize, algorithm: Algorithm) {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::new(algorithm, 1_000, Duration::from_secs(1)).unwrap();
+    let mut nodes = Vec::new();
+    for _ in 0..n {
+        nodes.push(node(&server.url(), "bucket", &clock, LeaseConfig::new()).await);
+    }
+    let key = Key::new("global");
+    let mut allowed = Vec::new();
+    for step in 0..10u64 {
+        clock.set(START + step * 500);
+        let got = hammer_until(
+            &nodes,
+            std::slice::from_ref(&limit),
+            &key,
+            32,
+            &vec![2_000; n],
+            3,
+        )
+        .await;
+        allowed.push(got.iter().sum::<u64>());
+    }
+    // Capacity, and the refill of half a window between moments.
+    let (burst, refill) = (1_000u64, 500u64);
+    let held = n as u64 * 100; // max_fraction 0.1 of the limit, per node
+    for i in 0..allowed.len() {
+        for j in i..allowed.len() {
+            let used: u64 = allowed[i..=j].iter().sum();
+            let bound = burst + refill * (j - i) as u64;
+            if i == 0 {
+                assert!(used <= bound, "{algorithm:?} on {n}: {allowed:?}");
+            }
+            assert!(used <= bound + held, "{algorithm:?} on {n}: {allowed:?}");
+        }
+    }
+    let total: u64 = allowed.iter().sum();
+    let most = burst + refill * 9;
+    println!("{n} nodes, {algorithm:?}: allowed per moment {allowed:?}, {total} of {most}");
+    assert!(
+        total * 100 >= most * 97,
+        "{algorithm:?} on {n}: {allowed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_and_four_nodes_keep_a_token_bucket() {
+    bucket_bound_on_nodes(2, Algorithm::TokenBucket).await;
+    bucket_bound_on_nodes(4, Algorithm::TokenBucket).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_and_four_nodes_keep_gcra() {
+    bucket_bound_on_nodes(2, Algorithm::Gcra).await;
+    bucket_bound_on_nodes(4, Algorithm::Gcra).await;
+}
+
+/// Two nodes under the same saturating load share the limit about evenly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_at_equal_load_share_fairly() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(1)).unwrap();
+    let a = node(&server.url(), "fair", &clock, LeaseConfig::new()).await;
+    let b = node(&server.url(), "fair", &clock, LeaseConfig::new()).await;
+    let (windows, _) = saturate(&[a, b], &clock, &limit).await;
+    let a: u64 = windows.iter().map(|w| w[0]).sum();
+    let b: u64 = windows.iter().map(|w| w[1]).sum();
+    let share = a as f64 / (a + b) as f64;
+    println!("fair: {a} and {b} allowed ({share:.3})");
+    assert!((0.4..=0.6).contains(&share), "{a} against {b}");
+}
+
+/// A node asking a fifth of the limit next to one asking three times it gets nearly all
+/// it asks for: the big node's leases never take more than a tenth of the limit at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_node_beside_a_flooding_one_gets_its_share() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(1)).unwrap();
+    let small = node(&server.url(), "small", &clock, LeaseConfig::new()).await;
+    let big = node(&server.url(), "small", &clock, LeaseConfig::new()).await;
+    let key = Key::new("global");
+    let (mut asked, mut got) = (0, 0);
+    for window in 0..10 {
+        clock.set(START + window * 1_000 + 10);
+        let allowed = hammer(
+            &[small.clone(), big.clone()],
+            std::slice::from_ref(&limit),
+            &key,
+            32,
+            &[200 / 32, 3_000 / 32],
+        )
+        .await;
+        asked += (200 / 32) * 32;
+        got += allowed[0];
+    }
+    println!("small node: {got} of {asked}");
+    assert!(got * 100 >= asked * 95, "{got} of {asked}");
+}
+
+/// The Redis count of `limit` for `key` (fixed window: "<start>:<count>").
+fn count_in_redis(server: &RedisServer, store: &RedisStore, key: &Key, limit: &Limit) -> u64 {
+    let value = server.cli(&["GET", &store.redis_key(key, limit)]).unwrap();
+    value.trim().split(':').nth(1).unwrap().parse().unwrap()
+}
+
+/// Waits (up to 10 s) until Redis counts `want`.
+async fn until_counted(
+    server: &RedisServer,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+    want: u64,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = count_in_redis(server, store, key, limit);
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Redis still counts {got}, not {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One node takes a lease with 50 requests: Redis counts more than were spent.
+async fn leased(
+    server: &RedisServer,
+    clock: &ManualClock,
+    config: LeaseConfig,
+) -> (RedisStore, Limit, Key) {
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let key = Key::new("global");
+    let a = node(&server.url(), "return", clock, config).await;
+    for _ in 0..50 {
+        assert!(
+            a.check(&key, std::slice::from_ref(&limit), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert!(count_in_redis(server, &a, &key, &limit) > 50);
+    (a, limit, key)
+}
+
+/// Another node then spends exactly what is left.
+async fn the_rest_goes_to_another_node(server: &RedisServer, clock: &ManualClock, limit: &Limit) {
+    let b = node(&server.url(), "return", clock, LeaseConfig::new()).await;
+    let allowed = hammer(
+        &[b],
+        std::slice::from_ref(limit),
+        &Key::new("global"),
+        4,
+        &[500],
+    )
+    .await;
+    assert_eq!(allowed, [950]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_lease_goes_back_and_another_node_spends_it() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let (a, limit, key) = leased(&server, &clock, config).await;
+    clock.advance(Duration::from_millis(150));
+    until_counted(&server, &a, &key, &limit, 50).await;
+    the_rest_goes_to_another_node(&server, &clock, &limit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_node_gives_its_lease_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let probe = a.clone().with_leases(LeaseConfig::new());
+    drop(a);
+    until_counted(&server, &probe, &key, &limit, 50).await;
+    the_rest_goes_to_another_node(&server, &clock, &limit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_leases_gives_everything_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+    the_rest_goes_to_another_node(&server, &clock, &limit).await;
+}
+
+/// A lease belongs to its window: units a node still holds when the window ends are
+/// never spent in the next one, where the nodes together get exactly `limit`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_never_spent_in_the_next_window() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let prefix = format!("next{algorithm:?}");
+        let limit = Limit::new(algorithm, 1_000, Duration::from_secs(1)).unwrap();
+        let a = node(&server.url(), &prefix, &clock, LeaseConfig::new()).await;
+        let b = node(&server.url(), &prefix, &clock, LeaseConfig::new()).await;
+        let key = Key::new("global");
+        clock.set(START + 10_000 + 900);
+        for _ in 0..50 {
+            assert!(
+                a.check(&key, std::slice::from_ref(&limit), 1)
+                    .await
+                    .unwrap()
+                    .is_allowed()
+            );
+        }
+        // Two windows later (the sliding-window counter's previous window is empty).
+        clock.set(START + 12_000 + 100);
+        let nodes = [a, b];
+        let allowed = hammer_until(
+            &nodes,
+            std::slice::from_ref(&limit),
+            &key,
+            32,
+            &[1_000, 1_000],
+            3,
+        )
+        .await;
+        // Never above the limit (old units spent here would make it more); the budget is
+        // spent nearly to the last unit.
+        let total: u64 = allowed.iter().sum();
+        assert!((990..=1_000).contains(&total), "{algorithm:?}: {allowed:?}");
+    }
+}
+
+/// Leases never stop limiting: with one node, window after window, exactly `limit`
+/// requests pass, most without a Redis call, and every denial carries Redis's exact
+/// `retry_after`, also after the leases of the window before ended.
+#[tokio::test]
+async fn limiting_comes_back_after_every_lease_ends() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let limit = Limit::new(algorithm, 100, Duration::from_secs(1)).unwrap();
+        let limits = std::slice::from_ref(&limit);
+        let store = node(
+            &server.url(),
+            &format!("back{algorithm:?}"),
+            &clock,
+            LeaseConfig::new(),
+        )
+        .await;
+        let key = Key::new("global");
+        let calls = script_calls(&server);
+        for window in 0..4u64 {
+            // The start of every other window, so that the sliding-window counter's
+            // previous window weighs nothing or everything: `limit` or 0 may pass.
+            let offset = if window % 2 == 0 { 0 } else { 400 };
+            let now = START + 2 * window * 1_000 + offset;
+            clock.set(now);
+            let mut allowed = 0;
+            let mut last: Option<Decision> = None;
+            for _ in 0..300 {
+                let decision = store.check(&key, limits, 1).await.unwrap();
+                if decision.is_allowed() {
+                    allowed += 1;
+                } else {
+                    last = Some(decision);
+                }
+            }
+            assert_eq!(allowed, 100, "{algorithm:?}, window {window}");
+            // Redis's answer, exactly as without leases.
+            let mut states = [State::new(algorithm)];
+            let mut want = None;
+            for _ in 0..101 {
+                want = Some(algorithm::check(&mut states, limits, now, 1));
+            }
+            assert_eq!(
+                last.unwrap(),
+                want.unwrap(),
+                "{algorithm:?}, window {window}"
+            );
+        }
+        let calls = script_calls(&server) - calls;
+        assert!(
+            calls < 4 * 300 / 2,
+            "{calls} script calls for 1200 requests"
+        );
+    }
+}
+
+/// Redis gone: units already leased are still spent until the lease ends, then the
+/// store fails (and the layer's failure policy answers).
+#[tokio::test]
+async fn leased_units_are_spent_while_redis_is_down_until_the_lease_ends() {
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let held = count_in_redis(&server, &a, &key, &limit) - 50;
+    server.kill();
+    let limits = std::slice::from_ref(&limit);
+    let mut allowed = 0;
+    let mut failed = 0;
+    for _ in 0..held + 5 {
+        match a.check(&key, limits, 1).await {
+            Ok(decision) => {
+                assert!(decision.is_allowed());
+                assert_eq!(failed, 0, "allowed after a failure");
+                allowed += 1;
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    assert_eq!((allowed, failed), (held, 5));
+    // A second lease, left with units, ends with its window.
+    server.restart();
+    let b = node(&server.url(), "down", &clock, LeaseConfig::new()).await;
+    clock.advance(Duration::from_secs(60));
+    for _ in 0..50 {
+        assert!(b.check(&key, limits, 1).await.unwrap().is_allowed());
+    }
+    server.kill();
+    assert!(b.check(&key, limits, 1).await.unwrap().is_allowed());
+    clock.advance(Duration::from_secs(60));
+    assert!(b.check(&key, limits, 1).await.is_err());
+}
+
+thread_local! {
+    static SERVER: RedisServer = RedisServer::start();
+    static CASE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn leased_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    // Not the buckets: a unit taken from a bucket and spent later leaves room that its
+    // refill fills in between, so even one node may admit up to what its lease held more
+    // than the model in a short interval (the bound `bucket_bound_on_nodes` checks).
+    let algorithm = prop::sample::select(vec![
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowCounter,
+    ]);
+    let window = prop_oneof![10u64..200, 200u64..3_000];
+    prop::collection::vec((algorithm, 10u32..200, window, 10u32..300), 1..=2).prop_map(|limits| {
+        let mut seen = std::collections::HashSet::new();
+        limits
+            .into_iter()
+            .map(|(a, l, w, b)| {
+                let limit = Limit::new(a, l, Duration::from_millis(w)).unwrap();
+                match a {
+                    Algorithm::TokenBucket | Algorithm::Gcra => limit.with_burst(b).unwrap(),
+                    _ => limit,
+                }
+            })
+            .filter(|l| seen.insert(format!("{l:?}")))
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// With one node and one request at a time, a store with leases decides exactly like
+    /// the model: the same requests allowed, the same `retry_after`; `remaining` exact for
+    /// the fixed window, never above the model's for the sliding-window counter (it does
+    /// not rise between Redis calls, where the previous window's weight shrinks).
+    #[test]
+    fn one_node_with_leases_decides_like_the_model(
+        limits in leased_limits_strategy(),
+        steps in prop::collection::vec(
+            (prop_oneof![4 => 0u64..5, 2 => 0u64..100, 1 => 0u64..3_000], 0u32..4),
+            1..200,
+        ),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let case = CASE.with(|c| { c.set(c.get() + 1); c.get() });
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let url = SERVER.with(|s| s.url());
+            let store = node(&url, &format!("model{case}"), &clock, LeaseConfig::new())
+                .await
+                .with_block_cache(0);
+            let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+            let key = Key::new("k");
+            for (i, &(wait, cost)) in steps.iter().enumerate() {
+                clock.advance(Duration::from_millis(wait));
+                let now = clock.now_ms();
+                let want = algorithm::check(&mut states, &limits, now, cost);
+                let got = store.check(&key, &limits, cost).await.unwrap();
+                prop_assert_eq!(got.is_allowed(), want.is_allowed(), "step {} at {}: {:?} {:?}", i, now, got, want);
+                prop_assert_eq!(got.retry_after(), want.retry_after(), "step {}", i);
+                for ((g, w), limit) in got.limits().iter().zip(want.limits()).zip(&limits) {
+                    if limit.algorithm() == Algorithm::FixedWindow {
+                        prop_assert_eq!(g.remaining, w.remaining, "step {}: {:?} {:?}", i, got, want);
+                    } else {
+                        prop_assert!(g.remaining <= w.remaining, "step {}: {:?} {:?}", i, got, want);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+    }
+}
+
+/// On a Redis Cluster: two nodes keep every key's limit per aligned window, for keys on
+/// different masters, and a release gives every key's units back (one call per slot).
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_leases_keep_the_bound_and_go_back() {
+    let cluster = support::cluster::RedisCluster::start();
+    let clock = ManualClock::new(START);
+    let connect = || async {
+        RedisStore::connect_cluster(&cluster.urls())
+            .await
+            .unwrap()
+            .with_clock(clock.clone())
+            .with_leases(LeaseConfig::new())
+    };
+    let nodes = [connect().await, connect().await];
+    let keys: Vec<Key> = (0..6).map(|i| Key::new(format!("client{i}"))).collect();
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let limit = Limit::new(algorithm, 500, Duration::from_secs(1)).unwrap();
+        for window in 0..3u64 {
+            clock.set(START + 2 * window * 1_000 + 100 * window);
+            for key in &keys {
+                let allowed =
+                    hammer_until(&nodes, std::slice::from_ref(&limit), key, 8, &[500, 500], 3)
+                        .await;
+                let total: u64 = allowed.iter().sum();
+                assert!(total <= 500, "{algorithm:?} {key:?}: {allowed:?}");
+                assert!(total >= 485, "{algorithm:?} {key:?}: only {allowed:?}");
+            }
+        }
+    }
+    // Leases on every key, then released: Redis counts exactly what was spent.
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    clock.set(START + 60_000);
+    for key in &keys {
+        for _ in 0..50 {
+            assert!(
+                nodes[0]
+                    .check(key, std::slice::from_ref(&limit), 1)
+                    .await
+                    .unwrap()
+                    .is_allowed()
+            );
+        }
+    }
+    let count = |key: &Key| -> u64 {
+        let redis_key = nodes[0].redis_key(key, &limit);
+        let node = cluster.node_for_key(&redis_key);
+        let value = cluster.cli(node, &["GET", &redis_key]).unwrap();
+        value.trim().split(':').nth(1).unwrap().parse().unwrap()
+    };
+    assert!(keys.iter().any(|k| count(k) > 50));
+    nodes[0].release_leases().await.unwrap();
+    for key in &keys {
+        assert_eq!(count(key), 50, "{key:?}");
+    }
+}
+
+/// Through a layer with the default circuit breaker and `FailurePolicy::Deny`: with Redis
+/// gone, other keys' failures open the circuit, and the hot key's leased units are still
+/// spent (200) until they run out (503); no request is allowed beyond them.
+#[tokio::test]
+async fn leased_units_are_spent_while_the_circuit_is_open() {
+    use http::{Request, Response, StatusCode};
+    use tollgate::{FailurePolicy, RateLimitLayer, key::HeaderKey};
+    use tower::{Layer, ServiceExt, service_fn};
+
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let store = node(&server.url(), "circuit", &clock, LeaseConfig::new()).await;
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let layer = RateLimitLayer::new(limit.clone())
+        .store(store.clone())
+        .key(HeaderKey::new("x-user").unwrap())
+        .on_store_error(FailurePolicy::Deny)
+        .timeout(Some(Duration::from_secs(2)));
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(String::new()))
+    }));
+    let send = |user: &str| {
+        let request = Request::get("/").header("x-user", user).body(()).unwrap();
+        let service = service.clone();
+        async move { service.oneshot(request).await.unwrap().status() }
+    };
+    for _ in 0..50 {
+        assert_eq!(send("hot").await, StatusCode::OK);
+    }
+    let key = Key::new("header:x-user|hot");
+    let redis_keys = server.cli(&["--scan", "--pattern", "circuit:*"]).unwrap();
+    let redis_key = redis_keys.lines().next().unwrap().trim().to_owned();
+    let value = server.cli(&["GET", &redis_key]).unwrap();
+    let held: u64 = value
+        .trim()
+        .split(':')
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        - 50;
+    assert!(held > 0, "{key:?}: no lease");
+    server.kill();
+    // Five cold keys fail: the circuit opens.
+    for i in 0..5 {
+        assert_eq!(
+            send(&format!("cold{i}")).await,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..held + 3 {
+        statuses.push(send("hot").await);
+    }
+    let ok = statuses
+        .iter()
+        .take_while(|s| **s == StatusCode::OK)
+        .count() as u64;
+    assert_eq!(ok, held, "{statuses:?}");
+    assert!(
+        statuses[ok as usize..]
+            .iter()
+            .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE)
+    );
+}
+
+/// Without coalescing (each decision its own script call) leases are taken, spent and
+/// given back the same way.
+#[tokio::test]
+async fn without_coalescing_leases_work_the_same() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let key = Key::new("global");
+    let store = node(&server.url(), "direct", &clock, LeaseConfig::new())
+        .await
+        .with_coalescing(false);
+    let calls = script_calls(&server);
+    for _ in 0..200 {
+        assert!(
+            store
+                .check(&key, std::slice::from_ref(&limit), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert!(
+        script_calls(&server) - calls < 100,
+        "{}",
+        script_calls(&server) - calls
+    );
+    assert!(count_in_redis(&server, &store, &key, &limit) > 200);
+    store.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &store, &key, &limit), 200);
+}
+
+/// The task that returns idle leases lives on a runtime: a store that outlives the
+/// runtime it first leased on starts it again on the next one.
+#[test]
+fn idle_leases_go_back_after_the_first_runtime_shut_down() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let (a, b) = (Key::new("a"), Key::new("b"));
+    let store = runtime().block_on(async {
+        let store = node(&server.url(), "runtimes", &clock, config).await;
+        for _ in 0..50 {
+            assert!(store.check(&a, limits, 1).await.unwrap().is_allowed());
+        }
+        store
+    });
+    runtime().block_on(async {
+        for _ in 0..50 {
+            assert!(store.check(&b, limits, 1).await.unwrap().is_allowed());
+        }
+        assert!(count_in_redis(&server, &store, &b, &limit) > 50);
+        clock.advance(Duration::from_millis(150));
+        until_counted(&server, &store, &b, &limit, 50).await;
+        until_counted(&server, &store, &a, &limit, 50).await;
+    });
+}
+
+/// A list with a lockout is never leased: a unit spent here could not see the block
+/// another node's denial starts. Redis counts exactly what was spent, and once the block
+/// runs, this node is denied too.
+#[tokio::test]
+async fn a_limit_with_a_lockout_is_never_leased() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(200, Duration::from_secs(60))
+        .unwrap()
+        .with_lockout(Duration::from_secs(60))
+        .unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let key = Key::new("global");
+    let a = node(&server.url(), "locked", &clock, LeaseConfig::new()).await;
+    for _ in 0..50 {
+        assert!(a.check(&key, limits, 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+    // Another node spends the rest and is denied once: the key is blocked.
+    let b = node(&server.url(), "locked", &clock, LeaseConfig::new()).await;
+    assert_eq!(hammer_until(&[b], limits, &key, 1, &[200], 1).await, [150]);
+    let decision = a.check(&key, limits, 1).await.unwrap();
+    assert!(!decision.is_allowed(), "{decision:?}");
+    assert!(
+        decision.retry_after() > Duration::from_secs(50),
+        "{decision:?}"
+    );
+}
+
+/// A reset drops this node's lease without giving it back: the next request goes to
+/// Redis, and a release afterwards takes nothing from the state the reset left.
+#[tokio::test]
+async fn a_reset_drops_this_nodes_lease() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    a.reset(&key, std::slice::from_ref(&limit)).await.unwrap();
+    for _ in 0..3 {
+        assert!(
+            a.check(&key, std::slice::from_ref(&limit), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let limit_key = a.redis_key(&key, &limit);
+    assert_eq!(server.cli(&["EXISTS", &limit_key]).unwrap().trim(), "1");
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 3);
+}
+
+/// A decision paid from a lease says when its units were counted (the grant), so a
+/// refund after the response gives the unit back to that window in Redis.
+#[tokio::test]
+async fn a_decision_paid_from_a_lease_can_be_refunded() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let limits = std::slice::from_ref(&limit);
+    // Requests until one is paid from the lease (Redis counts no more).
+    let mut spent = 50;
+    let local = loop {
+        let before = count_in_redis(&server, &a, &key, &limit);
+        let decision = a.check(&key, limits, 1).await.unwrap();
+        assert!(decision.is_allowed());
+        spent += 1;
+        if count_in_redis(&server, &a, &key, &limit) == before {
+            break decision;
+        }
+        assert!(spent < 100, "no request was paid from the lease");
+    };
+    let at = local.decided_at_ms().expect("a leased decision says when");
+    let before = count_in_redis(&server, &a, &key, &limit);
+    let refund = tollgate::Adjustment::Refund {
+        units: 1,
+        charged_at_ms: at,
+    };
+    assert!(a.adjust(&key, limits, refund).await.unwrap().is_allowed());
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), before - 1);
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), spent - 1);
+}
+
+/// A peek reads Redis: it neither spends this node's lease nor asks for one.
+#[tokio::test]
+async fn a_peek_neither_spends_nor_takes_a_lease() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let (a, limit, key) = leased(&server, &clock, LeaseConfig::new()).await;
+    let limits = std::slice::from_ref(&limit);
+    let counted = count_in_redis(&server, &a, &key, &limit);
+    for _ in 0..20 {
+        let peek = a.peek(&key, limits, 1).await.unwrap();
+        assert_eq!(peek.limits()[0].remaining, 1_000 - counted - 1);
+    }
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), counted);
+    a.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+}
