@@ -615,15 +615,7 @@ fn in_flight(
                 .key(ClientIp::new(config.trusted_proxies.iter().copied()))
                 .layer(service),
         ),
-        KeySpec::Header(name) => {
-            let key = HeaderKey::from(name);
-            let key = match &config.store.header_keys {
-                HeaderKeys::Plain => key,
-                HeaderKeys::Sha256 => key.hashed(),
-                HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
-            };
-            boxed(layer.key(key).layer(service))
-        }
+        KeySpec::Header(name) => boxed(layer.key(header_key(name, config)).layer(service)),
         KeySpec::Global => boxed(layer.key(GlobalKey).layer(service)),
     }
 }
@@ -647,13 +639,7 @@ fn keyed(
             wrap(layer, after, service)
         }
         KeySpec::Header(name) => {
-            let key = HeaderKey::from(name.clone());
-            let key = match &config.store.header_keys {
-                HeaderKeys::Plain => key,
-                HeaderKeys::Sha256 => key.hashed(),
-                HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
-            };
-            let layer = layer.key(key);
+            let layer = layer.key(header_key(name.clone(), config));
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::header(
                     path,
@@ -670,6 +656,17 @@ fn keyed(
             }
             wrap(layer, after, service)
         }
+    }
+}
+
+/// The key of a `header:<name>` limit: the header's value, hashed as the store's
+/// `hash_header_keys` / `key_secret_env` say.
+fn header_key(name: http::HeaderName, config: &Config) -> HeaderKey {
+    let key = HeaderKey::from(name);
+    match &config.store.header_keys {
+        HeaderKeys::Plain => key,
+        HeaderKeys::Sha256 => key.hashed(),
+        HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
     }
 }
 

@@ -91,10 +91,7 @@ pub(super) async fn query(connection: Connection, cmd: &Cmd) -> Result<Value, St
         Connection::Cluster(mut cluster) => cmd.query_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
         Connection::Pool(pool) => {
-            let mut connection = pool.get().await.map_err(|e| match e {
-                bb8_redis::bb8::RunError::User(e) => store_error(e),
-                bb8_redis::bb8::RunError::TimedOut => StoreError::timeout(),
-            })?;
+            let mut connection = super::checkout(&pool).await?;
             cmd.query_async(&mut *connection).await
         }
         #[cfg(feature = "sentinel")]

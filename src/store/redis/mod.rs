@@ -706,6 +706,17 @@ fn slot_of(_key: &str) -> u16 {
     0
 }
 
+/// A connection from a bb8 pool, its errors as the store's.
+#[cfg(feature = "bb8")]
+pub(crate) async fn checkout(
+    pool: &bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>,
+) -> Result<bb8_redis::bb8::PooledConnection<'_, bb8_redis::RedisConnectionManager>, StoreError> {
+    pool.get().await.map_err(|e| match e {
+        bb8_redis::bb8::RunError::User(e) => store_error(e),
+        bb8_redis::bb8::RunError::TimedOut => StoreError::timeout(),
+    })
+}
+
 /// Sends a [`script_call`].
 pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>, StoreError> {
     match connection {
@@ -714,10 +725,7 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
         Connection::Cluster(mut cluster) => evalsha(&mut cluster, &call).await,
         #[cfg(feature = "bb8")]
         Connection::Pool(pool) => {
-            let mut connection = pool.get().await.map_err(|e| match e {
-                bb8_redis::bb8::RunError::User(e) => store_error(e),
-                bb8_redis::bb8::RunError::TimedOut => StoreError::timeout(),
-            })?;
+            let mut connection = checkout(&pool).await?;
             evalsha(&mut *connection, &call).await
         }
         #[cfg(feature = "sentinel")]

@@ -227,10 +227,7 @@ async fn run(
         Connection::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
         Connection::Pool(pool) => {
-            let mut connection = pool.get().await.map_err(|e| match e {
-                bb8_redis::bb8::RunError::User(e) => store_error(e),
-                bb8_redis::bb8::RunError::TimedOut => StoreError::timeout(),
-            })?;
+            let mut connection = super::checkout(&pool).await?;
             invocation.invoke_async(&mut *connection).await
         }
         #[cfg(feature = "sentinel")]
