@@ -247,7 +247,7 @@ pub(crate) enum CountWhen {
 
 impl CountAfter {
     /// The units a request finally costs, from its response: `None` keeps the 1 charged.
-    pub(crate) fn cost(&self, response: &http::Response<axum::body::Body>) -> Option<u32> {
+    pub(crate) fn cost<B>(&self, response: &http::Response<B>) -> Option<u32> {
         let failed = response.status().as_u16() >= 400;
         let counts = match self.when {
             CountWhen::Always => true,
