@@ -54,6 +54,8 @@ fn per_api_key(limit: u32, store: impl Store) -> RateLimitLayer<HeaderKey> {
     RateLimitLayer::new(hourly(limit))
         .key(HeaderKey::new("x-api-key").unwrap())
         .store(store)
+        // Generous: on a loaded machine the default 100 ms would fail a Redis call open.
+        .timeout(Some(Duration::from_secs(10)))
 }
 
 /// A health server behind a rate-limit layer, on a free loopback port; stopped on drop.
@@ -294,7 +296,12 @@ async fn peer_ip_reads_tonics_connect_info() {
 
     let store: Arc<dyn Store> = Arc::new(memory());
     // The default key: the TCP peer.
-    let mut running = serve(RateLimitLayer::new(hourly(2)).shared_store(store.clone())).await;
+    let mut running = serve(
+        RateLimitLayer::new(hourly(2))
+            .shared_store(store.clone())
+            .timeout(Some(Duration::from_secs(10))),
+    )
+    .await;
     allowed(&mut running, None).await;
     allowed(&mut running, None).await;
     assert_eq!(

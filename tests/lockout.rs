@@ -70,7 +70,13 @@ fn header<B>(response: &Response<B>, name: &str) -> Option<String> {
 /// fourth locks the key out for 15 minutes, a new window does not lift the block, requests
 /// during it do not extend it, and at its end the limit counts again from a full window.
 async fn a_breach_locks_out_over_http(store: impl Store, clock: &ManualClock) {
-    let addr = serve(RateLimitLayer::new(login()).key(GlobalKey).store(store)).await;
+    let addr = serve(
+        RateLimitLayer::new(login())
+            .key(GlobalKey)
+            .store(store)
+            .timeout(Some(Duration::from_secs(10))),
+    )
+    .await;
     for remaining in [2, 1, 0] {
         let response = post(addr).await;
         assert_eq!(response.status(), StatusCode::OK);
@@ -133,7 +139,8 @@ async fn only_the_limit_with_the_lockout_starts_a_block() {
     let layer = RateLimitLayer::new(login())
         .limit(Limit::fixed_window(1, Duration::from_secs(1)).unwrap())
         .key(GlobalKey)
-        .store(store);
+        .store(store)
+        .timeout(Some(Duration::from_secs(10)));
     let addr = serve(layer).await;
     assert_eq!(post(addr).await.status(), StatusCode::OK);
     let denied = post(addr).await;
@@ -154,7 +161,8 @@ async fn a_breach_locks_out_over_grpc(store: impl Store, clock: &ManualClock) {
 
     let layer = RateLimitLayer::new(login())
         .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store);
+        .store(store)
+        .timeout(Some(Duration::from_secs(10)));
     let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr: SocketAddr = incoming.local_addr().unwrap();
     let (_reporter, health) = tonic_health::server::health_reporter();

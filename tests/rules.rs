@@ -97,7 +97,9 @@ fn request(key: &str) -> Request<()> {
 async fn raised_and_lowered_under_load(store: impl Store) {
     let layer = RateLimitLayer::new(hourly("a", 1))
         .key(HeaderKey::new("x-key").unwrap())
-        .store(store);
+        .store(store)
+        // Generous: on a loaded machine the default 100 ms would fail a Redis call open.
+        .timeout(Some(Duration::from_secs(10)));
     let handle = layer.rules_handle();
     handle.set(rules(1000));
     let service = layer.layer(service_fn(hello));
