@@ -595,7 +595,7 @@ impl<R, M> Parts<R, M> {
         let (next, charges) = match answer {
             Answer::One(result) => {
                 let at = charged_at(&result);
-                let next = settle(&self.shared, &self.rules, result, request, &asked);
+                let next = settle(&self.shared, &self.rules, result, request, &asked, false);
                 let enforced = at.map(|at| (self.rules.limits().clone(), at));
                 (next, [enforced, None])
             }

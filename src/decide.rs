@@ -58,13 +58,16 @@ pub(crate) enum Next<ResB> {
 
 /// Acts on the store's answer about `request`, under the `rules` it was asked with:
 /// records the metrics, applies the failure policy to an error, and says whether to
-/// answer at once (a denial, a store failure) or to call the inner service.
+/// answer at once (a denial, a store failure) or to call the inner service. A request
+/// that [`waited`](crate::wait) already gets a final denial; any other may be told to
+/// wait.
 pub(crate) fn settle<ReqB, ResB, R>(
     shared: &Shared<R>,
     rules: &Active,
     result: Result<Decision, StoreError>,
     request: &Request<ReqB>,
     asked: &Asked,
+    waited: bool,
 ) -> Next<ResB>
 where
     R: OnRejection<ReqB, ResB>,
@@ -76,29 +79,7 @@ where
         Recorded::Allowed,
         request,
         asked,
-        true,
-    )
-}
-
-/// [`settle`] for a request that [waited](crate::wait) already: a denial now is final.
-pub(crate) fn settle_waited<ReqB, ResB, R>(
-    shared: &Shared<R>,
-    rules: &Active,
-    result: Result<Decision, StoreError>,
-    request: &Request<ReqB>,
-    asked: &Asked,
-) -> Next<ResB>
-where
-    R: OnRejection<ReqB, ResB>,
-{
-    enforce(
-        shared,
-        rules,
-        result,
-        Recorded::Allowed,
-        request,
-        asked,
-        false,
+        !waited,
     )
 }
 

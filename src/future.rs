@@ -4,6 +4,7 @@
 use std::{
     fmt,
     future::Future,
+    ops::ControlFlow,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
@@ -16,7 +17,7 @@ use tower_service::Service;
 
 use crate::{
     Decision,
-    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed, settle_waited},
+    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
     plan::{self, Chosen, Resolving, Started},
     rejection::OnRejection,
     rules::Active,
@@ -197,6 +198,35 @@ where
     }
 }
 
+/// What a waiting request does once settled: the answer to give now (`Break`), or the
+/// state to go on in (calling the inner service, or waiting its turn).
+fn proceed<S, ReqB, R, ResB>(
+    next: Next<ResB>,
+    shared: &Shared<R>,
+    rules: &Arc<Active>,
+    pending: Pending<S, ReqB>,
+) -> ControlFlow<Response<ResB>, State<S, ReqB>>
+where
+    S: Service<Request<ReqB>>,
+{
+    let Pending {
+        mut service,
+        request,
+        asked,
+        ..
+    } = pending;
+    match next {
+        Next::Answer(response) => ControlFlow::Break(response),
+        Next::Call(decision) => ControlFlow::Continue(State::Calling {
+            future: service.call(request),
+            decision,
+        }),
+        Next::Wait(ticket) => {
+            ControlFlow::Continue(wait(*ticket, shared, rules, service, request, asked))
+        }
+    }
+}
+
 impl<S, ReqB, R> fmt::Debug for ResponseFuture<S, ReqB, R>
 where
     S: Service<Request<ReqB>>,
@@ -222,27 +252,18 @@ where
                     let rules = this.rules.as_ref().expect("checking without rules");
                     // The store's timeout and circuit breaker are inside `check`.
                     let result = ready!(check.poll_unpin(cx));
-                    let Pending {
-                        mut service,
-                        request,
-                        asked,
-                        waited,
-                    } = pending.take().expect("polled after completion");
-                    let next = if waited {
-                        settle_waited(shared, rules, result, &request, &asked)
-                    } else {
-                        settle(shared, rules, result, &request, &asked)
-                    };
-                    match next {
-                        Next::Answer(response) => return Poll::Ready(Ok(response)),
-                        Next::Call(decision) => {
-                            let future = service.call(request);
-                            this.state.set(State::Calling { future, decision });
-                        }
-                        Next::Wait(ticket) => {
-                            let pending = wait(*ticket, shared, rules, service, request, asked);
-                            this.state.set(pending);
-                        }
+                    let pending = pending.take().expect("polled after completion");
+                    let next = settle(
+                        shared,
+                        rules,
+                        result,
+                        &pending.request,
+                        &pending.asked,
+                        pending.waited,
+                    );
+                    match proceed(next, shared, rules, pending) {
+                        ControlFlow::Break(response) => return Poll::Ready(Ok(response)),
+                        ControlFlow::Continue(state) => this.state.set(state),
                     }
                 }
                 StateProj::Resolving { resolving, pending } => {
@@ -266,21 +287,12 @@ where
                     let started = plan::start(shared, &rules, &pending.request, &pending.asked);
                     *this.rules = Some(rules);
                     match started {
-                        Started::Next(Next::Answer(response)) => return Poll::Ready(Ok(response)),
-                        Started::Next(Next::Call(decision)) => {
-                            let future = pending.service.call(pending.request);
-                            this.state.set(State::Calling { future, decision });
-                        }
-                        Started::Next(Next::Wait(ticket)) => {
+                        Started::Next(next) => {
                             let rules = this.rules.as_ref().expect("rules set above");
-                            let Pending {
-                                service,
-                                request,
-                                asked,
-                                ..
-                            } = pending;
-                            let state = wait(*ticket, shared, rules, service, request, asked);
-                            this.state.set(state);
+                            match proceed(next, shared, rules, pending) {
+                                ControlFlow::Break(response) => return Poll::Ready(Ok(response)),
+                                ControlFlow::Continue(state) => this.state.set(state),
+                            }
                         }
                         Started::Check(check) => this.state.set(State::Checking {
                             check,
@@ -296,22 +308,12 @@ where
                     let shared = this.shared.as_ref().expect("checking without config");
                     let rules = this.rules.as_ref().expect("checking without rules");
                     let answers = ready!(Pin::new(checks).poll(cx));
-                    let Pending {
-                        mut service,
-                        request,
-                        asked,
-                        ..
-                    } = pending.take().expect("polled after completion");
-                    match settle_shadowed(shared, rules, answers, &request, &asked) {
-                        Next::Answer(response) => return Poll::Ready(Ok(response)),
-                        Next::Call(decision) => {
-                            let future = service.call(request);
-                            this.state.set(State::Calling { future, decision });
-                        }
-                        Next::Wait(ticket) => {
-                            let pending = wait(*ticket, shared, rules, service, request, asked);
-                            this.state.set(pending);
-                        }
+                    let pending = pending.take().expect("polled after completion");
+                    let next =
+                        settle_shadowed(shared, rules, answers, &pending.request, &pending.asked);
+                    match proceed(next, shared, rules, pending) {
+                        ControlFlow::Break(response) => return Poll::Ready(Ok(response)),
+                        ControlFlow::Continue(state) => this.state.set(state),
                     }
                 }
                 StateProj::Calling { future, decision } => {

@@ -648,7 +648,7 @@ where
         .store
         .check_now(&asked.key, rules.limits(), asked.cost)
     {
-        Ok(result) => Started::Next(settle(shared, rules, result, request, asked)),
+        Ok(result) => Started::Next(settle(shared, rules, result, request, asked, false)),
         Err(check) => Started::Check(check),
     }
 }

@@ -129,7 +129,7 @@ macro_rules! decide {
             match check {
                 // Decided already: the memory store, a block-cache hit, an open circuit.
                 Ok(result) => {
-                    let next = settle(shared, rules, result, &$request, &asked);
+                    let next = settle(shared, rules, result, &$request, &asked, false);
                     answer_now!($this, next, $request, asked)
                 }
                 Err(check) => {
