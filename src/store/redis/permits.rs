@@ -4,7 +4,14 @@
 //! ids scored by the time (ms) their lease ends. Taking a permit drops the ended leases,
 //! counts the rest and adds one if there is room; a task renews it while the request
 //! runs and removes it when the response ends. A node that dies stops renewing, so its
-//! permits end at most one lease after its last renewal.
+//! permits end at most one lease after its last renewal; so does a permit whose removal
+//! failed (Redis out of reach when its request ended).
+//!
+//! A renewal that finds its permit gone (Redis restarted without it, a failover to a
+//! replica that had not seen it, or its lease ended while Redis was out of reach) adds it
+//! back, even beyond the maximum: the request still runs, and counting it is the honest
+//! count. New requests are then refused until enough running ones end; the alternative,
+//! not counting it, would let up to `max` more in for as long as it runs.
 
 use std::{
     sync::{
@@ -46,21 +53,20 @@ return {1, held + 1}
 /// The in-flight script that renews a permit ([`Leases::renew`](crate::algorithm::Leases::renew)).
 ///
 /// KEYS[1]: the permits of one key. ARGV: now ("" reads `TIME`), lease
-/// ms, the permit id. Returns 1, or 0 when the permit is gone (its lease ended and
-/// another request took its place).
+/// ms, the permit id. Returns 1 when the permit was held, 0 when it was gone (Redis lost
+/// it in a restart or a failover, or its lease ended while Redis was out of reach) and
+/// is added back: the request still runs, so it counts, even if that makes more than
+/// `max` held until enough requests end.
 pub const RENEW: &str = r"
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then
-  return 0
-end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[3])
+local added = redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(last[2]) - now, 1))
-return 1
+return 1 - added
 ";
 
 static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE));
@@ -196,9 +202,13 @@ async fn hold(
         let args = [now_arg(now), lease_ms.to_string(), id.clone()];
         match run(&connection, &RENEW_SCRIPT, RENEW, &set, &args).await {
             Ok(Value::Int(1)) => {}
-            Ok(_) => {
-                tracing::warn!("in-flight permit lost (its lease ended before renewal)");
-                return;
+            // Redis lost it (a restart, a failover) or its lease ended while Redis was
+            // out of reach: the request still runs, so it counts again.
+            Ok(Value::Int(0)) => {
+                tracing::warn!("in-flight permit lost by Redis; added back");
+            }
+            Ok(other) => {
+                tracing::warn!(reply = ?other, "in-flight renewal: unexpected reply");
             }
             Err(error) => {
                 tracing::warn!(error = %error.chain(), "in-flight permit not renewed");
