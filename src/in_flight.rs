@@ -44,8 +44,9 @@
 //!   again): the next renewal of each running request adds its permit back (logged at
 //!   `warn`), even beyond `max`, because the request still runs. New requests are then
 //!   refused until enough running ones end.
-//! - A permit whose removal fails (Redis out of reach when its request ends) counts until
-//!   its lease ends: at most one lease after its last renewal.
+//! - A permit whose removal fails (Redis out of reach when its request ends) is removed
+//!   once Redis answers again (tried again after 100 ms, doubling up to a third of the
+//!   lease); at the latest its lease ends it, one lease after its last renewal.
 
 use std::{
     collections::HashMap,

@@ -4,8 +4,9 @@
 //! ids scored by the time (ms) their lease ends. Taking a permit drops the ended leases,
 //! counts the rest and adds one if there is room; a task renews it while the request
 //! runs and removes it when the response ends. A node that dies stops renewing, so its
-//! permits end at most one lease after its last renewal; so does a permit whose removal
-//! failed (Redis out of reach when its request ended).
+//! permits end at most one lease after its last renewal. A removal that fails (Redis out
+//! of reach when the request ended) is tried again, after 100 ms and then less and less
+//! often, for one lease; if Redis does not answer in that time, the lease ends the permit.
 //!
 //! A renewal that finds its permit gone (Redis restarted without it, a failover to a
 //! replica that had not seen it, or its lease ended while Redis was out of reach) adds it
@@ -215,7 +216,34 @@ async fn hold(
             }
         }
     }
-    release(connection, set, id).await;
+    give_back(connection, set, id, Duration::from_millis(lease_ms)).await;
+}
+
+/// The first wait before a failed release is tried again; it doubles up to a third of the
+/// lease.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+
+/// Removes the permit of a request that ended. While Redis does not answer, tries again
+/// (after 100 ms, doubling up to a third of the lease) for one lease: a permit given back
+/// as soon as Redis answers again, and at the latest its lease ends it. Removing our own
+/// (unique) id late never takes anyone else's permit.
+async fn give_back(connection: Connection, set: String, id: String, lease: Duration) {
+    let give_up = tokio::time::Instant::now() + lease;
+    let mut wait = RETRY_FIRST.min(lease / 3);
+    loop {
+        let mut zrem = redis::cmd("ZREM");
+        zrem.arg(&set).arg(&id);
+        let Err(error) = super::admin::query(connection.clone(), &zrem).await else {
+            return;
+        };
+        if tokio::time::Instant::now() + wait >= give_up {
+            tracing::debug!(error = %error.chain(), "in-flight permit not released; its lease ends it");
+            return;
+        }
+        tracing::debug!(error = %error.chain(), "in-flight permit not released yet; trying again");
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(lease / 3);
+    }
 }
 
 /// Runs `script` (`source`) on `key` with `args`: EVALSHA, loading the script on
