@@ -12,7 +12,12 @@
 #                                   the default set, plus redis-nocache (block cache off),
 #                                   redis-lease (leased quota, RedisStore::with_leases) and
 #                                   redis-tls (the redis mode over TLS: adds the tls feature,
-#                                   certificates made with the openssl CLI)
+#                                   certificates made with the openssl CLI); and what
+#                                   issue 17's features cost: memory-lockout redis-lockout
+#                                   (a lockout on the limit), memory-wait redis-wait
+#                                   (max_wait), memory-inflight redis-inflight (an
+#                                   InFlightLayer instead of the limit); see
+#                                   examples/bench_server.rs
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour); also
 #                                   clients: nothing rejected, a key per client, wrk sending
 #                                   one of 10 000 x-client headers (bench/clients.lua);
@@ -72,7 +77,7 @@ for scenario in $SCENARIOS; do
   [[ $scenario == allow || $scenario == reject || $scenario == clients || $scenario == flood ]] ||
     die "unknown scenario '$scenario' (allow, reject, clients or flood)"
 done
-KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-lease redis-pool redis-cluster redis-tls governor handwritten "
+KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-lease redis-pool redis-cluster redis-tls governor handwritten memory-lockout redis-lockout memory-wait redis-wait memory-inflight redis-inflight "
 for mode in $MODES; do
   [[ $KNOWN_MODES == *" $mode "* ]] || die "unknown mode '$mode'; one of:$KNOWN_MODES"
 done
@@ -290,16 +295,18 @@ cpu_ticks() {
   echo "$total"
 }
 
-# Script calls (and PINGs) the Redis servers on these ports have run so far.
+# Script calls (and PINGs, and in-flight permits given back with ZREM) the Redis servers
+# on these ports have run so far.
 redis_commands() {
   local total=0 port n
   for port in "$@"; do
-    # Top-level script calls and PINGs (a pool's checkout test); the commands that
-    # scripts run inside are not counted.
+    # Top-level script calls, PINGs (a pool's checkout test) and ZREMs (the in-flight
+    # modes' releases; no other mode sends one); the commands that scripts run inside
+    # are not counted.
     local tls=()
     [[ $port == "$REDIS_TLS_PORTS" ]] && tls=("${TLS_CLI[@]}")
     n=$(redis-cli "${tls[@]}" -p "$port" INFO commandstats | tr -d '\r' |
-      awk -F'[:=,]' '/^cmdstat_(evalsha|eval|ping):/ { n += $3 } END { print n + 0 }')
+      awk -F'[:=,]' '/^cmdstat_(evalsha|eval|ping|zrem):/ { n += $3 } END { print n + 0 }')
     [[ -n $n ]] || die "redis-cli -p $port INFO commandstats failed"
     total=$((total + n))
   done

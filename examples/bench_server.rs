@@ -16,6 +16,17 @@
 //!   (`RedisStore::with_leases` with the defaults); `redis-pool`: over a bb8-redis pool of 16
 //!   (bb8's defaults, so a `PING` per checkout); `redis-cluster`: `connect_cluster` on
 //!   the nodes given with `--cluster`;
+//! - what issue 17's features cost, each the `memory` or `redis` mode with one feature on:
+//!   `memory-lockout`, `redis-lockout`: the limit with a lockout of an hour
+//!   (`Limit::with_lockout`: in `reject`, the first breach locks the key out and every
+//!   later request is refused by the lockout); `memory-wait`, `redis-wait`: the layer with
+//!   `max_wait` of a second (`allow`: nothing waits; `reject`: a route that could wait but
+//!   whose `retry_after`, about an hour, is beyond it, so it still refuses at once);
+//!   `memory-inflight`, `redis-inflight`: an `InFlightLayer` on the same key *instead of*
+//!   the rate limit (`allow`: a maximum of a million, so every request takes a permit and
+//!   gives it back, in Redis a script call, a renewal task and a `ZREM`; `reject`: a
+//!   maximum of one, held for good by a request the server makes to itself at start, so
+//!   every request is refused);
 //! - `governor`: tower_governor 0.8;
 //! - `handwritten`: an axum middleware that runs a fixed-window `INCR`+`PEXPIRE` script per
 //!   request with `redis::Script::invoke_async` on one `MultiplexedConnection`, the
@@ -58,11 +69,11 @@ use axum::{
     routing::get,
 };
 use tollgate::{
-    FailurePolicy, HeaderStyle, Limit, MemoryStore, RateLimitLayer,
+    FailurePolicy, HeaderStyle, InFlightLayer, Limit, MemoryStore, RateLimitLayer,
     key::{GlobalKey, Key, KeyError, KeyExtractor},
     store::{LeaseConfig, RedisStore},
 };
-use tower::util::MapResponseLayer;
+use tower::{ServiceExt, util::MapResponseLayer};
 use tower_governor::{
     GovernorError, GovernorLayer, governor::GovernorConfigBuilder,
     key_extractor::GlobalKeyExtractor,
@@ -80,6 +91,16 @@ const FLOOD_WINDOW: Duration = Duration::from_secs(3600);
 /// The rejecting scenario: one request per hour.
 const REJECT_LIMIT: u32 = 1;
 const REJECT_WINDOW: Duration = Duration::from_secs(3600);
+/// The `*-lockout` modes' lockout after a breach.
+const LOCKOUT: Duration = Duration::from_secs(3600);
+/// The `*-wait` modes' `max_wait`.
+const MAX_WAIT: Duration = Duration::from_secs(1);
+/// The `*-inflight` modes' maximum in flight: never reached (`allow`), or one, held by
+/// the server itself (`reject`).
+const ALLOW_IN_FLIGHT: u32 = 1_000_000;
+const REJECT_IN_FLIGHT: u32 = 1;
+/// The route whose body never ends, which holds the in-flight permit in `reject`.
+const HOLD_PATH: &str = "/hold";
 
 /// The hand-written reference: a fixed window counted with INCR, the TTL set on the
 /// first hit. Returns `{allowed, remaining or ms until reset}`.
@@ -113,10 +134,16 @@ enum Mode {
     RedisTls,
     Governor,
     Handwritten,
+    MemoryLockout,
+    RedisLockout,
+    MemoryWait,
+    RedisWait,
+    MemoryInFlight,
+    RedisInFlight,
 }
 
 impl Mode {
-    const ALL: [(&'static str, Mode); 12] = [
+    const ALL: [(&'static str, Mode); 18] = [
         ("plain", Mode::Plain),
         ("memory", Mode::Memory),
         ("memory-noheaders", Mode::MemoryNoHeaders),
@@ -129,6 +156,12 @@ impl Mode {
         ("redis-tls", Mode::RedisTls),
         ("governor", Mode::Governor),
         ("handwritten", Mode::Handwritten),
+        ("memory-lockout", Mode::MemoryLockout),
+        ("redis-lockout", Mode::RedisLockout),
+        ("memory-wait", Mode::MemoryWait),
+        ("redis-wait", Mode::RedisWait),
+        ("memory-inflight", Mode::MemoryInFlight),
+        ("redis-inflight", Mode::RedisInFlight),
     ];
 
     fn parse(name: &str) -> Result<Self, Error> {
@@ -306,6 +339,13 @@ async fn hello() -> &'static str {
     "Hello, World!"
 }
 
+/// A body that never ends: the request holds its in-flight permit for good.
+async fn hold() -> axum::body::Body {
+    axum::body::Body::from_stream(futures_util::stream::pending::<
+        Result<bytes::Bytes, std::convert::Infallible>,
+    >())
+}
+
 async fn app(args: &Args) -> Result<Router, Error> {
     let router = Router::new().route("/", get(hello));
     let reject = args.scenario == Scenario::Reject;
@@ -317,9 +357,15 @@ async fn app(args: &Args) -> Result<Router, Error> {
     };
     // A store failure is answered 503, so that it shows in the status counts instead of
     // passing as an allowed request.
-    let layer = RateLimitLayer::new(Limit::fixed_window(limit, window)?)
-        .key(BenchKey { per_client })
-        .on_store_error(FailurePolicy::Deny);
+    let fixed_window = Limit::fixed_window(limit, window)?;
+    let lockout = matches!(args.mode, Mode::MemoryLockout | Mode::RedisLockout);
+    let layer = RateLimitLayer::new(if lockout {
+        fixed_window.with_lockout(LOCKOUT)?
+    } else {
+        fixed_window
+    })
+    .key(BenchKey { per_client })
+    .on_store_error(FailurePolicy::Deny);
     let redis_url = || {
         args.redis
             .as_deref()
@@ -366,6 +412,40 @@ async fn app(args: &Args) -> Result<Router, Error> {
             router.layer(layer.store(RedisStore::connect_cluster(&args.cluster).await?))
         }
         Mode::RedisTls => router.layer(layer.store(connect_tls(args).await?)),
+        Mode::MemoryLockout => router.layer(layer.store(memory())),
+        Mode::RedisLockout => router.layer(layer.store(RedisStore::connect(redis_url()?).await?)),
+        Mode::MemoryWait => router.layer(layer.store(memory()).max_wait(MAX_WAIT)),
+        Mode::RedisWait => router.layer(
+            layer
+                .store(RedisStore::connect(redis_url()?).await?)
+                .max_wait(MAX_WAIT),
+        ),
+        Mode::MemoryInFlight | Mode::RedisInFlight => {
+            let max = if reject {
+                REJECT_IN_FLIGHT
+            } else {
+                ALLOW_IN_FLIGHT
+            };
+            let mut in_flight = InFlightLayer::new(max)?
+                .key(BenchKey { per_client })
+                .on_store_error(FailurePolicy::Deny);
+            if args.mode == Mode::RedisInFlight {
+                in_flight = in_flight.store(RedisStore::connect(redis_url()?).await?);
+            }
+            let router = router.route(HOLD_PATH, get(hold)).layer(in_flight);
+            if reject {
+                // The one permit, taken for good (its body never ends and is never
+                // dropped): every request wrk sends is refused. Not counted in the
+                // statuses, which are counted outside this router.
+                let request = http::Request::get(HOLD_PATH).body(axum::body::Body::empty())?;
+                let held = router.clone().oneshot(request).await?;
+                if held.status() != StatusCode::OK {
+                    return Err(format!("holding the permit: {}", held.status()).into());
+                }
+                std::mem::forget(held);
+            }
+            router
+        }
         Mode::Governor => {
             let mut config = GovernorConfigBuilder::default();
             if reject {

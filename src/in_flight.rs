@@ -39,8 +39,14 @@
 //!   allow (default), deny (503), or count the permits in the process until Redis answers
 //!   again.
 //! - If Redis loses the permits (a restart without persistence, a failover to a replica
-//!   that had not seen them), requests already running stop counting: their renewal
-//!   finds the permit gone and stops, logged at `warn`.
+//!   that had not seen them), requests that get in before the running ones renew may
+//!   exceed `max` for up to a third of the lease (plus the time Redis takes to answer
+//!   again): the next renewal of each running request adds its permit back (logged at
+//!   `warn`), even beyond `max`, because the request still runs. New requests are then
+//!   refused until enough running ones end.
+//! - A permit whose removal fails (Redis out of reach when its request ends) is removed
+//!   once Redis answers again (tried again after 100 ms, doubling up to a third of the
+//!   lease); at the latest its lease ends it, one lease after its last renewal.
 
 use std::{
     collections::HashMap,
@@ -235,8 +241,9 @@ impl<K, R> InFlightLayer<K, R> {
     }
 
     /// How long a permit in Redis lives unless renewed ([`DEFAULT_LEASE`] by default, at
-    /// least 3 ms): the longest a dead node's permits stay taken. A request in flight
-    /// renews its permit every third of it.
+    /// least 3 ms): the longest a dead node's permits stay taken, and a permit whose
+    /// removal failed. A request in flight renews its permit every third of it, which is
+    /// also how long running requests may go uncounted after Redis lost their permits.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.change().lease = lease.max(Duration::from_millis(3));
         self

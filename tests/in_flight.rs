@@ -507,6 +507,225 @@ mod redis {
         assert_denied(&send(&mut service, request("a")).await);
     }
 
+    /// The permits' sorted set (the only key) on `server`.
+    fn permits_set(server: &RedisServer) -> String {
+        let keys = server.cli(&["--scan"]).unwrap();
+        let mut keys = keys.lines().filter(|k| !k.is_empty());
+        let key = keys.next().expect("a permits key").to_owned();
+        assert_eq!(keys.next(), None, "one key only");
+        key
+    }
+
+    /// `ZCARD` of `set` as `cli` reads it (0 when the key or the server is gone).
+    fn zcard(cli: impl Fn(&[&str]) -> Option<String>, set: &str) -> u64 {
+        cli(&["ZCARD", set])
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Waits (within `limit`) until `set` holds `n` permits.
+    async fn until_held(
+        cli: impl Fn(&[&str]) -> Option<String>,
+        set: &str,
+        n: u64,
+        limit: Duration,
+    ) {
+        let start = Instant::now();
+        loop {
+            let held = zcard(&cli, set);
+            if held == n {
+                return;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{set} holds {held} permits after {limit:?}, not {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Redis restarts without its data while two requests run (max 2): their permits are
+    /// gone and a new request gets in. Within a renewal period (a third of the lease) the
+    /// running requests count again: three held, more than the maximum, so new requests
+    /// are refused until enough end. Once they have, a new batch of two gets in: no leak.
+    #[tokio::test]
+    async fn a_redis_restart_counts_running_requests_again() {
+        // Renewed every 5 s: the newcomer gets in long before the first renewal.
+        let lease = Duration::from_secs(15);
+        let mut server = RedisServer::start();
+        let layer = by_client(2).store(store(&server).await).lease(lease);
+        let app = App::new();
+        let mut service = app.service(&layer);
+        let taken = Instant::now();
+        let first = send(&mut service, request("a")).await;
+        let second = send(&mut service, request("a")).await;
+        assert!(first.body().holds_permit() && second.body().holds_permit());
+        assert_denied(&send(&mut service, request("a")).await);
+        let set = permits_set(&server);
+
+        server.restart();
+        assert_eq!(zcard(|a| server.cli(a), &set), 0);
+        // Until the connection is back the default policy lets requests pass, holding
+        // nothing; then the empty set gives a permit.
+        let newcomer = loop {
+            let answer = send(&mut service, request("a")).await;
+            assert_eq!(
+                answer.status(),
+                StatusCode::OK,
+                "refused before the newcomer got in: a renewal came first \
+                 ({:?} after the permits were taken)",
+                taken.elapsed()
+            );
+            if answer.body().holds_permit() {
+                break answer;
+            }
+            assert!(taken.elapsed() < lease / 3, "Redis never came back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            taken.elapsed() < lease / 3,
+            "the test's premise: no renewal yet"
+        );
+
+        // The running requests renew and count again: three held, max two.
+        until_held(|a| server.cli(a), &set, 3, lease / 3 + DEADLINE).await;
+        assert_denied(&send(&mut service, request("a")).await);
+        // One ends: two still run, and no room yet.
+        let _ended = app.finish(first).await;
+        until_held(|a| server.cli(a), &set, 2, DEADLINE).await;
+        assert_denied(&send(&mut service, request("a")).await);
+        // The other ends: room for one.
+        let _ended = app.finish(second).await;
+        let fourth = until_allowed(&mut service, "a").await;
+        assert_denied(&send(&mut service, request("a")).await);
+
+        // Everything given back: a new batch of two gets in, never three.
+        drop((newcomer, fourth));
+        let _one = until_allowed(&mut service, "a").await;
+        let _two = until_allowed(&mut service, "a").await;
+        assert_denied(&send(&mut service, request("a")).await);
+        support::assert_every_key_expires(&server);
+    }
+
+    /// Waits until `logs` show a release that failed (within [`DEADLINE`]).
+    async fn until_release_failed(logs: &support::logs::Logs) {
+        let start = Instant::now();
+        while !logs.text().contains("in-flight permit not released yet") {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "no failed release: {}",
+                logs.text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Redis is down when a request ends, so its permit cannot be given back at once; it
+    /// is given back once Redis answers again (the release is tried again), long before
+    /// its lease (60 s) would end it. Redis keeps its data here (append-only file, fsync
+    /// on every write) so that the permit outlives the outage.
+    #[tokio::test]
+    async fn a_permit_not_given_back_while_redis_is_down_is_given_back_when_it_returns() {
+        let (logs, _guard) = support::logs::Logs::capture();
+        let mut server =
+            RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+        // The leases never end on this clock: only the release can free the permit.
+        let clock = ManualClock::new(NOW_MS);
+        let layer = by_client(1).store(store(&server).await.with_clock(clock));
+        let app = App::new();
+        let mut service = app.service(&layer);
+        let held = send(&mut service, request("a")).await;
+        assert!(held.body().holds_permit());
+        let set = permits_set(&server);
+
+        server.kill();
+        let _ended = app.finish(held).await;
+        until_release_failed(&logs).await;
+        server.restart();
+        assert_eq!(
+            zcard(|a| server.cli(a), &set),
+            1,
+            "the permit outlived the outage"
+        );
+        until_held(|a| server.cli(a), &set, 0, DEADLINE).await;
+        let _again = until_allowed(&mut service, "a").await;
+        assert_denied(&send(&mut service, request("a")).await);
+    }
+
+    /// A release that keeps failing (here Redis refuses `ZREM`: the scripts still run)
+    /// leaves the permit until its lease ends, one lease after its last renewal, and not
+    /// longer.
+    #[tokio::test]
+    async fn a_permit_whose_release_keeps_failing_ends_with_its_lease() {
+        let (logs, _guard) = support::logs::Logs::capture();
+        let server = RedisServer::start();
+        let clock = ManualClock::new(NOW_MS);
+        let layer = by_client(1).store(store(&server).await.with_clock(clock.clone()));
+        let app = App::new();
+        let mut service = app.service(&layer);
+        let held = send(&mut service, request("a")).await;
+        assert!(held.body().holds_permit());
+        server.cli(&["ACL", "SETUSER", "default", "-zrem"]).unwrap();
+        let _ended = app.finish(held).await;
+        until_release_failed(&logs).await;
+
+        assert_denied(&send(&mut service, request("a")).await);
+        clock.advance(LEASE - Duration::from_millis(1));
+        assert_denied(&send(&mut service, request("a")).await);
+        clock.advance(Duration::from_millis(1));
+        let again = send(&mut service, request("a")).await;
+        assert!(again.body().holds_permit());
+        assert_denied(&send(&mut service, request("a")).await);
+    }
+
+    /// A cluster master is killed while two requests run (max 2), and the replica that
+    /// takes over has lost their permits (as a replica that missed the writes would
+    /// have): within a renewal period the running requests count again on the new master,
+    /// and once they end a new batch of two gets in.
+    #[cfg(feature = "cluster")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_failover_that_lost_the_permits_counts_running_requests_again() {
+        let lease = Duration::from_secs(6);
+        let mut cluster = support::cluster::RedisCluster::start();
+        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        let layer = by_client(2).store(store).lease(lease);
+        let app = App::new();
+        let mut service = app.service(&layer);
+        let first = send(&mut service, request("a")).await;
+        let second = send(&mut service, request("a")).await;
+        assert!(first.body().holds_permit() && second.body().holds_permit());
+        assert_denied(&send(&mut service, request("a")).await);
+        let set = cluster
+            .masters()
+            .into_iter()
+            .find_map(|i| {
+                let keys = cluster.cli(i, &["--scan"])?;
+                keys.lines().find(|k| !k.is_empty()).map(str::to_owned)
+            })
+            .expect("the permits key");
+        let slot = cluster.keyslot(&set);
+        let master = cluster.master_of_slot(slot);
+        let replica = cluster.replica_of(master);
+        cluster.wait_replicated(master);
+
+        cluster.kill(master);
+        cluster.wait_for("the replica to take over", Duration::from_secs(30), |c| {
+            c.all_agree_owner(slot, replica) && c.is_serving()
+        });
+        // The new master forgets the permits (it may have renewed them already).
+        cluster.cli(replica, &["DEL", &set]).unwrap();
+        until_held(|a| cluster.cli(replica, a), &set, 2, lease / 3 + DEADLINE).await;
+        assert_denied(&send(&mut service, request("a")).await);
+
+        let _ended = app.finish(first).await;
+        let third = until_allowed(&mut service, "a").await;
+        assert_denied(&send(&mut service, request("a")).await);
+        drop((second, third));
+        let _one = until_allowed(&mut service, "a").await;
+        let _two = until_allowed(&mut service, "a").await;
+        assert_denied(&send(&mut service, request("a")).await);
+    }
+
     /// Local: while Redis is down, permits are counted in the process.
     #[tokio::test]
     async fn a_failing_redis_with_the_local_policy_counts_in_the_process() {

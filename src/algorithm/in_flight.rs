@@ -25,17 +25,15 @@ impl Leases {
         (true, held + 1)
     }
 
-    /// Renews permit `id` to end `lease_ms` after `now`, if it is still held (a lease
-    /// that ended but that no acquire has dropped yet is still held: nobody took its
-    /// place). Returns whether it was.
+    /// Renews permit `id` to end `lease_ms` after `now`. Returns whether it was still
+    /// held (a lease that ended but that no acquire has dropped yet is still held).
+    ///
+    /// A permit that is gone (the store lost it, or its lease ended while its holder could
+    /// not renew it) is added back, even when that makes more than `max` held: its request
+    /// still runs, and counting it is the honest count. New requests are then refused
+    /// until enough running ones end.
     pub fn renew(&mut self, now: u64, lease_ms: u64, id: &str) -> bool {
-        match self.ends.get_mut(id) {
-            Some(end) => {
-                *end = now + lease_ms;
-                true
-            }
-            None => false,
-        }
+        self.ends.insert(id.to_owned(), now + lease_ms).is_some()
     }
 
     /// Gives permit `id` back.
@@ -69,7 +67,11 @@ mod tests {
         assert_eq!(leases.acquire(150, 100, 1, "b"), (false, 1));
         // Ends at 199: at 199 it no longer counts.
         assert_eq!(leases.acquire(199, 100, 1, "b"), (true, 1));
+        // "a" ended and "b" took its place; "a" still runs, so it counts again: two
+        // held with a maximum of one, and no new permit until one ends.
         assert!(!leases.renew(200, 100, "a"));
+        assert_eq!(leases.acquire(200, 100, 1, "c"), (false, 2));
+        leases.release("a");
         leases.release("b");
         assert_eq!(leases.ttl_ms(200), None);
     }

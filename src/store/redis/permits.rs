@@ -4,7 +4,15 @@
 //! ids scored by the time (ms) their lease ends. Taking a permit drops the ended leases,
 //! counts the rest and adds one if there is room; a task renews it while the request
 //! runs and removes it when the response ends. A node that dies stops renewing, so its
-//! permits end at most one lease after its last renewal.
+//! permits end at most one lease after its last renewal. A removal that fails (Redis out
+//! of reach when the request ended) is tried again, after 100 ms and then less and less
+//! often, for one lease; if Redis does not answer in that time, the lease ends the permit.
+//!
+//! A renewal that finds its permit gone (Redis restarted without it, a failover to a
+//! replica that had not seen it, or its lease ended while Redis was out of reach) adds it
+//! back, even beyond the maximum: the request still runs, and counting it is the honest
+//! count. New requests are then refused until enough running ones end; the alternative,
+//! not counting it, would let up to `max` more in for as long as it runs.
 
 use std::{
     sync::{
@@ -46,21 +54,20 @@ return {1, held + 1}
 /// The in-flight script that renews a permit ([`Leases::renew`](crate::algorithm::Leases::renew)).
 ///
 /// KEYS[1]: the permits of one key. ARGV: now ("" reads `TIME`), lease
-/// ms, the permit id. Returns 1, or 0 when the permit is gone (its lease ended and
-/// another request took its place).
+/// ms, the permit id. Returns 1 when the permit was held, 0 when it was gone (Redis lost
+/// it in a restart or a failover, or its lease ended while Redis was out of reach) and
+/// is added back: the request still runs, so it counts, even if that makes more than
+/// `max` held until enough requests end.
 pub const RENEW: &str = r"
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then
-  return 0
-end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[3])
+local added = redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(last[2]) - now, 1))
-return 1
+return 1 - added
 ";
 
 static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE));
@@ -196,16 +203,47 @@ async fn hold(
         let args = [now_arg(now), lease_ms.to_string(), id.clone()];
         match run(&connection, &RENEW_SCRIPT, RENEW, &set, &args).await {
             Ok(Value::Int(1)) => {}
-            Ok(_) => {
-                tracing::warn!("in-flight permit lost (its lease ended before renewal)");
-                return;
+            // Redis lost it (a restart, a failover) or its lease ended while Redis was
+            // out of reach: the request still runs, so it counts again.
+            Ok(Value::Int(0)) => {
+                tracing::warn!("in-flight permit lost by Redis; added back");
+            }
+            Ok(other) => {
+                tracing::warn!(reply = ?other, "in-flight renewal: unexpected reply");
             }
             Err(error) => {
                 tracing::warn!(error = %error.chain(), "in-flight permit not renewed");
             }
         }
     }
-    release(connection, set, id).await;
+    give_back(connection, set, id, Duration::from_millis(lease_ms)).await;
+}
+
+/// The first wait before a failed release is tried again; it doubles up to a third of the
+/// lease.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+
+/// Removes the permit of a request that ended. While Redis does not answer, tries again
+/// (after 100 ms, doubling up to a third of the lease) for one lease: a permit given back
+/// as soon as Redis answers again, and at the latest its lease ends it. Removing our own
+/// (unique) id late never takes anyone else's permit.
+async fn give_back(connection: Connection, set: String, id: String, lease: Duration) {
+    let give_up = tokio::time::Instant::now() + lease;
+    let mut wait = RETRY_FIRST.min(lease / 3);
+    loop {
+        let mut zrem = redis::cmd("ZREM");
+        zrem.arg(&set).arg(&id);
+        let Err(error) = super::admin::query(connection.clone(), &zrem).await else {
+            return;
+        };
+        if tokio::time::Instant::now() + wait >= give_up {
+            tracing::debug!(error = %error.chain(), "in-flight permit not released; its lease ends it");
+            return;
+        }
+        tracing::debug!(error = %error.chain(), "in-flight permit not released yet; trying again");
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(lease / 3);
+    }
 }
 
 /// Runs `script` (`source`) on `key` with `args`: EVALSHA, loading the script on
