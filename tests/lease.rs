@@ -1240,3 +1240,35 @@ async fn retry_after_holds_on_every_node_of_two_and_four() {
         retry_after_holds_on_every_node(4, algorithm).await;
     }
 }
+
+/// Cold keys are untouched: a key requested once per period never asks for a lease (each
+/// request goes to Redis, which counts exactly what passed), and it asks at its second
+/// request within one period. Many other cold keys in between change neither.
+#[tokio::test]
+async fn a_key_asks_for_a_lease_only_once_it_is_hot() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let store = node(&server.url(), "cold", &clock, LeaseConfig::new()).await;
+    let key = Key::new("k");
+    let calls = script_calls(&server);
+    for i in 1..=20u64 {
+        assert!(store.check(&key, limits, 1).await.unwrap().is_allowed());
+        // Other keys, each seen once.
+        for j in 0..50 {
+            let other = Key::new(format!("other{i}-{j}"));
+            assert!(store.check(&other, limits, 1).await.unwrap().is_allowed());
+        }
+        assert_eq!(count_in_redis(&server, &store, &key, &limit), i);
+        clock.advance(Duration::from_millis(100));
+    }
+    assert_eq!(script_calls(&server) - calls, 20 * 51);
+    // Twice within a period: the second request asks, and Redis counts its lease.
+    assert!(store.check(&key, limits, 1).await.unwrap().is_allowed());
+    clock.advance(Duration::from_millis(99));
+    assert!(store.check(&key, limits, 1).await.unwrap().is_allowed());
+    assert!(count_in_redis(&server, &store, &key, &limit) > 22);
+    store.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &store, &key, &limit), 22);
+}

@@ -30,12 +30,15 @@
 
 use std::{
     fmt,
+    hash::BuildHasher,
     sync::{
         Arc, Weak,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
+
+use hashbrown::DefaultHashBuilder;
 
 use parking_lot::Mutex;
 use quick_cache::{Equivalent, sync::Cache};
@@ -158,6 +161,8 @@ pub(crate) struct Leases {
     connection: Connection,
     clock: Option<Arc<dyn Clock>>,
     entries: Cache<EntryKey, Arc<Entry>>,
+    /// Keys seen once lately, before they get an entry: see [`Seen`].
+    seen: Seen,
     /// Entries that hold a lease: what the sweeper and a release walk.
     held: Mutex<Vec<Arc<Entry>>>,
     /// The task that returns idle leases; started again when its runtime shut down.
@@ -237,6 +242,41 @@ impl EntryState {
 
     fn hot(&self) -> bool {
         self.requests >= 2 || self.previous_requests >= 2
+    }
+}
+
+/// Keys seen lately that have no entry: a table of slots, each the last key hashed to it
+/// (32 bits of its hash) and when (local ms, low 32 bits). A key whose slot names it
+/// within one period is seen again: hot, so it gets an entry. Slots are overwritten by
+/// other keys and raced without a lock; either only makes a key wait for one more
+/// request before it is watched (or, rarely, watched one request early), never changes
+/// a decision.
+struct Seen {
+    slots: Box<[AtomicU64]>,
+    hasher: DefaultHashBuilder,
+}
+
+impl Seen {
+    fn new(keys: usize) -> Self {
+        let len = keys.next_power_of_two().max(64);
+        Self {
+            slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
+            hasher: DefaultHashBuilder::default(),
+        }
+    }
+
+    /// Records `lookup` at `now`; when it was last seen, if within `period` ms.
+    fn again(&self, lookup: &EntryKeyRef<'_>, now: u64, period: u64) -> Option<u64> {
+        let hash = self.hasher.hash_one(lookup);
+        let slot = &self.slots[(hash as usize) & (self.slots.len() - 1)];
+        let tag = hash >> 32;
+        let stamp = (tag << 32) | (now & 0xFFFF_FFFF);
+        let last = slot.swap(stamp, Ordering::Relaxed);
+        if last >> 32 != tag || last == 0 {
+            return None;
+        }
+        let ago = (now as u32).wrapping_sub(last as u32);
+        (u64::from(ago) < period).then(|| now.saturating_sub(u64::from(ago)))
     }
 }
 
@@ -337,6 +377,7 @@ impl Leases {
             connection,
             clock,
             entries: Cache::new(config.keys),
+            seen: Seen::new(config.keys),
             held: Mutex::new(Vec::new()),
             sweeper: Mutex::new(None),
         }
@@ -370,15 +411,25 @@ impl Leases {
             limits: BlockCache::fingerprint(limits),
         };
         let Some(entry) = self.entries.get(&lookup) else {
-            // First sight: watched from now on, and sent exactly as without leases.
-            let entry = Entry::default();
-            entry.state.lock().observe(now, cost, self.config.period_ms);
+            // Not watched yet: sent exactly as without leases. A key gets an entry (an
+            // allocation, a place in the cache) only at its second request within a
+            // period; until then it costs one slot of `seen`.
+            let Some(before) = self.seen.again(&lookup, now, self.config.period_ms) else {
+                return Spent::Redis(None);
+            };
+            let entry = Arc::new(Entry::default());
+            {
+                let mut state = entry.state.lock();
+                state.observe(before, cost, self.config.period_ms);
+                state.observe(now, cost, self.config.period_ms);
+            }
             let key = EntryKey {
                 key: key.clone(),
                 limits: lookup.limits,
             };
-            self.entries.insert(key, Arc::new(entry));
-            return Spent::Redis(None);
+            self.entries.insert(key, entry.clone());
+            // Hot now: this request may ask for a lease.
+            return Spent::Redis(Some(entry));
         };
         let mut state = entry.state.lock();
         state.observe(now, cost, self.config.period_ms);
