@@ -10,7 +10,8 @@
 //!
 //! - A key asks only once it is hot on this node: at least two requests within one
 //!   [`period`](LeaseConfig::period). Before that, its requests, Redis calls and decisions
-//!   are exactly those with leasing off.
+//!   are exactly those with leasing off, and it costs one slot of a fixed table of keys
+//!   seen lately (no allocation): its bookkeeping starts at its second request.
 //! - The size asked for is the node's smoothed traffic of that key over one period,
 //!   bounded by a [fraction](LeaseConfig::max_fraction) of the smallest limit; the script
 //!   grants at most half of what is left, so leases shrink as the budget runs out.
