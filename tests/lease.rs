@@ -1272,3 +1272,55 @@ async fn a_key_asks_for_a_lease_only_once_it_is_hot() {
     store.release_leases().await.unwrap();
     assert_eq!(count_in_redis(&server, &store, &key, &limit), 22);
 }
+
+/// The exact sliding-window log is never leased, alone or in a list of limits: every
+/// request goes to Redis, which counts exactly what passed.
+#[tokio::test]
+async fn the_sliding_window_log_is_never_leased() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let log = Limit::sliding_window(1_000, Duration::from_secs(60)).unwrap();
+    let window = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let store = node(&server.url(), "log", &clock, LeaseConfig::new()).await;
+    let key = Key::new("global");
+    let calls = script_calls(&server);
+    for limits in [vec![log.clone()], vec![window.clone(), log]] {
+        for _ in 0..50 {
+            assert!(store.check(&key, &limits, 1).await.unwrap().is_allowed());
+        }
+    }
+    assert_eq!(script_calls(&server) - calls, 100);
+    assert_eq!(count_in_redis(&server, &store, &key, &window), 50);
+}
+
+/// `remaining` never rises between store contacts: two nodes sending one request at a
+/// time in turn, each taking leases, within one fixed window; each node's `remaining`
+/// only falls (the other node's leases count as spent), exactly the limit passes, and
+/// both end at 0.
+#[tokio::test]
+async fn remaining_never_rises_on_either_node() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let a = node(&server.url(), "remaining", &clock, LeaseConfig::new()).await;
+    let b = node(&server.url(), "remaining", &clock, LeaseConfig::new()).await;
+    let key = Key::new("global");
+    let mut last = [u64::MAX; 2];
+    let mut allowed = 0;
+    for i in 0..1_200 {
+        let node = if i % 3 == 0 { &b } else { &a };
+        let decision = node.check(&key, limits, 1).await.unwrap();
+        let remaining = decision.limits()[0].remaining;
+        let n = usize::from(i % 3 == 0);
+        assert!(
+            remaining <= last[n],
+            "request {i}, node {n}: remaining rose from {} to {remaining}",
+            last[n]
+        );
+        last[n] = remaining;
+        allowed += u64::from(decision.is_allowed());
+    }
+    assert_eq!(allowed, 1_000);
+    assert_eq!(last, [0, 0]);
+}

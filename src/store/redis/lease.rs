@@ -717,6 +717,15 @@ impl Attach {
             decision = with_more_remaining(&decision, held);
         }
         if units == 0 {
+            // No new units: the lease keeps paying, from what this call showed (other
+            // nodes may have taken more since the grant), so `remaining` does not rise.
+            if held > 0
+                && let Some(lease) = state.lease.as_mut()
+            {
+                for (limit, shown) in lease.limits.iter_mut().zip(decision.limits()) {
+                    limit.1 = limit.1.min(shown.remaining.saturating_sub(lease.units));
+                }
+            }
             return Ok(decision);
         }
         // A thousandth of the time left earlier: this node's clock may run a little slower
