@@ -23,7 +23,10 @@
 #                                   one of 10 000 x-client headers (bench/clients.lua);
 #                                   and flood: the same with a never-seen x-client in
 #                                   every request (bench/flood.lua), against recurring
-#                                   clients: SCENARIOS="clients flood" MODES=memory
+#                                   clients: SCENARIOS="clients flood" MODES=memory;
+#                                   and zipf: like clients, but client k sends a share
+#                                   proportional to 1/k^1.1 (bench/zipf.lua): a few hot
+#                                   keys and a long tail
 #   MAX_KEYS=                       the memory modes' MemoryStore bound (--max-keys), to
 #                                   flood it several times over in a short run; empty:
 #                                   MemoryStore's default (917 504 keys)
@@ -74,8 +77,9 @@ done
 [[ -z $MAX_KEYS || $MAX_KEYS =~ ^[1-9][0-9]*$ ]] ||
   die "MAX_KEYS must be empty or a positive integer (got '$MAX_KEYS')"
 for scenario in $SCENARIOS; do
-  [[ $scenario == allow || $scenario == reject || $scenario == clients || $scenario == flood ]] ||
-    die "unknown scenario '$scenario' (allow, reject, clients or flood)"
+  [[ $scenario == allow || $scenario == reject || $scenario == clients || $scenario == flood ||
+    $scenario == zipf ]] ||
+    die "unknown scenario '$scenario' (allow, reject, clients, flood or zipf)"
 done
 KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-lease redis-pool redis-cluster redis-tls governor handwritten memory-lockout redis-lockout memory-wait redis-wait memory-inflight redis-inflight "
 for mode in $MODES; do
@@ -365,6 +369,7 @@ run_one() {
   local script=()
   [[ $scenario == clients ]] && script=(-s bench/clients.lua)
   [[ $scenario == flood ]] && script=(-s bench/flood.lua)
+  [[ $scenario == zipf ]] && script=(-s bench/zipf.lua)
   if [[ $WARMUP -gt 0 ]]; then
     wrk -t"$THREADS" -c"$CONNECTIONS" -d"${WARMUP}s" "${script[@]}" "$url" >/dev/null ||
       die "wrk failed (warm-up, $mode $scenario)"

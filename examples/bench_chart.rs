@@ -56,7 +56,7 @@ struct Row {
     rounds: usize,
 }
 
-const SCENARIOS: [&str; 3] = ["allow", "reject", "clients"];
+const SCENARIOS: [&str; 4] = ["allow", "reject", "clients", "zipf"];
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
@@ -329,6 +329,44 @@ fn targets(rows: &[Row]) -> String {
         ratio("reject", "redis"),
         &|v| v >= 0.90,
     );
+    // Leased quota (issue 14).
+    check(
+        "redis-lease, nothing rejected: >= 0.90x plain",
+        ratio("allow", "redis-lease"),
+        &|v| v >= 0.90,
+    );
+    let cpu_total = |s: &str, m: &str| {
+        let row = find(s, m)?;
+        let redis = if row.redis_cpu_us.is_nan() {
+            0.0
+        } else {
+            row.redis_cpu_us
+        };
+        (!row.server_cpu_us.is_nan()).then_some(row.server_cpu_us + redis)
+    };
+    check(
+        "redis-lease, nothing rejected: CPU/req <= 1.15x memory's",
+        cpu_total("allow", "redis-lease")
+            .zip(cpu_total("allow", "memory"))
+            .map(|(l, m)| l / m),
+        &|v| v <= 1.15,
+    );
+    for (versus, margin) in [("redis", 1.1), ("handwritten", 1.1)] {
+        check(
+            &format!("redis-lease, zipf: ahead of {versus} (>= {margin:.2}x its ratio)"),
+            ratio("zipf", "redis-lease")
+                .zip(ratio("zipf", versus))
+                .map(|(l, v)| l / v),
+            &|v| v >= margin,
+        );
+    }
+    check(
+        "redis-lease, clients: no worse than redis (>= 0.95x its ratio)",
+        ratio("clients", "redis-lease")
+            .zip(ratio("clients", "redis"))
+            .map(|(l, r)| l / r),
+        &|v| v >= 0.95,
+    );
     for scenario in ["allow", "reject"] {
         for mode in ["memory", "redis"] {
             check(
@@ -345,7 +383,8 @@ fn color(scenario: &str) -> RGBColor {
     match scenario {
         "allow" => RGBColor(54, 110, 180),
         "reject" => RGBColor(230, 126, 34),
-        _ => RGBColor(76, 154, 90),
+        "clients" => RGBColor(76, 154, 90),
+        _ => RGBColor(142, 68, 173),
     }
 }
 
@@ -428,8 +467,8 @@ fn chart(rows: &[Row], path: &str) -> Result<()> {
 
 /// x units per mode in a panel, and a bar's width and margin in them.
 const SLOT: u32 = 20;
-const BAR_WIDTH: u32 = 6;
-const BAR_GAP: u32 = 1;
+const BAR_WIDTH: u32 = 4;
+const BAR_GAP: u32 = 2;
 
 fn draw_panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,

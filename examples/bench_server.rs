@@ -39,7 +39,10 @@
 //! one of 10 000 values per request); and `flood`, a limit of a million per hour and
 //! client that nothing reaches, with a client never seen before in every request
 //! (`bench/flood.lua`): a client rotating API keys or IPv6 addresses, whose keys stay
-//! live, so that a memory store fills to its bound and then evicts a key per request.
+//! live, so that a memory store fills to its bound and then evicts a key per request;
+//! and `zipf`, the `clients` limit and key, with the 10 000 clients' shares of the
+//! requests following a Zipf law (s = 1.1, `bench/zipf.lua`): a few hot keys and a long
+//! tail.
 //! `--max-keys <n>` bounds the memory modes' store (`MemoryStore::with_max_keys`; the
 //! default bound otherwise), so that a short run can flood it several times over. Every
 //! limiter is a fixed window.
@@ -182,6 +185,7 @@ enum Scenario {
     Reject,
     Clients,
     Flood,
+    Zipf,
 }
 
 /// The header that names the client in the `clients` scenario.
@@ -200,7 +204,7 @@ struct Args {
     max_keys: Option<usize>,
 }
 
-const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients|flood] \
+const USAGE: &str = "usage: bench_server --mode <mode> [--scenario allow|reject|clients|flood|zipf] \
                      [--redis <url>] [--cluster <url,url,..>] [--port <port>] \
                      [--max-keys <n>] [--redis-tls <rediss-url> --tls-ca <ca.pem>]";
 
@@ -226,6 +230,7 @@ fn parse_args() -> Result<Args, Error> {
                     "reject" => Scenario::Reject,
                     "clients" => Scenario::Clients,
                     "flood" => Scenario::Flood,
+                    "zipf" => Scenario::Zipf,
                     other => return Err(format!("unknown scenario {other:?}\n{USAGE}").into()),
                 }
             }
@@ -349,11 +354,14 @@ async fn hold() -> axum::body::Body {
 async fn app(args: &Args) -> Result<Router, Error> {
     let router = Router::new().route("/", get(hello));
     let reject = args.scenario == Scenario::Reject;
-    let per_client = matches!(args.scenario, Scenario::Clients | Scenario::Flood);
+    let per_client = matches!(
+        args.scenario,
+        Scenario::Clients | Scenario::Flood | Scenario::Zipf
+    );
     let (limit, window) = match args.scenario {
         Scenario::Reject => (REJECT_LIMIT, REJECT_WINDOW),
         Scenario::Flood => (FLOOD_LIMIT, FLOOD_WINDOW),
-        Scenario::Allow | Scenario::Clients => (ALLOW_LIMIT, ALLOW_WINDOW),
+        Scenario::Allow | Scenario::Clients | Scenario::Zipf => (ALLOW_LIMIT, ALLOW_WINDOW),
     };
     // A store failure is answered 503, so that it shows in the status counts instead of
     // passing as an allowed request.

@@ -172,6 +172,39 @@ async fn bound_on_nodes(n: usize, algorithm: Algorithm) {
             assert!(total >= 970, "window {i}: only {total} of 1000 allowed");
         }
     }
+    // Little stranded, for either algorithm: every window gets at least 97% of what one
+    // node without leases (the model) admits under the same load at the same moments.
+    let model = model_saturate(n, &limit);
+    println!("{n} nodes, {algorithm:?}: the model allows {model:?}");
+    for (i, (&got, &want)) in totals.iter().zip(&model).enumerate() {
+        assert!(
+            got * 100 >= want * 97,
+            "window {i}: {got} allowed, the model {want}: {totals:?} against {model:?}"
+        );
+    }
+}
+
+/// What [`saturate`] lets through per window when the model decides every request.
+fn model_saturate(nodes: usize, limit: &Limit) -> Vec<u64> {
+    let w = limit.window().as_millis() as u64;
+    let l = limit.limit() as usize;
+    let first = (6 * l / 10).div_ceil(32 * nodes) * 32 * nodes;
+    let limits = std::slice::from_ref(limit);
+    let mut states = [State::new(limit.algorithm())];
+    let mut out = Vec::new();
+    for window in 0..10u64 {
+        let mut allowed = 0;
+        let now = START + window * w + (window * 97) % (w / 2);
+        for _ in 0..first {
+            allowed += u64::from(algorithm::check(&mut states, limits, now, 1).is_allowed());
+        }
+        let now = START + window * w + w / 2 + (window * 31) % (w / 2);
+        while algorithm::check(&mut states, limits, now, 1).is_allowed() {
+            allowed += 1;
+        }
+        out.push(allowed);
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -888,4 +921,406 @@ async fn a_peek_neither_spends_nor_takes_a_lease() {
     assert_eq!(count_in_redis(&server, &a, &key, &limit), counted);
     a.release_leases().await.unwrap();
     assert_eq!(count_in_redis(&server, &a, &key, &limit), 50);
+}
+
+/// A node behind a layer, as a server runs it: `FailurePolicy::Deny`, the default circuit
+/// breaker, one global key, a 10 s store timeout.
+type Node = tower::util::BoxCloneSyncService<
+    http::Request<()>,
+    http::Response<String>,
+    std::convert::Infallible,
+>;
+
+fn layered(store: RedisStore, limit: &Limit) -> Node {
+    use tollgate::{FailurePolicy, RateLimitLayer, key::GlobalKey};
+    use tower::Layer;
+    let layer = RateLimitLayer::new(limit.clone())
+        .store(store)
+        .key(GlobalKey)
+        .on_store_error(FailurePolicy::Deny)
+        .timeout(Some(Duration::from_secs(10)));
+    let inner = tower::service_fn(|_: http::Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    });
+    tower::util::BoxCloneSyncService::new(layer.layer(inner))
+}
+
+/// Answers one node's tasks got: 200, 429, 503.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Answers {
+    ok: u64,
+    limited: u64,
+    unavailable: u64,
+}
+
+/// [`hammer_until`] through layers: `tasks` tasks per node send up to `each` requests,
+/// each task stopping after `refusals` answers other than 200; the answers per node.
+async fn hammer_layers(nodes: &[Node], tasks: usize, each: usize, refusals: usize) -> Vec<Answers> {
+    use http::StatusCode;
+    use tower::ServiceExt;
+    let mut handles = Vec::new();
+    for node in nodes {
+        let mut per_node = Vec::new();
+        for _ in 0..tasks {
+            let node = node.clone();
+            per_node.push(tokio::spawn(async move {
+                let mut answers = Answers::default();
+                for _ in 0..each {
+                    let request = http::Request::get("/").body(()).unwrap();
+                    let response = node.clone().oneshot(request).await.unwrap();
+                    match response.status() {
+                        StatusCode::OK => answers.ok += 1,
+                        StatusCode::TOO_MANY_REQUESTS => {
+                            assert!(
+                                response.headers().contains_key("retry-after"),
+                                "{response:?}"
+                            );
+                            answers.limited += 1;
+                        }
+                        StatusCode::SERVICE_UNAVAILABLE => answers.unavailable += 1,
+                        other => panic!("unexpected {other}"),
+                    }
+                    if (answers.limited + answers.unavailable) as usize == refusals {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                answers
+            }));
+        }
+        handles.push(per_node);
+    }
+    let mut out = Vec::new();
+    for per_node in handles {
+        let mut sum = Answers::default();
+        for handle in per_node {
+            let a = handle.await.unwrap();
+            sum.ok += a.ok;
+            sum.limited += a.limited;
+            sum.unavailable += a.unavailable;
+        }
+        out.push(sum);
+    }
+    out
+}
+
+/// Bound with Redis killed mid-window, under `FailurePolicy::Deny`: `n` nodes x 32 tasks
+/// behind layers, one global key, 1000 per 1 s window. Two windows as usual; in the
+/// fourth, Redis is killed after 60% of the limit: the nodes spend what their leases
+/// still hold (200), then answer 503, and the window stays within the limit. Redis
+/// comes back (empty) before the fourth window: from then on limiting is back (429 with
+/// `Retry-After`, nearly the whole limit and never more per window) and so are the
+/// leases (few script calls per request).
+async fn bound_with_redis_killed(n: usize, algorithm: Algorithm) {
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::new(algorithm, 1_000, Duration::from_secs(1)).unwrap();
+    let mut nodes = Vec::new();
+    for _ in 0..n {
+        let store = node(&server.url(), "killed", &clock, LeaseConfig::new()).await;
+        nodes.push(layered(store, &limit));
+    }
+    let first = (600usize).div_ceil(32 * n);
+    let mut totals = Vec::new();
+    let mut spent_while_down = 0;
+    let (mut calls, mut requests) = (0, 0);
+    // No traffic in window 2: the sliding-window counter's previous window weighs
+    // nothing in window 3, so that 60% of the limit passes before Redis is killed.
+    for window in [0, 1, 3, 4, 5, 6, 7u64] {
+        let back = window >= 4;
+        if window == 4 {
+            server.restart();
+        }
+        clock.set(START + window * 1_000 + (window * 97) % 500);
+        let calls_before = if back { script_calls(&server) } else { 0 };
+        let mut allowed = 0;
+        if window == 4 {
+            // The circuit opened while Redis was down: it probes every 500 ms (real
+            // time). Until it closes, requests are answered 503.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            for node in &nodes {
+                loop {
+                    let got = hammer_layers(std::slice::from_ref(node), 1, 1, 1).await[0];
+                    allowed += got.ok;
+                    if got.ok == 1 {
+                        break;
+                    }
+                    assert_eq!(got.unavailable, 1, "{got:?}");
+                    assert!(Instant::now() < deadline, "Redis never decided again");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        let got = hammer_layers(&nodes, 32, first, usize::MAX).await;
+        allowed += got.iter().map(|a| a.ok).sum::<u64>();
+        assert!(got.iter().all(|a| a.unavailable == 0), "{got:?}");
+        if window == 5 && algorithm == Algorithm::FixedWindow {
+            // Leases are taken again: Redis counts more than has passed.
+            let keys = server.cli(&["--scan", "--pattern", "killed:*"]).unwrap();
+            let redis_key = keys.lines().next().unwrap().trim().to_owned();
+            let value = server.cli(&["GET", &redis_key]).unwrap();
+            let counted: u64 = value.trim().split(':').nth(1).unwrap().parse().unwrap();
+            assert!(
+                counted > allowed,
+                "no lease after Redis came back: {counted} counted, {allowed} passed"
+            );
+        }
+        if window == 3 {
+            server.kill();
+        }
+        clock.set(START + window * 1_000 + 500 + (window * 31) % 500);
+        let got = hammer_layers(&nodes, 32, 1_000, 3).await;
+        let sent: u64 = got.iter().map(|a| a.ok + a.limited + a.unavailable).sum();
+        allowed += got.iter().map(|a| a.ok).sum::<u64>();
+        if window == 3 {
+            // Redis is gone: what passed came from the leases, the rest is 503.
+            spent_while_down = got.iter().map(|a| a.ok).sum::<u64>();
+            assert!(got.iter().all(|a| a.limited == 0), "{got:?}");
+        } else {
+            // Redis decides: every task ends on 429s, never on a failure.
+            assert!(
+                got.iter()
+                    .all(|a| a.unavailable == 0 && a.limited == 32 * 3),
+                "window {window}: {got:?}"
+            );
+        }
+        if back {
+            calls += script_calls(&server) - calls_before;
+            requests += sent + (first * 32 * n) as u64;
+        }
+        totals.push(allowed);
+    }
+    println!(
+        "{n} nodes, {algorithm:?}, Redis killed in window 3 and back in 4: allowed per \
+         window {totals:?}, {spent_while_down} from leases while Redis was down; after: \
+         {calls} script calls for {requests} requests"
+    );
+    for (i, &total) in totals.iter().enumerate() {
+        assert!(total <= 1_000, "window {i}: {totals:?}");
+    }
+    assert!(
+        spent_while_down > 0,
+        "no leased unit was spent while Redis was down"
+    );
+    if algorithm == Algorithm::FixedWindow {
+        // Little stranded, also after Redis came back (totals[2] is window 3).
+        for (i, &total) in totals.iter().enumerate().filter(|&(i, _)| i != 2) {
+            assert!(total >= 970, "window {i}: {totals:?}");
+        }
+    }
+    // Leases are taken again: far fewer script calls than requests.
+    assert!(
+        calls * 5 < requests,
+        "{calls} script calls for {requests} requests after Redis came back"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_keep_the_bound_when_redis_is_killed_mid_window() {
+    bound_with_redis_killed(2, Algorithm::FixedWindow).await;
+    bound_with_redis_killed(2, Algorithm::SlidingWindowCounter).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_keep_the_bound_when_redis_is_killed_mid_window() {
+    bound_with_redis_killed(4, Algorithm::FixedWindow).await;
+    bound_with_redis_killed(4, Algorithm::SlidingWindowCounter).await;
+}
+
+/// [`hammer_until`], keeping the last denial each node answered.
+async fn last_denials(
+    nodes: &[RedisStore],
+    limits: &[Limit],
+    key: &Key,
+    tasks: usize,
+    denials: usize,
+) -> Vec<Decision> {
+    let limits: Arc<[Limit]> = limits.into();
+    let sequence = Arc::new(AtomicU64::new(0));
+    let mut handles = Vec::new();
+    for store in nodes {
+        let mut per_node = Vec::new();
+        for _ in 0..tasks {
+            let (store, limits, key, sequence) =
+                (store.clone(), limits.clone(), key.clone(), sequence.clone());
+            per_node.push(tokio::spawn(async move {
+                let mut last = None;
+                let mut denied = 0;
+                while denied < denials {
+                    let decision = store.check(&key, &limits, 1).await.unwrap();
+                    if !decision.is_allowed() {
+                        last = Some((sequence.fetch_add(1, Ordering::Relaxed), decision));
+                        denied += 1;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                last
+            }));
+        }
+        handles.push(per_node);
+    }
+    let mut out = Vec::new();
+    for per_node in handles {
+        let mut last: Option<(u64, Decision)> = None;
+        for handle in per_node {
+            let got = handle.await.unwrap();
+            if got.as_ref().map(|g| g.0) > last.as_ref().map(|l| l.0) {
+                last = got;
+            }
+        }
+        out.push(last.unwrap().1);
+    }
+    out
+}
+
+/// The `retry_after` contract on every node, with leases on: the nodes (8 tasks each)
+/// saturate the key together until every task was denied 3 times, leases taken and
+/// spent on the way. Every node's last denial is Redis's (the same `retry_after` as a
+/// peek at Redis). Then, one node per round in turn, with the last denial that node
+/// answered: one millisecond before its `retry_after` the same request is still denied,
+/// and at exactly `retry_after` it passes. (One node per round: a unit freed at
+/// `retry_after` is there for one request, whichever node sends it.) The windows are
+/// 10 s, so that a lease's end (a thousandth of the time left before the window's) is
+/// not the window's.
+async fn retry_after_holds_on_every_node(n: usize, algorithm: Algorithm) {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START + 123);
+    let limit = Limit::new(algorithm, 200, Duration::from_secs(10)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let key = Key::new("global");
+    let mut nodes = Vec::new();
+    for _ in 0..n {
+        nodes.push(node(&server.url(), "retry", &clock, LeaseConfig::new()).await);
+    }
+    for round in 0..2 * n {
+        let denials = last_denials(&nodes, limits, &key, 8, 3).await;
+        let i = round % n;
+        let denied = &denials[i];
+        let wait = denied.retry_after();
+        assert!(wait >= Duration::from_millis(1), "{denied:?}");
+        // The denial is Redis's: Redis (read without spending) has no room either, and
+        // says the same `retry_after`.
+        for (j, node) in nodes.iter().enumerate() {
+            let redis = node.peek(&key, limits, 1).await.unwrap();
+            assert!(
+                !redis.is_allowed() && redis.retry_after() == denials[j].retry_after(),
+                "{algorithm:?}, {n} nodes, round {round}, node {j} denied with {:?}, \
+                 Redis says {redis:?}",
+                denials[j]
+            );
+        }
+        clock.advance(wait - Duration::from_millis(1));
+        let early = nodes[i].check(&key, limits, 1).await.unwrap();
+        assert!(
+            !early.is_allowed(),
+            "{algorithm:?}, {n} nodes, round {round}, node {i}: allowed 1 ms before \
+             retry_after ({denied:?}, then {early:?})"
+        );
+        clock.advance(Duration::from_millis(1));
+        let then = nodes[i].check(&key, limits, 1).await.unwrap();
+        assert!(
+            then.is_allowed(),
+            "{algorithm:?}, {n} nodes, round {round}, node {i}: denied after waiting \
+             retry_after ({denied:?}, then {then:?})"
+        );
+        // Into the next window (or a refilled bucket) at an uneven moment.
+        clock.advance(Duration::from_millis(10_000 + 37 * round as u64));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_holds_on_every_node_of_two_and_four() {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
+        retry_after_holds_on_every_node(2, algorithm).await;
+        retry_after_holds_on_every_node(4, algorithm).await;
+    }
+}
+
+/// Cold keys are untouched: a key requested once per period never asks for a lease (each
+/// request goes to Redis, which counts exactly what passed), and it asks at its second
+/// request within one period. Many other cold keys in between change neither.
+#[tokio::test]
+async fn a_key_asks_for_a_lease_only_once_it_is_hot() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let store = node(&server.url(), "cold", &clock, LeaseConfig::new()).await;
+    let key = Key::new("k");
+    let calls = script_calls(&server);
+    for i in 1..=20u64 {
+        assert!(store.check(&key, limits, 1).await.unwrap().is_allowed());
+        // Other keys, each seen once.
+        for j in 0..50 {
+            let other = Key::new(format!("other{i}-{j}"));
+            assert!(store.check(&other, limits, 1).await.unwrap().is_allowed());
+        }
+        assert_eq!(count_in_redis(&server, &store, &key, &limit), i);
+        clock.advance(Duration::from_millis(100));
+    }
+    assert_eq!(script_calls(&server) - calls, 20 * 51);
+    // Twice within a period: the second request asks, and Redis counts its lease.
+    assert!(store.check(&key, limits, 1).await.unwrap().is_allowed());
+    clock.advance(Duration::from_millis(99));
+    assert!(store.check(&key, limits, 1).await.unwrap().is_allowed());
+    assert!(count_in_redis(&server, &store, &key, &limit) > 22);
+    store.release_leases().await.unwrap();
+    assert_eq!(count_in_redis(&server, &store, &key, &limit), 22);
+}
+
+/// The exact sliding-window log is never leased, alone or in a list of limits: every
+/// request goes to Redis, which counts exactly what passed.
+#[tokio::test]
+async fn the_sliding_window_log_is_never_leased() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let log = Limit::sliding_window(1_000, Duration::from_secs(60)).unwrap();
+    let window = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let store = node(&server.url(), "log", &clock, LeaseConfig::new()).await;
+    let key = Key::new("global");
+    let calls = script_calls(&server);
+    for limits in [vec![log.clone()], vec![window.clone(), log]] {
+        for _ in 0..50 {
+            assert!(store.check(&key, &limits, 1).await.unwrap().is_allowed());
+        }
+    }
+    assert_eq!(script_calls(&server) - calls, 100);
+    assert_eq!(count_in_redis(&server, &store, &key, &window), 50);
+}
+
+/// `remaining` never rises between store contacts: two nodes sending one request at a
+/// time in turn, each taking leases, within one fixed window; each node's `remaining`
+/// only falls (the other node's leases count as spent), exactly the limit passes, and
+/// both end at 0.
+#[tokio::test]
+async fn remaining_never_rises_on_either_node() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+    let limits = std::slice::from_ref(&limit);
+    let a = node(&server.url(), "remaining", &clock, LeaseConfig::new()).await;
+    let b = node(&server.url(), "remaining", &clock, LeaseConfig::new()).await;
+    let key = Key::new("global");
+    let mut last = [u64::MAX; 2];
+    let mut allowed = 0;
+    for i in 0..1_200 {
+        let node = if i % 3 == 0 { &b } else { &a };
+        let decision = node.check(&key, limits, 1).await.unwrap();
+        let remaining = decision.limits()[0].remaining;
+        let n = usize::from(i % 3 == 0);
+        assert!(
+            remaining <= last[n],
+            "request {i}, node {n}: remaining rose from {} to {remaining}",
+            last[n]
+        );
+        last[n] = remaining;
+        allowed += u64::from(decision.is_allowed());
+    }
+    assert_eq!(allowed, 1_000);
+    assert_eq!(last, [0, 0]);
 }

@@ -10,7 +10,8 @@
 //!
 //! - A key asks only once it is hot on this node: at least two requests within one
 //!   [`period`](LeaseConfig::period). Before that, its requests, Redis calls and decisions
-//!   are exactly those with leasing off.
+//!   are exactly those with leasing off, and it costs one slot of a fixed table of keys
+//!   seen lately (no allocation): its bookkeeping starts at its second request.
 //! - The size asked for is the node's smoothed traffic of that key over one period,
 //!   bounded by a [fraction](LeaseConfig::max_fraction) of the smallest limit; the script
 //!   grants at most half of what is left, so leases shrink as the budget runs out.
@@ -30,12 +31,15 @@
 
 use std::{
     fmt,
+    hash::BuildHasher,
     sync::{
         Arc, Weak,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
+
+use hashbrown::DefaultHashBuilder;
 
 use parking_lot::Mutex;
 use quick_cache::{Equivalent, sync::Cache};
@@ -158,6 +162,8 @@ pub(crate) struct Leases {
     connection: Connection,
     clock: Option<Arc<dyn Clock>>,
     entries: Cache<EntryKey, Arc<Entry>>,
+    /// Keys seen once lately, before they get an entry: see [`Seen`].
+    seen: Seen,
     /// Entries that hold a lease: what the sweeper and a release walk.
     held: Mutex<Vec<Arc<Entry>>>,
     /// The task that returns idle leases; started again when its runtime shut down.
@@ -237,6 +243,41 @@ impl EntryState {
 
     fn hot(&self) -> bool {
         self.requests >= 2 || self.previous_requests >= 2
+    }
+}
+
+/// Keys seen lately that have no entry: a table of slots, each the last key hashed to it
+/// (32 bits of its hash) and when (local ms, low 32 bits). A key whose slot names it
+/// within one period is seen again: hot, so it gets an entry. Slots are overwritten by
+/// other keys and raced without a lock; either only makes a key wait for one more
+/// request before it is watched (or, rarely, watched one request early), never changes
+/// a decision.
+struct Seen {
+    slots: Box<[AtomicU64]>,
+    hasher: DefaultHashBuilder,
+}
+
+impl Seen {
+    fn new(keys: usize) -> Self {
+        let len = keys.next_power_of_two().max(64);
+        Self {
+            slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
+            hasher: DefaultHashBuilder::default(),
+        }
+    }
+
+    /// Records `lookup` at `now`; when it was last seen, if within `period` ms.
+    fn again(&self, lookup: &EntryKeyRef<'_>, now: u64, period: u64) -> Option<u64> {
+        let hash = self.hasher.hash_one(lookup);
+        let slot = &self.slots[(hash as usize) & (self.slots.len() - 1)];
+        let tag = hash >> 32;
+        let stamp = (tag << 32) | (now & 0xFFFF_FFFF);
+        let last = slot.swap(stamp, Ordering::Relaxed);
+        if last >> 32 != tag || last == 0 {
+            return None;
+        }
+        let ago = (now as u32).wrapping_sub(last as u32);
+        (u64::from(ago) < period).then(|| now.saturating_sub(u64::from(ago)))
     }
 }
 
@@ -337,6 +378,7 @@ impl Leases {
             connection,
             clock,
             entries: Cache::new(config.keys),
+            seen: Seen::new(config.keys),
             held: Mutex::new(Vec::new()),
             sweeper: Mutex::new(None),
         }
@@ -370,15 +412,25 @@ impl Leases {
             limits: BlockCache::fingerprint(limits),
         };
         let Some(entry) = self.entries.get(&lookup) else {
-            // First sight: watched from now on, and sent exactly as without leases.
-            let entry = Entry::default();
-            entry.state.lock().observe(now, cost, self.config.period_ms);
+            // Not watched yet: sent exactly as without leases. A key gets an entry (an
+            // allocation, a place in the cache) only at its second request within a
+            // period; until then it costs one slot of `seen`.
+            let Some(before) = self.seen.again(&lookup, now, self.config.period_ms) else {
+                return Spent::Redis(None);
+            };
+            let entry = Arc::new(Entry::default());
+            {
+                let mut state = entry.state.lock();
+                state.observe(before, cost, self.config.period_ms);
+                state.observe(now, cost, self.config.period_ms);
+            }
             let key = EntryKey {
                 key: key.clone(),
                 limits: lookup.limits,
             };
-            self.entries.insert(key, Arc::new(entry));
-            return Spent::Redis(None);
+            self.entries.insert(key, entry.clone());
+            // Hot now: this request may ask for a lease.
+            return Spent::Redis(Some(entry));
         };
         let mut state = entry.state.lock();
         state.observe(now, cost, self.config.period_ms);
@@ -665,6 +717,15 @@ impl Attach {
             decision = with_more_remaining(&decision, held);
         }
         if units == 0 {
+            // No new units: the lease keeps paying, from what this call showed (other
+            // nodes may have taken more since the grant), so `remaining` does not rise.
+            if held > 0
+                && let Some(lease) = state.lease.as_mut()
+            {
+                for (limit, shown) in lease.limits.iter_mut().zip(decision.limits()) {
+                    limit.1 = limit.1.min(shown.remaining.saturating_sub(lease.units));
+                }
+            }
             return Ok(decision);
         }
         // A thousandth of the time left earlier: this node's clock may run a little slower
