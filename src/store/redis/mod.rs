@@ -61,9 +61,11 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
 
-/// A [`Store`] in Redis (6.0 or later): each decision is one `EVALSHA` of a Lua script
-/// that reads, decides and writes atomically, so every replica of a service shares one
-/// budget and no two requests can race.
+/// A [`Store`] in Redis (6.0 or later): each decision is one call of a Lua script that
+/// reads, decides and writes atomically, so every replica of a service shares one
+/// budget and no two requests can race. From Redis 7.0 the script is a function library
+/// (`FUNCTION LOAD`, then `FCALL`: its definitions are made once, not on every call);
+/// before, or for an ACL user without `+fcall` / `+function|load`, it is `EVALSHA`.
 ///
 /// - Keys are `<prefix>:{<key>}:<limit id>`: all limits of one key share a hash tag (one
 ///   Redis Cluster slot), and different keys spread over the cluster.
@@ -71,9 +73,10 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 ///   [`with_clock`](Self::with_clock).
 /// - Every key the script writes gets a TTL in the same script (the time after which the
 ///   state decides like a missing key), so nothing is immortal.
-/// - After a Redis restart, failover or `SCRIPT FLUSH` the script is reloaded on the
-///   `NOSCRIPT` error and the call retried once; nothing else is ever retried (a call that
-///   timed out may already have counted).
+/// - After a Redis restart, failover, `FUNCTION FLUSH` or `SCRIPT FLUSH` the library (the
+///   script) is reloaded on the "Function not found" (`NOSCRIPT`) error and the call
+///   retried once; nothing else is ever retried (a call that timed out may already have
+///   counted).
 ///
 /// The default connection is redis-rs's auto-reconnecting multiplexed
 /// [`ConnectionManager`]: one connection pipelines every concurrent call, which measured
