@@ -310,7 +310,7 @@ redis_commands() {
     local tls=()
     [[ $port == "$REDIS_TLS_PORTS" ]] && tls=("${TLS_CLI[@]}")
     n=$(redis-cli "${tls[@]}" -p "$port" INFO commandstats | tr -d '\r' |
-      awk -F'[:=,]' '/^cmdstat_(evalsha|eval|ping|zrem):/ { n += $3 } END { print n + 0 }')
+      awk -F'[:=,]' '/^cmdstat_(evalsha|eval|fcall|ping|zrem):/ { n += $3 } END { print n + 0 }')
     [[ -n $n ]] || die "redis-cli -p $port INFO commandstats failed"
     total=$((total + n))
   done

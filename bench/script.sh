@@ -4,8 +4,12 @@
 # and the other processes on the machine, so it is much steadier than req/s, and it is
 # the CPU that every replica sharing one Redis pays for.
 #
-#   bench/script.sh              # this checkout's lua/
+#   bench/script.sh              # this checkout's lua/, by EVALSHA and by FCALL
 #   bench/script.sh REV          # REV's lua/ and this checkout's, interleaved, side by side
+#
+# Columns: `now` is this checkout's script by EVALSHA, `fcall` the same text loaded as a
+# function library (FUNCTION LOAD, as src/store/redis/function.rs builds it) and called by
+# FCALL, which is what the store sends from Redis 7 on; REV's script by EVALSHA before them.
 #
 # Environment: REQUESTS=60000 per measurement, REPEAT=3 measurements per shape (the table
 # shows the median), CLIENTS=16 (redis-benchmark -c), COSTLY=2000 calls per measurement
@@ -45,7 +49,7 @@ done
   die "unknown revision $REV"
 
 # The script exactly as the crate joins it: the include_str! order of src/store/redis.
-FILES=$(grep -o 'lua/[a-z_]*\.lua' src/store/redis/mod.rs)
+FILES=$(grep -o 'lua/[a-z_]*\.lua' src/store/redis/mod.rs | awk '!seen[$0]++')
 [[ -n $FILES ]] || die "no lua/ files named in src/store/redis/mod.rs"
 source_at() { # source_at [REV]: the joined script of REV, or of the checkout
   local file
@@ -76,32 +80,50 @@ for _ in $(seq 100); do
 done
 cli() { redis-cli -p "$PORT" "$@"; }
 
+# The script as a library, the way src/store/redis/function.rs makes it: two lines swapped
+# (the globals, and main.lua's "Per call" line opens the function), a header and a footer.
+library_of() {
+  echo "#!lua name=tollgate_bench"
+  sed -e 's/^local KEYS, ARGV = KEYS, ARGV$/local KEYS, ARGV/' \
+    -e "s/^-- Per call: from here on.*/local function decide(keys, args) KEYS, ARGV = keys, args/"
+  echo "end"
+  echo "redis.register_function('tollgate_bench', decide)"
+}
+
+# label -> the command and its first argument (the script's SHA or the function's name)
 declare -A SHA
-SHA[now]=$(cli SCRIPT LOAD "$(source_at)")
+SHA[now]="EVALSHA $(cli SCRIPT LOAD "$(source_at)")"
 LABELS=(now)
+if grep -q '^-- Per call: from here on' lua/main.lua; then
+  cli FUNCTION LOAD REPLACE "$(source_at | library_of)" >/dev/null
+  SHA[fcall]="FCALL tollgate_bench"
+  LABELS=(now fcall)
+fi
 if [[ -n $REV ]]; then
-  SHA[$REV]=$(cli SCRIPT LOAD "$(source_at "$REV")")
-  LABELS=("$REV" now)
+  SHA[$REV]="EVALSHA $(cli SCRIPT LOAD "$(source_at "$REV")")"
+  LABELS=("$REV" "${LABELS[@]}")
 fi
 INCR=$(cli SCRIPT LOAD "local c = redis.call('INCR', KEYS[1])
 if c == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if c > tonumber(ARGV[1]) then return {0, redis.call('PTTL', KEYS[1])} end
 return {1, tonumber(ARGV[1]) - c}")
 
-# usec inside Redis per call of `EVALSHA args...`, the median of REPEAT measurements
-# of CALLS (default REQUESTS) calls.
+# usec inside Redis per call of `COMMAND args...` (EVALSHA or FCALL), the median of
+# REPEAT measurements of CALLS (default REQUESTS) calls.
 measure() {
-  local i
+  local i command=$1 lower
+  lower=$(echo "$command" | tr '[:upper:]' '[:lower:]')
   for i in $(seq "$REPEAT"); do
     cli FLUSHALL >/dev/null
     cli CONFIG RESETSTAT >/dev/null
-    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "${CALLS:-$REQUESTS}" -q EVALSHA "$@" >/dev/null 2>&1
-    cli INFO commandstats | sed -n 's/.*cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p'
+    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "${CALLS:-$REQUESTS}" -q "$@" >/dev/null 2>&1
+    cli INFO commandstats | sed -n "s/.*cmdstat_$lower:.*usec_per_call=\\([0-9.]*\\).*/\\1/p"
   done | sort -n | sed -n "$(((REPEAT + 1) / 2))p"
 }
 
-# one_limit ALG: ARGV for one group of one limit of algorithm code ALG, 1e9 per second.
-one_limit() { echo "1 1 $1 1000000000 1000 1000000000"; }
+# one_limit ALG: ARGV for one group of one limit of algorithm code ALG, 1e9 per second,
+# no lockout.
+one_limit() { echo "1 1 $1 1000000000 1000 1000000000 0"; }
 requests() { # requests N [COST]: N requests of cost COST (default 1) in group 1
   local i
   echo -n "$1"
@@ -112,7 +134,7 @@ distinct_keys=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw"; done)
 
 printf '%-16s' "shape"
 for label in "${LABELS[@]}"; do printf '%14s' "$label"; done
-[[ -n $REV ]] && printf '%16s' "now / $REV"
+((${#LABELS[@]} > 1)) && printf '%16s' "${LABELS[-1]} / ${LABELS[0]}"
 printf '   (us inside Redis per call)\n'
 row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
   local name=$1 label value first=
@@ -120,11 +142,12 @@ row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
   [[ -z ${ONLY:-} || $name =~ $ONLY ]] || return 0
   printf '%-16s' "$name"
   for label in "${LABELS[@]}"; do
-    value=$(measure "${SHA[$label]}" "$@")
+    # shellcheck disable=SC2086 # the command and its first argument
+    value=$(measure ${SHA[$label]} "$@")
     printf '%14s' "$value"
     [[ -z $first ]] && first=$value
   done
-  [[ -n $REV ]] && awk -v a="$value" -v b="$first" 'BEGIN { printf "%16.2f", a / b }'
+  ((${#LABELS[@]} > 1)) && awk -v a="$value" -v b="$first" 'BEGIN { printf "%16.2f", a / b }'
   echo
 }
 for alg in 1:fw 2:sw 3:swc 4:tb 5:gcra; do
@@ -141,5 +164,5 @@ row "fw x13 one key" 13 $same_key "" $(one_limit 1) $(requests 13)
 # shellcheck disable=SC2046,SC2086
 row "fw x13 keys" 13 $distinct_keys "" $(one_limit 1) $(requests 13)
 [[ -z ${ONLY:-} || "incr (ref)" =~ $ONLY ]] || exit 0
-value=$(measure "$INCR" 1 bench:{ref}:incr 1000000000 1000)
+value=$(measure EVALSHA "$INCR" 1 bench:{ref}:incr 1000000000 1000)
 printf '%-16s%14s   (the hand-written INCR script: one request)\n' "incr (ref)" "$value"

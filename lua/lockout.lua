@@ -3,12 +3,14 @@
 -- the same hash tag, holding the time the block ends, and it expires then (SET PX).
 -- Requests during a block do not extend it. Mirrors src/algorithm/lockout.rs.
 
--- block key -> the time its block ends (0: none), read once per call.
-local blocks = {}
+-- block key -> the time its block ends (0: none), read once per call: main.lua empties
+-- it (nil) at the start of each call, the first read makes it.
+local blocks
 
 -- Milliseconds left on the block in `key` at `now`. A block keeps the end it was given
 -- when the lockout changes (a limit whose lockout was removed does not read it).
 local function lockout_left(key, now)
+  if blocks == nil then blocks = {} end
   local ends = blocks[key]
   if ends == nil then
     ends = redis.call('GET', key)

@@ -49,13 +49,16 @@ local function algorithm(code)
   return a
 end
 
+-- Per call: from here on, once per call (a library's function body; see prelude.lua).
 local now
+blocks = nil
 if ARGV[1] ~= '' then
   now = ARGV[1] + 0
   ttl_margin = 5000
 else
   local time = redis.call('TIME')
   now = time[1] * 1000 + math.floor(time[2] / 1000)
+  ttl_margin = 0
 end
 
 local a = 3

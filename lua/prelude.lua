@@ -9,6 +9,15 @@
 -- them itself, exactly below 2^53: "%.17g", or an integer printer since 7.2), never
 -- through string.format; ARGV strings become numbers by arithmetic (`s + 0`, done in the
 -- VM, about twice as fast as tonumber); and a state table is built with all its fields.
+--
+-- The same text is also a Redis Functions library (Redis 7+, src/store/redis/function.rs
+-- builds it): everything before main.lua's "Per call" line then runs once, when the
+-- library loads, and the rest is the function's body, run per call. So what belongs to
+-- one call (the keys, the arguments, ttl_margin, the lockout blocks read) is set there,
+-- in every call, and nothing here holds a call's state across calls.
+
+-- The call's keys and arguments: EVAL's globals; a library's function sets them per call.
+local KEYS, ARGV = KEYS, ARGV
 
 -- An integer as a decimal string, for values built in Lua (tostring would switch to
 -- exponent notation).
@@ -24,7 +33,7 @@ end
 -- Milliseconds added to every TTL. 0 when the script reads Redis TIME: then expiry and
 -- decisions share one clock. When the caller sends its own clock, that clock may lag
 -- Redis's, and a key must never vanish before the caller's time says its state is
--- worthless: main sets a margin.
+-- worthless: main sets a margin (in every call: one library serves both kinds).
 local ttl_margin = 0
 
 -- Sets the TTL of a key the script just wrote: every written key gets one.
@@ -34,6 +43,7 @@ end
 
 -- Whether the algorithms define their adjustments (refund, top_up): only once a call
 -- has one (main.lua sets it), so that a call of plain requests creates no closures for them.
+-- (In a library it stays set once a call had one: the definitions are kept, refunds too.)
 local adjusting = false
 
 -- Writes a string key and its TTL in one command (`ttl` is at least 1 ms).

@@ -298,14 +298,14 @@ mod redis {
         for _ in 0..4 {
             store.check(&key, &limits, 1).await.unwrap();
         }
-        let before = server.calls("evalsha");
+        let before = server.script_calls();
         clock.advance(Duration::from_secs(120));
         for _ in 0..500 {
             let d = store.check(&key, &limits, 1).await.unwrap();
             assert!(!d.is_allowed());
             assert_eq!(d.retry_after(), Duration::from_secs(780));
         }
-        assert_eq!(server.calls("evalsha") - before, 0);
+        assert_eq!(server.script_calls() - before, 0);
         clock.advance(Duration::from_secs(780));
         for allowed in [true, true, true, false] {
             assert_eq!(

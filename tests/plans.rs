@@ -348,15 +348,15 @@ fn redis_a_plan_with_two_limits_is_one_script_call() {
         let mut service = layer(&store).plans(plans()).layer(service_fn(hello));
         // Loads the script.
         assert_eq!(status(&mut service, "a", Some("paid")).await, OK);
-        let before = server.calls("evalsha");
+        let before = server.script_calls();
         for _ in 0..2 {
             assert_eq!(status(&mut service, "a", Some("paid")).await, OK);
         }
         assert_eq!(status(&mut service, "a", Some("paid")).await, LIMITED);
-        assert_eq!(server.calls("evalsha") - before, 3);
+        assert_eq!(server.script_calls() - before, 3);
         // An unlimited plan never asks the store.
         assert_eq!(status(&mut service, "a", Some("internal")).await, OK);
-        assert_eq!(server.calls("evalsha") - before, 3);
+        assert_eq!(server.script_calls() - before, 3);
     });
 }
 

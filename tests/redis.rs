@@ -209,20 +209,21 @@ async fn script_flush_between_requests_keeps_decisions_correct() {
     let limits = hourly(5);
     let mut allowed_total = 0;
     for _ in 0..10 {
-        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
+        server.flush_scripts();
         let decision = store.check(&Key::new("k"), &limits, 1).await.unwrap();
         allowed_total += u32::from(decision.is_allowed());
     }
     // Five allowed (or more only if the hour turned over, at most ten).
     assert!(allowed_total >= 5, "{allowed_total}");
-    // SCRIPT FLUSH counts as SCRIPT before Redis 7: 10 flushes besides.
+    // SCRIPT FLUSH counts as SCRIPT before Redis 7: 10 flushes besides. (From Redis 7 on
+    // the store calls the library, so it is the library that is loaded again each time.)
     let flushes = if support::redis_server_major_version() < 7 {
         10
     } else {
         0
     };
     assert_eq!(
-        server.calls("script|load"),
+        server.script_loads(),
         10 + flushes,
         "the script was reloaded after each flush"
     );
@@ -308,7 +309,7 @@ async fn a_batch_of_limits_with_every_algorithm_shares_one_call() {
     server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let got = allowed(&store, "k", &limits, 5).await;
     assert!((3..=4).contains(&got), "{got}");
-    assert_eq!(server.calls("evalsha"), 5);
+    assert_eq!(server.script_calls(), 5);
     support::assert_every_key_expires(&server);
 }
 
@@ -341,7 +342,7 @@ async fn a_coalesced_batch_reads_and_writes_a_hot_key_once() {
     );
     assert_eq!(
         (
-            server.calls("evalsha"),
+            server.script_calls(),
             server.calls("get"),
             server.calls("set")
         ),
@@ -692,4 +693,93 @@ async fn an_old_format_log_is_left_to_expire() {
         .unwrap();
     assert!((1..=60_000).contains(&ttl), "{ttl}");
     support::assert_every_key_expires(&server);
+}
+
+/// The store on a clock of its own: exact counts, whatever the wall clock does.
+async fn on_manual_clock(server: &RedisServer) -> RedisStore {
+    uncached(server)
+        .await
+        .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000))
+}
+
+/// From Redis 7 decisions call the script as a function library (`FCALL`, loaded once
+/// with `FUNCTION LOAD`); before, where Redis has no functions, they `EVALSHA` it.
+#[tokio::test]
+async fn decisions_call_the_library_from_redis_7_on_and_the_script_before() {
+    let server = RedisServer::start();
+    let store = on_manual_clock(&server).await;
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    assert_eq!(allowed(&store, "k", &hourly(2), 3).await, 2);
+    let (fcalls, evalshas) = (server.calls("fcall"), server.calls("evalsha"));
+    if support::redis_server_major_version() >= 7 {
+        assert_eq!((fcalls, evalshas), (3, 0));
+        let libraries = server.cli(&["FUNCTION", "LIST"]).unwrap();
+        assert_eq!(libraries.matches("tollgate_").count(), 2, "{libraries}");
+    } else {
+        assert_eq!((fcalls, evalshas), (0, 3));
+    }
+}
+
+/// After `FUNCTION FLUSH` (and `SCRIPT FLUSH`: a restart without persistence, a new node)
+/// the store loads the library again and calls once more; a call that met the missing
+/// function never ran, so each decision counts exactly once.
+#[tokio::test]
+async fn a_flushed_library_is_loaded_again_and_each_decision_counts_once() {
+    let server = RedisServer::start();
+    let store = on_manual_clock(&server).await;
+    let limits = hourly(3);
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let mut allowed_total = 0;
+    let mut remaining = Vec::new();
+    for _ in 0..5 {
+        server.flush_scripts();
+        let decision = store.check(&Key::new("k"), &limits, 1).await.unwrap();
+        allowed_total += u32::from(decision.is_allowed());
+        remaining.push(decision.limits()[0].remaining);
+    }
+    assert_eq!(allowed_total, 3);
+    assert_eq!(remaining, [2, 1, 0, 0, 0]);
+    let flushes = if support::redis_server_major_version() < 7 {
+        5 // SCRIPT FLUSH counts as SCRIPT before Redis 7
+    } else {
+        0
+    };
+    assert_eq!(server.script_loads(), 5 + flushes);
+}
+
+/// Two versions of tollgate sharing one Redis (a rolling upgrade) each call their own
+/// library: loading one leaves the other's in place.
+#[tokio::test]
+async fn two_versions_of_the_library_run_side_by_side() {
+    let server = RedisServer::start();
+    if support::redis_server_major_version() < 7 {
+        return; // no functions: both versions EVALSHA their own script (by its hash)
+    }
+    // "The other version": a library of another name, as another script's hash gives.
+    let other = "tollgate_000000000000";
+    let library = format!(
+        "#!lua name={other}\nredis.register_function('{other}', function() return {{7}} end)"
+    );
+    let loaded = server.cli(&["FUNCTION", "LOAD", &library]).unwrap();
+    assert_eq!(loaded.trim(), other);
+    let store = on_manual_clock(&server).await;
+    assert_eq!(allowed(&store, "k", &hourly(2), 3).await, 2);
+    // And once more after this version's library went missing alone.
+    let libraries = server.cli(&["FUNCTION", "LIST"]).unwrap();
+    let own = libraries
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("tollgate_") && *l != other)
+        .unwrap_or_else(|| panic!("{libraries}"))
+        .to_owned();
+    assert_eq!(
+        server.cli(&["FUNCTION", "DELETE", &own]).unwrap().trim(),
+        "OK"
+    );
+    assert_eq!(allowed(&store, "k2", &hourly(2), 3).await, 2);
+    let libraries = server.cli(&["FUNCTION", "LIST"]).unwrap();
+    assert!(libraries.contains(&own), "{libraries}");
+    // The other version's function is still there and still answers.
+    let reply = server.cli(&["FCALL", other, "0"]).unwrap();
+    assert_eq!(reply.trim(), "7");
 }

@@ -57,13 +57,46 @@ async fn the_documented_acl_user_decides_on_redis_time() {
     // Without coalescing too (each decision its own EVALSHA).
     let store = store.with_coalescing(false);
     assert!(decide_all(&store, "other").await.unwrap());
-    // After SCRIPT FLUSH, the user may load the script again by itself.
-    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
+    // After SCRIPT FLUSH (and FUNCTION FLUSH), the user may load the script (the library)
+    // again by itself.
+    server.flush_scripts();
     assert!(decide_all(&store, "third").await.unwrap());
-    assert!(
-        server.calls("script|load") >= 2,
-        "the script was not reloaded"
-    );
+    assert!(server.script_loads() >= 2, "the script was not reloaded");
+    // From Redis 7 on, the documented user calls the library.
+    if support::redis_server_major_version() >= 7 {
+        assert!(server.calls("fcall") > 0);
+        assert_eq!(server.calls("evalsha"), 0);
+    }
+}
+
+/// An ACL user without functions (no `+fcall`, or no `+function|load` either: an ACL
+/// written for an older tollgate) still decides, with `EVALSHA`: the store falls back,
+/// and the calls that met the denial never ran, so each decision counts once.
+#[tokio::test]
+async fn an_acl_user_without_functions_falls_back_to_the_script() {
+    let server = RedisServer::start();
+    if support::redis_server_major_version() < 7 {
+        return; // no functions to be denied (the documented line leaves them out)
+    }
+    for (user, without) in [
+        ("no-fcall", &["+fcall"][..]),
+        ("no-functions", &["+fcall", "+function|load"][..]),
+    ] {
+        let rules: Vec<String> = acl::documented_rules(user, "tollgate")
+            .into_iter()
+            .filter(|rule| !without.contains(&rule.as_str()))
+            .collect();
+        acl::set_user(&server, &rules);
+        server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+        let store = RedisStore::connect(&acl::url_for(&server, user))
+            .await
+            .unwrap()
+            .with_block_cache(0);
+        assert!(decide_all(&store, user).await.unwrap(), "{user}");
+        assert!(server.calls("evalsha") >= 7, "{user}");
+        // At most the first call tried FCALL.
+        assert!(server.calls("fcall") <= 1, "{user}");
+    }
 }
 
 #[tokio::test]

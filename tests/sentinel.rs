@@ -135,7 +135,7 @@ async fn finds_the_master_over_tls() {
     }
     assert!(!check(&store, &key, &limit).await.unwrap().is_allowed());
     assert!(
-        setup.servers[0].calls("evalsha") > 0,
+        setup.servers[0].script_calls() > 0,
         "not decided on the master"
     );
 }
@@ -240,7 +240,7 @@ async fn failover_under_load(trigger: Trigger) {
     // SENTINEL FAILOVER the old master stays writable until Sentinel demotes it).
     let new = setup.index_of(new_master);
     let moved_in = wait_until("the store to use the new master", RESUME, || {
-        setup.servers[new].calls("evalsha") > 0
+        setup.servers[new].script_calls() > 0
     })
     .await;
     let resumed_in = resumed(&store, &hot, &loose, "the move", RESUME).await;
@@ -265,7 +265,7 @@ async fn failover_under_load(trigger: Trigger) {
     assert!(role.starts_with("master"), "{role}");
     // Replicas never get SCRIPT LOAD: the store loaded it on the new master.
     assert!(
-        setup.servers[new].calls("script|load") >= 1,
+        setup.servers[new].script_loads() >= 1,
         "the script was not loaded on the new master: {:?} {:?}",
         setup.servers[new].cli(&["INFO", "commandstats"]),
         setup.servers[1 - new].cli(&["INFO", "commandstats"]),

@@ -32,7 +32,11 @@ pub fn documented_rules(user: &str, prefix: &str) -> Vec<String> {
     assert_eq!(words.next(), Some("tollgate"));
     let mut rules = vec![user.to_owned()];
     // As the README says: Redis 6.0 has no Pub/Sub channel rules.
-    let words = words.filter(|w| *w != "resetchannels" || super::redis_server_version() >= (6, 2));
+    // Nor does it know functions (Redis 7.0): the README says to leave them out there.
+    let version = super::redis_server_version();
+    let words = words
+        .filter(|w| *w != "resetchannels" || version >= (6, 2))
+        .filter(|w| !matches!(*w, "+fcall" | "+function|load") || version >= (7, 0));
     for word in words {
         rules.push(match word {
             ">CHANGE-ME" => format!(">{PASSWORD}"),

@@ -266,6 +266,32 @@ impl RedisServer {
             .map_or(0, |n| n.parse().unwrap())
     }
 
+    /// How many script calls ran: `FCALL`s of the library (Redis 7+) and `EVALSHA`s of the
+    /// script (before Redis 7, or where functions are unavailable).
+    pub fn script_calls(&self) -> u64 {
+        self.calls("fcall") + self.calls("evalsha")
+    }
+
+    /// How many times the script or the library was loaded (`SCRIPT LOAD`, `FUNCTION
+    /// LOAD`); before Redis 7 every `SCRIPT` subcommand counts.
+    pub fn script_loads(&self) -> u64 {
+        let functions = if redis_server_major_version() >= 7 {
+            self.calls("function|load")
+        } else {
+            0
+        };
+        self.calls("script|load") + functions
+    }
+
+    /// Drops every loaded script and function library (`SCRIPT FLUSH`, and `FUNCTION
+    /// FLUSH` on Redis 7+), as a restart would.
+    pub fn flush_scripts(&self) {
+        assert_eq!(self.cli(&["SCRIPT", "FLUSH"]).unwrap().trim(), "OK");
+        if redis_server_major_version() >= 7 {
+            assert_eq!(self.cli(&["FUNCTION", "FLUSH"]).unwrap().trim(), "OK");
+        }
+    }
+
     /// Kills the server with SIGKILL (no shutdown, no save).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

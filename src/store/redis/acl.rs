@@ -1,10 +1,10 @@
 //! Naming what a Redis ACL user lacks. Redis 7 reports a command the script may not run as
-//! "can't run this command ... @user_script:<line>" without naming it; the line of the
-//! script names it.
+//! "can't run this command ... @user_script:<line>" (`@user_function:<line>` in the
+//! library, one line further down) without naming it; the line of the script names it.
 
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-use super::SCRIPT_SOURCE;
+use super::{SCRIPT_SOURCE, function};
 use crate::{StoreError, StoreErrorKind};
 
 /// A store error that names the missing permission, when `error` is an ACL denial.
@@ -37,14 +37,21 @@ pub(super) fn explain(error: &RedisError) -> Option<StoreError> {
     ))
 }
 
-/// The command at the script line `@user_script:<n>` of a denial.
+/// The command at the script line `@user_script:<n>` (or library line
+/// `@user_function:<n>`) of a denial.
 fn script_command(text: &str) -> Option<String> {
-    let digits = text.split("@user_script:").nth(1)?;
+    let (digits, header) = match text.split_once("@user_script:") {
+        Some((_, digits)) => (digits, 0),
+        None => (
+            text.split_once("@user_function:")?.1,
+            function::HEADER_LINES,
+        ),
+    };
     let end = digits
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(digits.len());
     let line: usize = digits[..end].parse().ok()?;
-    let source = SCRIPT_SOURCE.lines().nth(line.checked_sub(1)?)?;
+    let source = SCRIPT_SOURCE.lines().nth(line.checked_sub(1 + header)?)?;
     let call = source.split("redis.call('").nth(1)?;
     Some(call.split('\'').next()?.to_owned())
 }
@@ -83,6 +90,14 @@ mod tests {
         let detail = format!(
             "The user executing the script can't run this command or subcommand script: \
              6a1a, on @user_script:{line}."
+        );
+        let error = explained(&server_error("ERR", &detail));
+        assert!(error.contains("run ZADD (add +zadd to its ACL)"), "{error}");
+        // The same line of the library (FCALL) is one further down.
+        let detail = format!(
+            "The user executing the script can't run this command or subcommand script: \
+             tollgate_6a1a, on @user_function:{}.",
+            line + 1
         );
         let error = explained(&server_error("ERR", &detail));
         assert!(error.contains("run ZADD (add +zadd to its ACL)"), "{error}");

@@ -85,17 +85,17 @@ impl RedisStore {
 
 /// Sends one command on whatever connection the store has.
 pub(super) async fn query(connection: Connection, cmd: &Cmd) -> Result<Value, StoreError> {
-    let result: RedisResult<Value> = match connection {
-        Connection::Manager(mut manager) => cmd.query_async(&mut manager).await,
+    let result: RedisResult<Value> = match connection.link {
+        super::Link::Manager(mut manager) => cmd.query_async(&mut manager).await,
         #[cfg(feature = "cluster")]
-        Connection::Cluster(mut cluster) => cmd.query_async(&mut cluster).await,
+        super::Link::Cluster(mut cluster) => cmd.query_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
-        Connection::Pool(pool) => {
+        super::Link::Pool(pool) => {
             let mut connection = super::checkout(&pool).await?;
             cmd.query_async(&mut *connection).await
         }
         #[cfg(feature = "sentinel")]
-        Connection::Sentinel(sentinel) => return sentinel.query(cmd).await,
+        super::Link::Sentinel(sentinel) => return sentinel.query(cmd).await,
     };
     result.map_err(store_error)
 }

@@ -63,9 +63,25 @@ impl RedisStore {
         let mut manager = redis::aio::ConnectionManager::new_with_config(client.clone(), config)
             .await
             .map_err(store_error)?;
-        // Loaded now, the first burst of calls does not all meet NOSCRIPT at once.
-        SCRIPT.load_async(&mut manager).await.map_err(store_error)?;
-        Ok(Self::from_manager(manager).with_reset_source(Nodes::Fixed(Arc::new([client]))))
+        let store = Self::from_manager(manager.clone());
+        // Loaded now, the first burst of calls does not all meet a missing function (or
+        // NOSCRIPT) at once.
+        store.load(&mut manager).await?;
+        Ok(store.with_reset_source(Nodes::Fixed(Arc::new([client]))))
+    }
+
+    /// Loads the library (every master of a cluster), or the script where Redis has no
+    /// functions for this user.
+    async fn load<C: redis::aio::ConnectionLike>(
+        &self,
+        connection: &mut C,
+    ) -> Result<(), StoreError> {
+        let mode = &self.connection.mode;
+        mode.load(connection).await.map_err(store_error)?;
+        if !mode.functions() {
+            SCRIPT.load_async(connection).await.map_err(store_error)?;
+        }
+        Ok(())
     }
 
     /// The store over a cluster client for `nodes`, with the script loaded.
@@ -90,10 +106,8 @@ impl RedisStore {
         };
         let client = builder.build().map_err(store_error)?;
         let mut connection = client.get_async_connection().await.map_err(store_error)?;
-        SCRIPT
-            .load_async(&mut connection)
-            .await
-            .map_err(store_error)?;
+        let store = Self::new(super::Link::Cluster(connection.clone()).into());
+        store.load(&mut connection).await?;
         // Resets are published cluster-wide: any one node hears them.
         let listen = nodes
             .iter()
@@ -105,8 +119,7 @@ impl RedisStore {
                 redis::Client::open(*node).ok()
             })
             .collect();
-        Ok(Self::new(super::Connection::Cluster(connection))
-            .with_reset_source(Nodes::Fixed(listen)))
+        Ok(store.with_reset_source(Nodes::Fixed(listen)))
     }
 
     /// Connects to the Redis at `url` (`rediss://[user:password@]host:port[/db]`) over TLS,

@@ -46,9 +46,7 @@ use quick_cache::{Equivalent, sync::Cache};
 use redis::Cmd;
 use smallvec::SmallVec;
 
-use super::{
-    Connection, Encoded, LIMIT_FIELDS, SCRIPT, block_cache::BlockCache, invoke, local_now_ms,
-};
+use super::{Connection, Encoded, LIMIT_FIELDS, block_cache::BlockCache, invoke, local_now_ms};
 use crate::{
     ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable,
     clock::Clock, decision::LimitDecisions, key::Key,
@@ -803,7 +801,7 @@ fn with_more_remaining(decision: &Decision, more: u64) -> Decision {
 fn return_call(now: Option<u64>, returns: &[Return]) -> Cmd {
     let keys: usize = returns.iter().map(|r| r.target.keys.len()).sum();
     let mut cmd = Cmd::new();
-    cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
+    super::function::head(&mut cmd, keys);
     for r in returns {
         for key in &r.target.keys {
             cmd.arg(key.as_str());

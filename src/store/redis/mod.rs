@@ -10,6 +10,7 @@ mod admin;
 mod batch;
 mod block_cache;
 mod connect;
+mod function;
 mod invalidate;
 mod lease;
 mod permits;
@@ -24,10 +25,7 @@ pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 
-use redis::{
-    Cmd, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind,
-    aio::{ConnectionLike, ConnectionManager},
-};
+use redis::{Cmd, RedisError, RedisResult, Script, aio::ConnectionManager};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
@@ -63,9 +61,11 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
 
-/// A [`Store`] in Redis (6.0 or later): each decision is one `EVALSHA` of a Lua script
-/// that reads, decides and writes atomically, so every replica of a service shares one
-/// budget and no two requests can race.
+/// A [`Store`] in Redis (6.0 or later): each decision is one call of a Lua script that
+/// reads, decides and writes atomically, so every replica of a service shares one
+/// budget and no two requests can race. From Redis 7.0 the script is a function library
+/// (`FUNCTION LOAD`, then `FCALL`: its definitions are made once, not on every call);
+/// before, or for an ACL user without `+fcall` / `+function|load`, it is `EVALSHA`.
 ///
 /// - Keys are `<prefix>:{<key>}:<limit id>`: all limits of one key share a hash tag (one
 ///   Redis Cluster slot), and different keys spread over the cluster.
@@ -73,9 +73,10 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 ///   [`with_clock`](Self::with_clock).
 /// - Every key the script writes gets a TTL in the same script (the time after which the
 ///   state decides like a missing key), so nothing is immortal.
-/// - After a Redis restart, failover or `SCRIPT FLUSH` the script is reloaded on the
-///   `NOSCRIPT` error and the call retried once; nothing else is ever retried (a call that
-///   timed out may already have counted).
+/// - After a Redis restart, failover, `FUNCTION FLUSH` or `SCRIPT FLUSH` the library (the
+///   script) is reloaded on the "Function not found" (`NOSCRIPT`) error and the call
+///   retried once; nothing else is ever retried (a call that timed out may already have
+///   counted).
 ///
 /// The default connection is redis-rs's auto-reconnecting multiplexed
 /// [`ConnectionManager`]: one connection pipelines every concurrent call, which measured
@@ -112,8 +113,26 @@ pub struct RedisStore {
     reset_source: Option<invalidate::Nodes>,
 }
 
+/// A connection to Redis, and whether it calls the script as a function (shared by its
+/// clones).
 #[derive(Clone)]
-pub(crate) enum Connection {
+pub(crate) struct Connection {
+    pub(crate) link: Link,
+    pub(crate) mode: Arc<function::Mode>,
+}
+
+impl From<Link> for Connection {
+    fn from(link: Link) -> Self {
+        Self {
+            link,
+            mode: Arc::default(),
+        }
+    }
+}
+
+/// The kinds of connections.
+#[derive(Clone)]
+pub(crate) enum Link {
     Manager(ConnectionManager),
     #[cfg(feature = "cluster")]
     Cluster(redis::cluster_async::ClusterConnection),
@@ -126,7 +145,7 @@ pub(crate) enum Connection {
 impl Connection {
     fn is_cluster(&self) -> bool {
         #[cfg(feature = "cluster")]
-        if let Self::Cluster(_) = self {
+        if let Link::Cluster(_) = self.link {
             return true;
         }
         false
@@ -135,17 +154,18 @@ impl Connection {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let connection = match self.connection {
-            Connection::Manager(_) => "ConnectionManager",
+        let connection = match self.connection.link {
+            Link::Manager(_) => "ConnectionManager",
             #[cfg(feature = "cluster")]
-            Connection::Cluster(_) => "ClusterConnection",
+            Link::Cluster(_) => "ClusterConnection",
             #[cfg(feature = "bb8")]
-            Connection::Pool(_) => "bb8::Pool",
+            Link::Pool(_) => "bb8::Pool",
             #[cfg(feature = "sentinel")]
-            Connection::Sentinel(_) => "Sentinel",
+            Link::Sentinel(_) => "Sentinel",
         };
         f.debug_struct("RedisStore")
             .field("connection", &connection)
+            .field("functions", &self.connection.mode.functions())
             .field("prefix", &self.prefix)
             .field("clock", &self.clock)
             .field("coalescing", &self.coalescing)
@@ -193,14 +213,14 @@ impl RedisStore {
 
     /// Uses an existing connection manager.
     pub fn from_manager(manager: ConnectionManager) -> Self {
-        Self::new(Connection::Manager(manager))
+        Self::new(Link::Manager(manager).into())
     }
 
     /// Uses a bb8-redis pool: each call checks a connection out. Slower than the default
     /// multiplexed connection; for apps that already have a pool.
     #[cfg(feature = "bb8")]
     pub fn from_pool(pool: bb8_redis::bb8::Pool<bb8_redis::RedisConnectionManager>) -> Self {
-        Self::new(Connection::Pool(pool))
+        Self::new(Link::Pool(pool).into())
     }
 
     fn new(connection: Connection) -> Self {
@@ -627,7 +647,8 @@ pub(crate) struct Encoded {
     lease: Option<Arc<lease::Attach>>,
 }
 
-/// The `EVALSHA` deciding `requests` in order, at `now` (None: Redis `TIME`).
+/// The script call (`FCALL`, or `EVALSHA` where Redis has no functions: see
+/// [`function::Mode::run`]) deciding `requests` in order, at `now` (None: Redis `TIME`).
 ///
 /// Built straight into one [`Cmd`] buffer; each distinct list of limits is sent once
 /// and requests name theirs by index, so a batch of requests under the same limits costs
@@ -651,7 +672,7 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
     let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
-    cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
+    function::head(&mut cmd, keys);
     for request in requests {
         for key in &request.keys {
             cmd.arg(key.as_str());
@@ -719,17 +740,18 @@ pub(crate) async fn checkout(
 
 /// Sends a [`script_call`].
 pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>, StoreError> {
-    match connection {
-        Connection::Manager(mut manager) => evalsha(&mut manager, &call).await,
+    let mode = &connection.mode;
+    match connection.link {
+        Link::Manager(mut manager) => mode.run(&mut manager, &call).await,
         #[cfg(feature = "cluster")]
-        Connection::Cluster(mut cluster) => evalsha(&mut cluster, &call).await,
+        Link::Cluster(mut cluster) => mode.run(&mut cluster, &call).await,
         #[cfg(feature = "bb8")]
-        Connection::Pool(pool) => {
+        Link::Pool(pool) => {
             let mut connection = checkout(&pool).await?;
-            evalsha(&mut *connection, &call).await
+            mode.run(&mut *connection, &call).await
         }
         #[cfg(feature = "sentinel")]
-        Connection::Sentinel(sentinel) => return sentinel.evalsha(&call).await,
+        Link::Sentinel(sentinel) => return sentinel.evalsha(mode, &call).await,
     }
     .map_err(store_error)
 }
@@ -737,30 +759,18 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
 /// `PING`, for its side effect only: a connection that finds itself broken reconnects.
 pub(crate) async fn ping(connection: Connection) {
     let ping = redis::cmd("PING");
-    let _: RedisResult<()> = match connection {
-        Connection::Manager(mut manager) => ping.query_async(&mut manager).await,
+    let _: RedisResult<()> = match connection.link {
+        Link::Manager(mut manager) => ping.query_async(&mut manager).await,
         #[cfg(feature = "cluster")]
-        Connection::Cluster(mut cluster) => ping.query_async(&mut cluster).await,
+        Link::Cluster(mut cluster) => ping.query_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
-        Connection::Pool(_) => Ok(()),
+        Link::Pool(_) => Ok(()),
         #[cfg(feature = "sentinel")]
-        Connection::Sentinel(sentinel) => {
+        Link::Sentinel(sentinel) => {
             sentinel.ping().await;
             Ok(())
         }
     };
-}
-
-/// `EVALSHA`, and on `NOSCRIPT` (Redis restarted, failed over or flushed its scripts)
-/// `SCRIPT LOAD` and once more: the only retry, as NOSCRIPT means the script never ran.
-async fn evalsha<C: ConnectionLike>(connection: &mut C, call: &Cmd) -> RedisResult<Vec<i64>> {
-    match call.query_async(connection).await {
-        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            SCRIPT.load_async(connection).await?;
-            call.query_async(connection).await
-        }
-        result => result,
-    }
 }
 
 /// One request's share of the script's reply: four integers per limit; `now` is the time

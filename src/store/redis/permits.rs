@@ -259,17 +259,17 @@ async fn run(
     for arg in args {
         invocation.arg(arg);
     }
-    let result: RedisResult<Value> = match connection.clone() {
-        Connection::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
+    let result: RedisResult<Value> = match connection.link.clone() {
+        super::Link::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
         #[cfg(feature = "cluster")]
-        Connection::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
+        super::Link::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
         #[cfg(feature = "bb8")]
-        Connection::Pool(pool) => {
+        super::Link::Pool(pool) => {
             let mut connection = super::checkout(&pool).await?;
             invocation.invoke_async(&mut *connection).await
         }
         #[cfg(feature = "sentinel")]
-        Connection::Sentinel(sentinel) => {
+        super::Link::Sentinel(sentinel) => {
             let mut eval = redis::cmd("EVAL");
             eval.arg(source).arg(1).arg(key).arg(args);
             return sentinel.query(&eval).await;

@@ -24,9 +24,10 @@ use redis::{
 #[cfg(feature = "tls")]
 use super::connect::TlsConfig;
 use super::{
-    Connection, RedisStore, SCRIPT,
+    Link, RedisStore, SCRIPT,
     connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, check_scheme},
-    evalsha, store_error,
+    function::Mode,
+    store_error,
 };
 use crate::{StoreError, StoreErrorKind};
 
@@ -204,7 +205,7 @@ impl RedisStore {
         // Resets are heard on whichever master the sentinels name (a PUBLISH on the master
         // also reaches its replicas, so a subscription to a demoted one still hears it).
         let nodes = super::invalidate::Nodes::Sentinel(sentinel.clone());
-        Ok(Self::new(Connection::Sentinel(sentinel)).with_reset_source(nodes))
+        Ok(Self::new(Link::Sentinel(sentinel).into()).with_reset_source(nodes))
     }
 }
 
@@ -342,9 +343,9 @@ impl SentinelConnection {
     }
 
     /// Runs a script call on the master.
-    pub(super) async fn evalsha(&self, call: &Cmd) -> Result<Vec<i64>, StoreError> {
+    pub(super) async fn evalsha(&self, mode: &Mode, call: &Cmd) -> Result<Vec<i64>, StoreError> {
         let (generation, mut connection) = self.connection().await?;
-        let result = evalsha(&mut connection, call).await;
+        let result = mode.run(&mut connection, call).await;
         if let Err(error) = &result
             && lost_master(error)
         {

@@ -1,0 +1,235 @@
+//! The script as a Redis Functions library (Redis 7+): `FUNCTION LOAD` once, then every
+//! decision is an `FCALL`, which runs only the per-call part of the script. The algorithms'
+//! definitions (and the prelude's) are made once, when the library loads, where `EVALSHA`
+//! runs the whole script's top level on every call.
+//!
+//! One source of truth: the library is [`SCRIPT_SOURCE`] with two lines swapped (see
+//! lua/prelude.lua and the "Per call" line of lua/main.lua), a header and a footer, built
+//! on first use. Line `n + 1` of the library is line `n` of the script, so an ACL denial's
+//! `@user_function:<line>` names the script's line (acl.rs).
+//!
+//! The library and its function are named after the script's hash (`tollgate_<12 hex
+//! digits>`), so two versions of tollgate sharing one Redis (a rolling upgrade) each call
+//! their own. A server without functions (before 7.0, or an ACL user without `+fcall` or
+//! `+function`) gets `EVALSHA` instead, from then on for that connection.
+
+use std::sync::{
+    LazyLock,
+    atomic::{AtomicBool, Ordering},
+};
+
+use redis::{Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, aio::ConnectionLike};
+
+use super::{SCRIPT, SCRIPT_SOURCE};
+
+/// The line of lua/prelude.lua that takes EVAL's globals; a library declares the locals
+/// only (its function sets them per call).
+const KEYS_LINE: &str = "local KEYS, ARGV = KEYS, ARGV\n";
+/// The line of lua/main.lua where the per-call part starts.
+const PER_CALL_LINE: &str =
+    "-- Per call: from here on, once per call (a library's function body; see prelude.lua).\n";
+
+/// The library's name, which is also its function's: `tollgate_` and the first 12 hex
+/// digits of the script's SHA-1.
+pub(crate) static NAME: LazyLock<String> =
+    LazyLock::new(|| format!("tollgate_{}", &SCRIPT.get_hash()[..12]));
+
+/// The library's source, for `FUNCTION LOAD`.
+pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| library(SCRIPT_SOURCE, &NAME));
+
+/// `source` (the script) as a library named `name`, with one function of that name.
+fn library(source: &str, name: &str) -> String {
+    assert!(
+        source.matches(KEYS_LINE).count() == 1 && source.matches(PER_CALL_LINE).count() == 1,
+        "lua/: the lines the library is built around are missing or repeated"
+    );
+    let body = source
+        .replacen(KEYS_LINE, "local KEYS, ARGV\n", 1)
+        .replacen(
+            PER_CALL_LINE,
+            "local function decide(keys, args) KEYS, ARGV = keys, args\n",
+            1,
+        );
+    format!("#!lua name={name}\n{body}end\nredis.register_function('{name}', decide)\n")
+}
+
+/// The lines of the library before the script's first (the header).
+pub(crate) const HEADER_LINES: usize = 1;
+
+/// Whether a connection calls the library (`FCALL`) or the script (`EVALSHA`); shared by
+/// the connection's clones. Starts with functions, and turns to the script for good once
+/// the server shows it has none for this user.
+#[derive(Debug)]
+pub(crate) struct Mode {
+    functions: AtomicBool,
+}
+
+impl Default for Mode {
+    fn default() -> Self {
+        Self {
+            functions: AtomicBool::new(true),
+        }
+    }
+}
+
+impl Mode {
+    pub(crate) fn functions(&self) -> bool {
+        self.functions.load(Ordering::Relaxed)
+    }
+
+    fn script_only(&self) {
+        if self.functions.swap(false, Ordering::Relaxed) {
+            tracing::info!(
+                "tollgate: Redis functions are unavailable here (Redis before 7.0, or an ACL \
+                 user without +fcall/+function): decisions use EVALSHA"
+            );
+        }
+    }
+
+    /// Loads the library (`FUNCTION LOAD REPLACE`: idempotent, on every master of a
+    /// cluster); a server that cannot turns this connection to the script.
+    pub(crate) async fn load<C: ConnectionLike>(&self, connection: &mut C) -> RedisResult<()> {
+        let result: RedisResult<redis::Value> = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg("REPLACE")
+            .arg(LIBRARY.as_str())
+            .query_async(connection)
+            .await;
+        match result {
+            Err(error) if unavailable(&error) => {
+                self.script_only();
+                Ok(())
+            }
+            Err(error) => Err(error),
+            Ok(_) => Ok(()),
+        }
+    }
+
+    /// Runs `call` (an `FCALL` of the library, see [`head`]): on a missing function (after
+    /// `FUNCTION FLUSH`, a restart, a failover, on a new cluster node) loads the library
+    /// and calls once more; where there are no functions, `EVALSHA`s the script instead,
+    /// reloading it on `NOSCRIPT`. Only these errors are retried: each proves the call
+    /// never ran.
+    pub(crate) async fn run<C: ConnectionLike>(
+        &self,
+        connection: &mut C,
+        call: &Cmd,
+    ) -> RedisResult<Vec<i64>> {
+        if self.functions() {
+            match call.query_async(connection).await {
+                Err(error) if missing(&error) => {
+                    self.load(connection).await?;
+                    if self.functions() {
+                        return call.query_async(connection).await;
+                    }
+                }
+                Err(error) if unavailable(&error) => self.script_only(),
+                result => return result,
+            }
+        }
+        let call = as_evalsha(call);
+        match call.query_async(connection).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                SCRIPT.load_async(connection).await?;
+                call.query_async(connection).await
+            }
+            result => result,
+        }
+    }
+}
+
+/// Starts a script call of `keys` keys: `FCALL <function> <keys>` (the arguments that
+/// follow are the script's `KEYS` and `ARGV`, exactly as `EVALSHA`'s).
+pub(crate) fn head(cmd: &mut Cmd, keys: usize) {
+    cmd.arg("FCALL").arg(NAME.as_str()).arg(keys);
+}
+
+/// `call` (`FCALL <function> ...`) as `EVALSHA <sha> ...`.
+fn as_evalsha(call: &Cmd) -> Cmd {
+    let mut cmd = Cmd::with_capacity(call.args_iter().len(), 0);
+    cmd.arg("EVALSHA").arg(SCRIPT.get_hash());
+    for arg in call.args_iter().skip(2) {
+        if let Arg::Simple(bytes) = arg {
+            cmd.arg(bytes);
+        }
+    }
+    cmd
+}
+
+/// The function is not on this server (never loaded, flushed, a new node).
+fn missing(error: &RedisError) -> bool {
+    error.to_string().contains("Function not found")
+}
+
+/// The server has no functions, or this user may not use them: `FCALL` or `FUNCTION`
+/// unknown (before Redis 7.0) or denied by the ACL.
+fn unavailable(error: &RedisError) -> bool {
+    let text = error.to_string();
+    let names_it = |text: &str| {
+        let text = text.to_ascii_lowercase();
+        text.contains("'fcall'")
+            || text.contains("`fcall`")
+            || text.contains("'function")
+            || text.contains("`function")
+    };
+    (text.contains("unknown command") || text.contains("no permissions to run")) && names_it(&text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server_error(kind: ServerErrorKind, detail: &str) -> RedisError {
+        RedisError::from((ErrorKind::Server(kind), "", detail.to_owned()))
+    }
+
+    #[test]
+    fn the_library_is_the_script_with_the_same_line_numbers() {
+        let library = LIBRARY.as_str();
+        assert!(library.starts_with(&format!("#!lua name={}\n", *NAME)));
+        let lines: Vec<&str> = library.lines().collect();
+        for (n, line) in SCRIPT_SOURCE.lines().enumerate() {
+            let same = lines[n + HEADER_LINES];
+            if line != same {
+                assert!(
+                    line == KEYS_LINE.trim_end() || line == PER_CALL_LINE.trim_end(),
+                    "line {n}: {line} / {same}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn errors_that_mean_no_functions() {
+        assert!(unavailable(&server_error(
+            ServerErrorKind::ResponseError,
+            "unknown command `FCALL`, with args beginning with: `tollgate_0a1b`, `1`, "
+        )));
+        assert!(unavailable(&server_error(
+            ServerErrorKind::ResponseError,
+            "unknown command 'FUNCTION'"
+        )));
+        assert!(unavailable(&server_error(
+            ServerErrorKind::NoPerm,
+            "this user has no permissions to run the 'fcall' command"
+        )));
+        assert!(unavailable(&server_error(
+            ServerErrorKind::NoPerm,
+            "this user has no permissions to run the 'function|load' command"
+        )));
+        // Denials that EVALSHA would meet as well are the caller's to see.
+        assert!(!unavailable(&server_error(
+            ServerErrorKind::NoPerm,
+            "this user has no permissions to access one of the keys used as arguments"
+        )));
+        assert!(!unavailable(&server_error(
+            ServerErrorKind::ResponseError,
+            "The user executing the script can't run this command or subcommand script: \
+             tollgate_0a1b, on @user_function:52."
+        )));
+        assert!(missing(&server_error(
+            ServerErrorKind::ResponseError,
+            "Function not found"
+        )));
+    }
+}
