@@ -91,19 +91,7 @@ async fn hammer_until(
 
 /// Script calls the server has run so far.
 fn script_calls(server: &RedisServer) -> u64 {
-    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
-    stats
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+    server.script_calls()
 }
 
 /// 10 windows, each hit at two moments by every node's 32 tasks: first with 60% of the
