@@ -12,6 +12,8 @@ mod block_cache;
 mod connect;
 mod invalidate;
 mod lease;
+#[cfg(feature = "cluster")]
+mod nodes;
 mod permits;
 #[cfg(feature = "sentinel")]
 mod sentinel;
@@ -110,6 +112,8 @@ pub struct RedisStore {
     leases: Option<Arc<Leases>>,
     /// The nodes the block cache hears resets from (none: a connection given as is).
     reset_source: Option<invalidate::Nodes>,
+    /// On a cluster: its masters, for per-node pipelines of coalesced calls.
+    masters: Option<Arc<batch::Nodes>>,
 }
 
 #[derive(Clone)]
@@ -218,6 +222,7 @@ impl RedisStore {
             lease_config: None,
             leases: None,
             reset_source: None,
+            masters: None,
         }
     }
 
@@ -362,6 +367,7 @@ impl RedisStore {
                 self.connection.clone(),
                 self.clock.clone(),
                 self.coalescer_config,
+                self.masters.clone(),
             )
         }))
     }
