@@ -91,7 +91,10 @@ impl Tally {
                 }
                 let mut samples = self.samples.lock().unwrap();
                 if samples.len() < 3 {
-                    samples.push(error.to_string());
+                    samples.push(format!(
+                        "{error}: {}",
+                        std::error::Error::source(error).map_or(String::new(), |e| e.to_string())
+                    ));
                 }
                 &self.errors
             }
@@ -455,4 +458,233 @@ async fn a_master_without_the_library_loads_it_on_demand() {
     assert!(stats.contains("cmdstat_function|load:"), "{stats}");
     assert!(stats.contains("cmdstat_fcall:"), "{stats}");
     assert!(!stats.contains("cmdstat_evalsha:"), "{stats}");
+}
+
+/// `checks` concurrent checks of each of `keys` under `limits`, all submitted before any
+/// is awaited, so coalesced batches hold the calls of many slots (several per master,
+/// which go to it in one pipeline). Returns each key's allowed count.
+async fn burst(store: &RedisStore, keys: &[Key], limits: &[Limit], checks: usize) -> Vec<u32> {
+    let pending: Vec<_> = keys
+        .iter()
+        .flat_map(|key| (0..checks).map(move |_| (key, store.check(key, limits, 1))))
+        .collect();
+    let mut allowed = vec![0; keys.len()];
+    for (key, check) in pending {
+        let decision = timeout(CHECK_TIMEOUT, check)
+            .await
+            .expect("a check answered in time")
+            .unwrap_or_else(|error| panic!("{key:?}: {error}"));
+        let index = keys.iter().position(|k| k == key).unwrap();
+        allowed[index] += u32::from(decision.is_allowed());
+    }
+    allowed
+}
+
+/// The ids of the connections on node `index` that ran a script call (FCALL or EVALSHA)
+/// last (a pipeline connection runs nothing else), or all of them (`any`).
+fn clients(cluster: &RedisCluster, index: usize, any: bool) -> Vec<String> {
+    let list = cluster.cli(index, &["CLIENT", "LIST"]).unwrap();
+    list.lines()
+        .filter(|l| any || l.contains(" cmd=evalsha ") || l.contains(" cmd=fcall "))
+        .filter_map(|l| l.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Hundreds of cold keys at once: the coalesced calls of the slots one master owns go to
+/// it in one pipeline, each its own one-slot script call, and every key's limit holds
+/// exactly. After `SCRIPT FLUSH` (and `FUNCTION FLUSH`) on every master, the pipelined
+/// calls meet NOSCRIPT (or a missing function) and are sent again (script or library
+/// reloaded): still exact, and no errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_of_many_slots_go_to_their_master_together_and_decide_exactly() {
+    let cluster = RedisCluster::start();
+    let store = connect(&cluster).await.with_block_cache(0);
+    let limits = [
+        Limit::fixed_window(3, HOUR).unwrap(),
+        Limit::gcra(3, HOUR).unwrap(),
+    ];
+    // The cluster connection's connections to the masters.
+    store.check(&Key::new("first"), &limits, 1).await.unwrap();
+    let before: Vec<(usize, Vec<String>)> = cluster
+        .masters()
+        .into_iter()
+        .map(|m| (m, clients(&cluster, m, true)))
+        .collect();
+    let keys: Vec<Key> = (0..400).map(|i| Key::new(format!("client-{i}"))).collect();
+    let allowed = burst(&store, &keys, &limits, 5).await;
+    assert!(allowed.iter().all(|&a| a == 3), "{allowed:?}");
+    // Pipelines go on a connection of their own to each master, beside the cluster
+    // connection's (which sent the first batch, before the slot map was known).
+    let start = Instant::now();
+    for round in 0.. {
+        let more: Vec<Key> = (0..400)
+            .map(|i| Key::new(format!("more-{round}-{i}")))
+            .collect();
+        let allowed = burst(&store, &more, &limits, 5).await;
+        assert!(allowed.iter().all(|&a| a == 3), "{allowed:?}");
+        let pipelined = |&(master, ref before): &(usize, Vec<String>)| {
+            clients(&cluster, master, false)
+                .iter()
+                .any(|id| !before.contains(id))
+        };
+        if before.iter().all(pipelined) {
+            break;
+        }
+        assert!(start.elapsed() < RESUME, "no pipelines");
+    }
+    let functions = support::redis_server_major_version() >= 7;
+    for master in cluster.masters() {
+        assert_eq!(
+            cluster.cli(master, &["SCRIPT", "FLUSH"]).unwrap().trim(),
+            "OK"
+        );
+        if functions {
+            let flush = cluster.cli(master, &["FUNCTION", "FLUSH"]).unwrap();
+            assert_eq!(flush.trim(), "OK");
+        }
+        cluster.cli(master, &["CONFIG", "RESETSTAT"]).unwrap();
+    }
+    let flushed: Vec<Key> = (0..400).map(|i| Key::new(format!("flushed-{i}"))).collect();
+    let allowed = burst(&store, &flushed, &limits, 5).await;
+    assert!(allowed.iter().all(|&a| a == 3), "{allowed:?}");
+    for master in cluster.masters() {
+        let stats = cluster.cli(master, &["INFO", "all"]).unwrap();
+        let reloaded = if functions {
+            stats.contains("cmdstat_function|load:")
+        } else {
+            stats.contains("errorstat_NOSCRIPT")
+        };
+        assert!(reloaded, "node {master}: {stats}");
+    }
+    // Every key holds exactly its count.
+    for key in keys.iter().chain(&flushed).step_by(17) {
+        let name = store.redis_key(key, &limits[0]);
+        let state = cluster
+            .cli(cluster.node_for_key(&name), &["GET", &name])
+            .unwrap();
+        assert_eq!(fixed_window_count(&state), 3, "{name}");
+    }
+}
+
+/// `count` keys named `<prefix><n>` whose slots the master `master` owns (the slot map
+/// read once).
+fn keys_on(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    limit: &Limit,
+    master: usize,
+    prefix: &str,
+    count: usize,
+) -> Vec<Key> {
+    let topology = cluster.topology();
+    let port = cluster.node(master).port();
+    let owner = topology.iter().find(|n| n.port == port).unwrap().clone();
+    (0..)
+        .map(|i| Key::new(format!("{prefix}{i}")))
+        .filter(|key| owner.owns(cluster.keyslot(&store.redis_key(key, limit))))
+        .take(count)
+        .collect()
+}
+
+/// Move a slot while many keys of its master are checked at once (so their calls share
+/// pipelines with the moving slot's): calls answered ASK or MOVED inside a pipeline never
+/// ran and are sent again, every other answer stands, so every key's count in Redis is
+/// exactly the number of requests it allowed, and no request failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moving_a_slot_under_pipelined_traffic_counts_each_request_once() {
+    let cluster = Arc::new(RedisCluster::start());
+    let store = connect(&cluster).await.with_block_cache(0);
+    let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
+    let hot = Key::new("hot");
+    let name = store.redis_key(&hot, &limit[0]);
+    let slot = cluster.keyslot(&name);
+    let from = cluster.master_of_slot(slot);
+    let to = *cluster.masters().iter().find(|&&m| m != from).unwrap();
+    let mut keys = keys_on(&cluster, &store, &limit[0], from, "neighbour-", 40);
+    keys.push(hot.clone());
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut streams = JoinSet::new();
+    let tallies: Vec<Arc<Tally>> = keys
+        .iter()
+        .map(|key| stream(&mut streams, &store, key, &limit, 2, &stop))
+        .collect();
+    let hot_tally = tallies.last().unwrap().clone();
+    wait_until("requests before the move", RESUME, || {
+        hot_tally.answers() >= 100
+    })
+    .await;
+    let moving = cluster.clone();
+    let moved = tokio::task::spawn_blocking(move || moving.move_slot(slot, to))
+        .await
+        .unwrap();
+    // Allowed, not only answered: calls redirected inside a pipeline are sent again.
+    let allowed = hot_tally.get()[0];
+    wait_until("requests allowed after the move", RESUME, || {
+        hot_tally.get()[0] >= allowed + 100
+    })
+    .await;
+    join(streams, &stop).await;
+
+    assert!(moved >= 1, "moved {moved} keys");
+    assert_eq!(cluster.node_for_key(&name), to);
+    for (key, tally) in keys.iter().zip(&tallies) {
+        let [allowed, denied, errors] = tally.get();
+        assert_eq!((denied, errors), (0, 0), "{key:?}: {:?}", tally.samples());
+        let name = store.redis_key(key, &limit[0]);
+        let state = cluster
+            .cli(cluster.node_for_key(&name), &["GET", &name])
+            .unwrap();
+        assert_eq!(u64::from(fixed_window_count(&state)), allowed, "{name}");
+    }
+    // The old owner redirected pipelined calls.
+    let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
+    assert!(
+        errorstats.contains("errorstat_MOVED") || errorstats.contains("errorstat_ASK"),
+        "{errorstats}"
+    );
+}
+
+/// Kill the master of many keys while they are checked at once: once its replica is
+/// promoted, limiting comes back, and bursts of cold keys on the new master (pipelined to
+/// its address, read from the refreshed slot map) decide exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_pipelined_calls_reach_the_new_master() {
+    let mut cluster = RedisCluster::start();
+    let store = connect(&cluster).await.with_block_cache(0);
+    let limits = [Limit::fixed_window(3, HOUR).unwrap()];
+    let loose = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
+    let master = cluster.masters()[0];
+    let replica = cluster.replica_of(master);
+    let keys = keys_on(&cluster, &store, &loose[0], master, "neighbour-", 20);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut streams = JoinSet::new();
+    let tallies: Vec<Arc<Tally>> = keys
+        .iter()
+        .map(|key| stream(&mut streams, &store, key, &loose, 1, &stop))
+        .collect();
+    wait_until("requests before the kill", RESUME, || {
+        tallies.iter().map(|t| t.answers()).sum::<u64>() >= 200
+    })
+    .await;
+    cluster.kill(master);
+    let slot = cluster.keyslot(&store.redis_key(&keys[0], &loose[0]));
+    cluster.wait_for("the replica to take over", RESUME, |c| {
+        c.all_agree_owner(slot, replica) && c.is_serving()
+    });
+    resumed(&store, &keys[0], &loose, "the promotion", RESUME).await;
+    let before: u64 = tallies.iter().map(|t| t.get()[0]).sum();
+    wait_until("requests after the failover", RESUME, || {
+        tallies.iter().map(|t| t.get()[0]).sum::<u64>() >= before + 200
+    })
+    .await;
+    join(streams, &stop).await;
+
+    // Fresh keys of the promoted master, many at once (pipelined to its address once
+    // the store has read the new slot map): exact.
+    let fresh = keys_on(&cluster, &store, &limits[0], replica, "fresh-", 40);
+    let allowed = burst(&store, &fresh, &limits, 5).await;
+    assert!(allowed.iter().all(|&a| a == 3), "{allowed:?}");
 }

@@ -5,6 +5,8 @@ use std::{mem, sync::Arc};
 use parking_lot::RwLock;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
+#[cfg(feature = "cluster")]
+pub(crate) use super::nodes::Nodes;
 use super::{Connection, Encoded, invoke, parse, ping, script_call, split_now};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
@@ -30,7 +32,7 @@ impl Default for CoalescerConfig {
     }
 }
 
-type Reply = oneshot::Sender<Result<Decision, StoreError>>;
+pub(crate) type Reply = oneshot::Sender<Result<Decision, StoreError>>;
 
 /// What became of a submitted request.
 pub(crate) enum Submitted {
@@ -44,6 +46,13 @@ pub(crate) enum Submitted {
 
 type Queue = mpsc::Sender<(Encoded, Reply)>;
 
+/// The requests of one script call.
+pub(crate) type Batch = Vec<(Encoded, Reply)>;
+
+/// Without the `cluster` feature there are no masters to pipeline to.
+#[cfg(not(feature = "cluster"))]
+pub(crate) enum Nodes {}
+
 /// The sending half of the batching task, started on first use (it needs a runtime).
 ///
 /// The task lives on the runtime of the decision that started it. When that runtime
@@ -53,6 +62,8 @@ pub(crate) struct Coalescer {
     config: CoalescerConfig,
     connection: Connection,
     clock: Option<Arc<dyn Clock>>,
+    /// On a cluster: the masters, to pipeline the calls of several slots to each.
+    nodes: Option<Arc<Nodes>>,
     sender: RwLock<Option<Queue>>,
 }
 
@@ -61,11 +72,13 @@ impl Coalescer {
         connection: Connection,
         clock: Option<Arc<dyn Clock>>,
         config: CoalescerConfig,
+        nodes: Option<Arc<Nodes>>,
     ) -> Self {
         Self {
             config,
             connection,
             clock,
+            nodes,
             sender: RwLock::new(None),
         }
     }
@@ -98,6 +111,7 @@ impl Coalescer {
                 tasks,
                 self.connection.clone(),
                 self.clock.clone(),
+                self.nodes.clone(),
                 self.config,
                 restart,
             ));
@@ -130,11 +144,16 @@ async fn run(
     mut receiver: mpsc::Receiver<(Encoded, Reply)>,
     connection: Connection,
     clock: Option<Arc<dyn Clock>>,
+    #[cfg_attr(not(feature = "cluster"), allow(unused_variables))] nodes: Option<Arc<Nodes>>,
     config: CoalescerConfig,
     restart: bool,
 ) {
     if restart {
         ping(connection.clone()).await;
+        #[cfg(feature = "cluster")]
+        if let Some(nodes) = &nodes {
+            nodes.forget_all();
+        }
     }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let mut waiting = Vec::new();
@@ -152,20 +171,26 @@ async fn run(
         }
         let now = clock.as_ref().map(|c| c.now_ms());
         let permit = Arc::new(permit);
-        for batch in by_slot(mem::take(&mut waiting)) {
+        let calls = by_slot(mem::take(&mut waiting));
+        #[cfg(feature = "cluster")]
+        if let Some(nodes) = &nodes {
+            super::nodes::send_by_master(nodes, calls, &connection, now, &permit);
+            continue;
+        }
+        for batch in calls {
             tokio::spawn(send(batch, connection.clone(), now, permit.clone()));
         }
     }
 }
 
 /// Splits a batch by hash slot (a script's keys must share one slot in a cluster).
-fn by_slot(mut batch: Vec<(Encoded, Reply)>) -> Vec<Vec<(Encoded, Reply)>> {
+fn by_slot(mut batch: Batch) -> Vec<Batch> {
     let first = batch.first().map(|(r, _)| r.slot);
     if batch.iter().all(|(r, _)| Some(r.slot) == first) {
         return vec![batch];
     }
     batch.sort_by_key(|(r, _)| r.slot);
-    let mut groups: Vec<Vec<(Encoded, Reply)>> = Vec::new();
+    let mut groups: Vec<Batch> = Vec::new();
     for item in batch {
         match groups.last_mut() {
             Some(group) if group[0].0.slot == item.0.slot => group.push(item),
@@ -176,14 +201,21 @@ fn by_slot(mut batch: Vec<(Encoded, Reply)>) -> Vec<Vec<(Encoded, Reply)>> {
 }
 
 /// One script call for `batch`; every request gets its share of the reply.
-async fn send(
-    batch: Vec<(Encoded, Reply)>,
+pub(crate) async fn send(
+    batch: Batch,
     connection: Connection,
     now: Option<u64>,
     _permit: Arc<OwnedSemaphorePermit>,
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
     let result = invoke(connection, script_call(now, &requests)).await;
+    drop(requests);
+    deliver(batch, &result);
+}
+
+/// Gives every request of `batch` its share of the script's reply (or the error).
+pub(crate) fn deliver(batch: Batch, result: &Result<Vec<i64>, StoreError>) {
+    let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
     // The reply: every request's results in order, then the asks' results in the same
     // order, then the script's `now` (lua/main.lua).
     let own: usize = requests.iter().map(|r| r.quotas.len() * 4).sum();
@@ -192,6 +224,7 @@ async fn send(
         .map(|r| r.lease.as_ref().map_or(0, |a| a.reply_len(r)))
         .sum();
     let reply = result.as_ref().map(|values| split_now(values, own + asked));
+    drop(requests);
     let mut offset = 0;
     let mut tail = own;
     for (request, reply_to) in batch {

@@ -119,6 +119,14 @@ impl RedisStore {
                 redis::Client::open(*node).ok()
             })
             .collect();
+        let template =
+            redis::IntoConnectionInfo::into_connection_info(*nodes.first().ok_or_else(|| {
+                StoreError::new(StoreErrorKind::Response, "no cluster nodes given")
+            })?)
+            .map_err(store_error)?;
+        let masters = super::nodes::Nodes::new(template, tls.cloned(), connection);
+        let mut store = store;
+        store.masters = Some(Arc::new(masters));
         Ok(store.with_reset_source(Nodes::Fixed(listen)))
     }
 
@@ -170,7 +178,7 @@ impl RedisStore {
 
 /// No TLS in this build: nothing can be passed where TLS settings go.
 #[cfg(all(feature = "cluster", not(feature = "tls")))]
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) enum TlsConfig {}
 
 /// The certificates of a TLS connection to Redis (feature `tls`): the CA that signed the

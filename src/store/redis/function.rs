@@ -144,6 +144,19 @@ pub(crate) fn head(cmd: &mut Cmd, keys: usize) {
     cmd.arg("FCALL").arg(NAME.as_str()).arg(keys);
 }
 
+impl Mode {
+    /// `call` (`FCALL ...`) as this connection sends it: unchanged, or as `EVALSHA` once
+    /// functions turned out unavailable (for calls sent without [`run`](Self::run), such
+    /// as a cluster master's pipeline).
+    pub(crate) fn form(&self, call: Cmd) -> Cmd {
+        if self.functions() {
+            call
+        } else {
+            as_evalsha(&call)
+        }
+    }
+}
+
 /// `call` (`FCALL <function> ...`) as `EVALSHA <sha> ...`.
 fn as_evalsha(call: &Cmd) -> Cmd {
     let mut cmd = Cmd::with_capacity(call.args_iter().len(), 0);
@@ -163,7 +176,7 @@ fn missing(error: &RedisError) -> bool {
 
 /// The server has no functions, or this user may not use them: `FCALL` or `FUNCTION`
 /// unknown (before Redis 7.0) or denied by the ACL.
-fn unavailable(error: &RedisError) -> bool {
+pub(crate) fn unavailable(error: &RedisError) -> bool {
     let text = error.to_string();
     let names_it = |text: &str| {
         let text = text.to_ascii_lowercase();

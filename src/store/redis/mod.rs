@@ -13,6 +13,8 @@ mod connect;
 mod function;
 mod invalidate;
 mod lease;
+#[cfg(feature = "cluster")]
+mod nodes;
 mod permits;
 #[cfg(feature = "sentinel")]
 mod sentinel;
@@ -111,6 +113,8 @@ pub struct RedisStore {
     leases: Option<Arc<Leases>>,
     /// The nodes the block cache hears resets from (none: a connection given as is).
     reset_source: Option<invalidate::Nodes>,
+    /// On a cluster: its masters, for per-node pipelines of coalesced calls.
+    masters: Option<Arc<batch::Nodes>>,
 }
 
 /// A connection to Redis, and whether it calls the script as a function (shared by its
@@ -200,7 +204,9 @@ impl RedisStore {
     /// Every key of one decision shares a hash tag, so each script runs on the one master
     /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
     /// redirections (failover, resharding) are followed by redis-rs, and the script is
-    /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot.
+    /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot, and
+    /// the calls of the slots one master owns go to it together, in one pipeline (see the
+    /// README's "Redis Cluster").
     ///
     /// # Errors
     ///
@@ -238,6 +244,7 @@ impl RedisStore {
             lease_config: None,
             leases: None,
             reset_source: None,
+            masters: None,
         }
     }
 
@@ -287,9 +294,9 @@ impl RedisStore {
     /// default).
     ///
     /// A background task takes every decision waiting when it is free and sends them as
-    /// one `EVALSHA` (per hash slot on a cluster), so Redis runs one script per batch
-    /// instead of one per request; a lone request is sent at once, without waiting for
-    /// company. Off, each decision is its own `EVALSHA`.
+    /// one `EVALSHA` (per hash slot on a cluster, those of one master in one pipeline), so
+    /// Redis runs one script per batch instead of one per request; a lone request is sent
+    /// at once, without waiting for company. Off, each decision is its own `EVALSHA`.
     ///
     /// The task runs on the Tokio runtime of the first decision after it is needed; if
     /// that runtime shuts down, the next decision starts a new task on its own runtime.
@@ -382,6 +389,7 @@ impl RedisStore {
                 self.connection.clone(),
                 self.clock.clone(),
                 self.coalescer_config,
+                self.masters.clone(),
             )
         }))
     }
