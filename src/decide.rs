@@ -20,7 +20,7 @@ use crate::{
     rejection::OnRejection,
     rules::{Active, Cell},
     store::{Check, Guarded},
-    wait::{Ticket, Waiting},
+    wait::{self, Ticket, Waiting},
 };
 
 /// What a [`RateLimit`](crate::RateLimit) service shares with its response futures.
@@ -35,6 +35,26 @@ pub(crate) struct Shared<R> {
     pub(crate) metrics: metrics::LayerMetrics,
     /// Denied requests may wait ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
     pub(crate) waiting: Option<Arc<Waiting>>,
+}
+
+impl<R> Shared<R> {
+    /// Asks the store about a request: for a reservation when the layer lets requests
+    /// wait and its line has room ([`wait`](crate::wait)), else a plain check.
+    #[inline(always)]
+    pub(crate) fn ask(
+        &self,
+        key: &Key,
+        limits: &[crate::Limit],
+        cost: u32,
+    ) -> Result<Result<Decision, StoreError>, Check> {
+        match &self.waiting {
+            Some(waiting) if waiting.has_room(key) => {
+                self.store
+                    .reserve_now(key, limits, cost, waiting.max_wait_ms())
+            }
+            _ => self.store.check_now(key, limits, cost),
+        }
+    }
 }
 
 /// How the store was asked about a request: what [`settle`] needs besides its answer.
@@ -232,6 +252,16 @@ fn enforce<ReqB, ResB, R>(
 where
     R: OnRejection<ReqB, ResB>,
 {
+    // A reservation: its wait, in line (or, with no place left, a denial).
+    let result = match result {
+        Ok(decision) if decision.wait_ms() > 0 && decision.is_allowed() => {
+            match reserved(shared, rules, decision, asked) {
+                Ok(ticket) => return Next::Wait(Box::new(ticket)),
+                Err(refused) => Ok(refused),
+            }
+        }
+        other => other,
+    };
     let recorded = match &result {
         Ok(decision) if decision.is_allowed() => allowed,
         Ok(decision) => {
@@ -263,6 +293,34 @@ where
     let mut response = shared.rejection.rate_limited(request, &decision);
     rules.headers.write(response.headers_mut(), &decision);
     Next::Answer(response)
+}
+
+/// A place in line for a request whose units the store reserved; with none left (or no
+/// line: a store that reserved unasked), the denial to answer instead, after giving the
+/// units back when no other reservation of the key is in line (then they are the last
+/// ones counted; see [`wait`](crate::wait)). Out of line: rare.
+#[inline(never)]
+fn reserved<R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    decision: Decision,
+    asked: &Asked,
+) -> Result<Ticket, Decision> {
+    let refused = wait::refused(&decision);
+    let alone = match &shared.waiting {
+        Some(waiting) => {
+            let alone = waiting.none_reserved(&asked.key);
+            if let Some(ticket) = waiting.admit_reserved(&asked.key, decision.clone()) {
+                return Ok(ticket);
+            }
+            alone
+        }
+        None => true,
+    };
+    if alone {
+        wait::release(&shared.store, rules.limits(), &asked.key, asked.cost, &decision);
+    }
+    Err(refused)
 }
 
 /// The failure policy's answer to a store error: a decision (the local fallback store's),

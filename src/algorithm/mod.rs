@@ -389,6 +389,14 @@ pub fn check_reserving(
         .decided_at(now)
 }
 
+/// Whether a request under `limits` can ever be reserved: every limit a token bucket or
+/// a GCRA, none with a lockout.
+pub(crate) fn reservable(limits: &[Limit]) -> bool {
+    limits.iter().all(|l| {
+        matches!(l.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra) && l.lockout_ms() == 0
+    })
+}
+
 /// The wait a request that does not fit now may reserve (see [`check_reserving`]), 0 when
 /// it may not.
 fn reservation(
@@ -403,9 +411,11 @@ fn reservation(
     if wait == 0 || wait > max_wait_ms {
         return 0;
     }
+    if !reservable(limits) {
+        return 0;
+    }
     let reservable = states.iter().zip(limits).all(|(state, limit)| {
-        limit.lockout_ms() == 0
-            && cost <= u64::from(limit.capacity())
+        cost <= u64::from(limit.capacity())
             && state.can_reserve(now)
             && wait.saturating_mul(u64::from(limit.limit()))
                 <= u64::from(limit.burst()) * limit.window_ms()

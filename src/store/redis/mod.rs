@@ -441,7 +441,13 @@ impl Store for RedisStore {
     /// `retry_after` is beyond `max_wait_ms` (no reservation could be made either); a
     /// reservation is never cached as a denial.
     fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {
-        self.decide(key, limits, cost, max_wait_ms)
+        // Limits that never reserve are checked as usual (no reservation section sent).
+        let reserve_ms = if crate::algorithm::reservable(limits) {
+            max_wait_ms
+        } else {
+            0
+        };
+        self.decide(key, limits, cost, reserve_ms)
     }
 
     fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
