@@ -126,7 +126,8 @@ local function reservation(group, held, retries, now, cost, max)
   if w == 0 or w > max then return 0 end
   for i = 1, #group do
     local limit = group[i]
-    if w * limit.L > limit.B * limit.W or not limit.alg.can_reserve(held[i], now) then
+    -- At most 2^51 units ahead (MAX_RESERVED in src/algorithm/mod.rs): all stays exact.
+    if w * limit.L > 2251799813685248 or not limit.alg.can_reserve(held[i], now) then
       return 0
     end
   end

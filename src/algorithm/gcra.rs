@@ -138,8 +138,8 @@ impl Model for Gcra {
 
     /// The TAT moves on from where it would be `wait` ms from now: from itself, or from
     /// `now + wait` when it lies before that; exactly the request arriving then. (It ends
-    /// at most twice the tolerance ahead, as a top-up: `wait` drains at most one
-    /// tolerance, and the TAT less `wait` leaves room for `cost`.)
+    /// at most the tolerance plus `wait` ahead: the TAT less `wait` leaves room for
+    /// `cost`. Beyond the tolerance, `ahead` caps it and nothing fits until it is back.)
     fn reserve(&mut self, now: u64, limit: &Limit, cost: u64, wait: u64) {
         let scale = u64::from(limit.limit());
         let ahead = if self.tat < now {

@@ -329,8 +329,8 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
 /// meanwhile, so the caller sleeps `wait` and then runs the request without asking again.
 ///
 /// Only the token bucket and GCRA reserve: the bucket by going into debt, GCRA by moving
-/// its arrival time further ahead; both at most one capacity beyond what [`check`]
-/// allows (a `wait` that refills at most the whole bucket), as a top-up. A request
+/// its arrival time further ahead, by at most what refills in `max_wait_ms` (and at most
+/// 2^51 units of `1 / window_ms` of a request, so that all stays exact). A request
 /// reserves only when every one of its limits can (all-or-nothing): a fixed or sliding
 /// window, a log or a lockout among them, a clock that stepped back behind a bucket's
 /// last refill, or a wait beyond `max_wait_ms` make it the plain denial of [`check`].
@@ -389,6 +389,11 @@ pub fn check_reserving(
         .decided_at(now)
 }
 
+/// The most a reservation may hold ahead, in a limit's scaled units (`wait * limit`):
+/// with the state's own capacity (below 2^50) every value stays below 2^53, exact in
+/// the script's doubles.
+pub(crate) const MAX_RESERVED: u64 = 1 << 51;
+
 /// Whether a request under `limits` can ever be reserved: every limit a token bucket or
 /// a GCRA, none with a lockout.
 pub(crate) fn reservable(limits: &[Limit]) -> bool {
@@ -417,8 +422,7 @@ fn reservation(
     let reservable = states.iter().zip(limits).all(|(state, limit)| {
         cost <= u64::from(limit.capacity())
             && state.can_reserve(now)
-            && wait.saturating_mul(u64::from(limit.limit()))
-                <= u64::from(limit.burst()) * limit.window_ms()
+            && wait.saturating_mul(u64::from(limit.limit())) <= MAX_RESERVED
     });
     if reservable { wait } else { 0 }
 }
