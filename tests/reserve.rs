@@ -290,7 +290,7 @@ async fn hang_up(handle: tokio::task::JoinHandle<Response<String>>) {
 async fn several_limits_reserve_all_or_nothing() {
     let t0 = Instant::now();
     let clock = TokioClock { start: t0 };
-    let store = MemoryStore::new().with_clock(clock.clone());
+    let store = Counting::new(MemoryStore::new().with_clock(clock.clone()));
     // 10 a second (burst 1), and 2 a second (burst 2).
     let fast = Limit::gcra(10, Duration::from_secs(1))
         .unwrap()
@@ -326,6 +326,8 @@ async fn several_limits_reserve_all_or_nothing() {
     let now = start(&svc, "a", "now").await.await.unwrap();
     assert_eq!(now.status(), StatusCode::OK);
     assert_eq!(runs.take(), [("now".to_owned(), ms(1_000))]);
+    // Each asked once: the waiters ran at their reserved times without asking again.
+    assert_eq!(store.asked.load(Ordering::SeqCst), 5);
 
     // With a fixed window beside the GCRA, nothing is reserved: the waiter asks again.
     let counting = Counting::new(MemoryStore::new().with_clock(clock));
