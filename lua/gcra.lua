@@ -38,19 +38,6 @@ local function define_gcra()
     s.frac = a % L
   end
 
-  function gcra.can_reserve(s, now)
-    return true
-  end
-
-  -- From the TAT, or from now + wait when it lies before that: the request arriving then.
-  function gcra.reserve(s, now, L, W, B, cost, wait)
-    local a = 0
-    if s.tat >= now then a = (s.tat - now) * L + s.frac end
-    a = math.max(a, wait * L) + cost * W
-    s.tat = now + math.floor(a / L)
-    s.frac = a % L
-  end
-
   function gcra.save(s, now, L, W, B)
     redis.call('HSET', s.key, 't', s.tat, 'f', s.frac)
     local expires = s.tat
@@ -66,6 +53,21 @@ local function define_gcra()
     if s.tat < now then return 0 end
     if s.frac > 0 then return s.tat - now + 1 end
     return s.tat - now
+  end
+
+  if reservations then -- reservations for max_wait (see main.lua)
+    function gcra.can_reserve(s, now)
+      return true
+    end
+
+    -- From the TAT, or from now + wait when it lies before that: the request arriving then.
+    function gcra.reserve(s, now, L, W, B, cost, wait)
+      local a = 0
+      if s.tat >= now then a = (s.tat - now) * L + s.frac end
+      a = math.max(a, wait * L) + cost * W
+      s.tat = now + math.floor(a / L)
+      s.frac = a % L
+    end
   end
 
   if adjusting then -- adjustments after a response (see main.lua)

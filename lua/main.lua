@@ -98,7 +98,7 @@ end
 
 -- The lease sections follow the requests (an adjustment has one argument more than a
 -- request): looked for only when ARGV goes on past N plain requests.
-local asks, reserving
+local asks, reserving, reservation
 if #ARGV > a + 2 * ARGV[a] then
   local e = a + 1
   for _ = 1, ARGV[a] + 0 do
@@ -111,28 +111,37 @@ if #ARGV > a + 2 * ARGV[a] then
       reserving[ARGV[e + 1] + 0] = ARGV[e + 2] + 0
       e = e + 2
     end
+    -- The bucket algorithms' reservations, defined now (as adjustments are, below).
+    reservations = true
+    for code, defined in pairs(algorithms) do
+      if code >= 4 then
+        local full = definitions[code]()
+        defined.can_reserve, defined.reserve = full.can_reserve, full.reserve
+      end
+    end
+    -- The wait request `cost` of `group` may reserve (see the header), 0 when it may not:
+    -- `held` and `retries` are its limits' states and waits. Made only by a call with
+    -- reservations (a function at the top would be made by every call).
+    reservation = function(group, held, retries, now, cost, max)
+      local w = 0
+      for i = 1, #group do
+        local limit = group[i]
+        if limit.code < 4 or limit.D > 0 or cost > limit.B then return 0 end
+        if retries[i] > w then w = retries[i] end
+      end
+      if w == 0 or w > max then return 0 end
+      for i = 1, #group do
+        local limit = group[i]
+        -- At most 2^51 units ahead (MAX_RESERVED in src/algorithm/mod.rs): all stays exact.
+        if w * limit.L > 2251799813685248 or not limit.alg.can_reserve(held[i], now) then
+          return 0
+        end
+      end
+      return w
+    end
   end
 end
 
--- The wait request `cost` of `group` may reserve (see the header), 0 when it may not:
--- `held` and `retries` are its limits' states and waits.
-local function reservation(group, held, retries, now, cost, max)
-  local w = 0
-  for i = 1, #group do
-    local limit = group[i]
-    if limit.code < 4 or limit.D > 0 or cost > limit.B then return 0 end
-    if retries[i] > w then w = retries[i] end
-  end
-  if w == 0 or w > max then return 0 end
-  for i = 1, #group do
-    local limit = group[i]
-    -- At most 2^51 units ahead (MAX_RESERVED in src/algorithm/mod.rs): all stays exact.
-    if w * limit.L > 2251799813685248 or not limit.alg.can_reserve(held[i], now) then
-      return 0
-    end
-  end
-  return w
-end
 local tail = {} -- the asks' results, after the requests'
 
 local states = {} -- key -> state, loaded on first use

@@ -36,6 +36,10 @@ end
 -- has one (main.lua sets it), so that a call of plain requests creates no closures for them.
 local adjusting = false
 
+-- Whether the bucket algorithms define their reservations (can_reserve, reserve): only
+-- once a call has a reservation (main.lua sets it), for the same reason.
+local reservations = false
+
 -- Writes a string key and its TTL in one command (`ttl` is at least 1 ms).
 local function set_expiring(key, value, ttl)
   redis.call('SET', key, value, 'PX', math.max(ttl, 1) + ttl_margin)

@@ -45,15 +45,6 @@ local function define_token_bucket()
     s.tokens = s.tokens - cost * W
   end
 
-  function token_bucket.can_reserve(s, now)
-    return s.last <= now
-  end
-
-  -- Into debt: the bucket `wait` ms from now (at most full), less cost and that refill.
-  function token_bucket.reserve(s, now, L, W, B, cost, wait)
-    s.tokens = math.min(s.tokens + wait * L, B * W) - cost * W - wait * L
-  end
-
   function token_bucket.save(s, now, L, W, B)
     redis.call('HSET', s.key, 't', s.tokens, 'l', s.last)
     expire(s.key, s.last + ceil_div(B * W - s.tokens, L) - now)
@@ -67,6 +58,17 @@ local function define_token_bucket()
     local missing = B * W - s.tokens
     if missing == 0 then return 0 end
     return paused(s, now) + ceil_div(missing, L)
+  end
+
+  if reservations then -- reservations for max_wait (see main.lua)
+    function token_bucket.can_reserve(s, now)
+      return s.last <= now
+    end
+
+    -- Into debt: the bucket `wait` ms from now (at most full), less cost and that refill.
+    function token_bucket.reserve(s, now, L, W, B, cost, wait)
+      s.tokens = math.min(s.tokens + wait * L, B * W) - cost * W - wait * L
+    end
   end
 
   if adjusting then -- adjustments after a response (see main.lua)

@@ -306,21 +306,26 @@ fn reserved<R>(
     decision: Decision,
     asked: &Asked,
 ) -> Result<Ticket, Decision> {
-    let refused = wait::refused(&decision);
-    let alone = match &shared.waiting {
+    let (decision, alone) = match &shared.waiting {
         Some(waiting) => {
             let alone = waiting.none_reserved(&asked.key);
-            if let Some(ticket) = waiting.admit_reserved(&asked.key, decision.clone()) {
-                return Ok(ticket);
+            match waiting.admit_reserved(&asked.key, decision) {
+                Ok(ticket) => return Ok(ticket),
+                Err(decision) => (decision, alone),
             }
-            alone
         }
-        None => true,
+        None => (decision, true),
     };
     if alone {
-        wait::release(&shared.store, rules.limits(), &asked.key, asked.cost, &decision);
+        wait::release(
+            &shared.store,
+            rules.limits(),
+            &asked.key,
+            asked.cost,
+            &decision,
+        );
     }
-    Err(refused)
+    Err(wait::refused(&decision))
 }
 
 /// The failure policy's answer to a store error: a decision (the local fallback store's),

@@ -148,14 +148,21 @@ impl Waiting {
     }
 
     /// A place in line for a request of `key` whose units the store reserved (`decision`
-    /// allows it after [`Decision::wait`]), when neither bound is reached; `None` when
-    /// one is (the caller gives the units back: see [`release`] and [`refused`]).
-    pub(crate) fn admit_reserved(self: &Arc<Self>, key: &Key, decision: Decision) -> Option<Ticket> {
-        let place = self.take_place(key, true)?;
-        Some(Ticket {
-            place,
-            kind: Kind::Reserved(decision),
-        })
+    /// allows it after [`Decision::wait`]), when neither bound is reached; the decision
+    /// back when one is (the caller gives the units back: see [`release`] and
+    /// [`refused`]).
+    pub(crate) fn admit_reserved(
+        self: &Arc<Self>,
+        key: &Key,
+        decision: Decision,
+    ) -> Result<Ticket, Decision> {
+        match self.take_place(key, true) {
+            Some(place) => Ok(Ticket {
+                place,
+                kind: Kind::Reserved(decision),
+            }),
+            None => Err(decision),
+        }
     }
 
     /// Takes a place for `key` (numbered as the key's latest reservation when
@@ -395,6 +402,32 @@ mod tests {
 
     fn denied(retry_after_ms: u64) -> Decision {
         Decision::new(vec![LimitDecision::deny(5, 0, 1_000, retry_after_ms)])
+    }
+
+    #[test]
+    fn only_the_latest_reservation_of_a_key_is_the_last() {
+        let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 10, 10));
+        let (a, b) = (Key::new("a"), Key::new("b"));
+        let reserved = Decision::new(vec![LimitDecision::allow(1, 0, 100)]).with_wait(50);
+        let place = |key: &Key| match waiting.admit_reserved(key, reserved.clone()) {
+            Ok(ticket) => ticket.place,
+            Err(_) => panic!("a place for {key:?}"),
+        };
+        let (mut first, mut second, mut other) = (place(&a), place(&a), place(&b));
+        assert!(!waiting.none_reserved(&a));
+        // "first" is not the latest of "a" ("second" is); "b" has its own line.
+        assert!(!first.leave_reserved());
+        assert!(other.leave_reserved());
+        assert!(second.leave_reserved());
+        assert!(!second.leave_reserved(), "once");
+        assert!(waiting.none_reserved(&a));
+        // A refused reservation is a denial with its wait as the retry.
+        let denied = refused(&reserved);
+        assert!(!denied.is_allowed());
+        assert_eq!(denied.retry_after(), Duration::from_millis(50));
+        drop((first, second, other));
+        assert_eq!(waiting.len(), 0);
+        assert!(waiting.per_key.lock().is_empty());
     }
 
     #[test]

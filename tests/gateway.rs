@@ -608,7 +608,10 @@ async fn a_delayed_route_waits_instead_of_429(store: &str) {
 /// `delay` reserves (GCRA, 1 per second): a request that comes while another waits goes
 /// behind it, and each runs at its reserved time without asking the store again (on
 /// Redis: one script call per request, counted by `evalsha_calls`).
-async fn a_delayed_route_serves_waiters_in_order(store: &str, evalsha_calls: Option<&dyn Fn() -> u64>) {
+async fn a_delayed_route_serves_waiters_in_order(
+    store: &str,
+    evalsha_calls: Option<&dyn Fn() -> u64>,
+) {
     let routes = "[[routes]]\npath = \"/slow\"\ndelay = \"5s\"\n[[routes.limits]]\n\
                   key = \"global\"\nalgorithm = \"gcra\"\nlimit = 1\nwindow = \"1s\"\n";
     let gw = gateway(store, routes).await;
@@ -631,7 +634,10 @@ async fn a_delayed_route_serves_waiters_in_order(store: &str, evalsha_calls: Opt
     // The first waiter runs about a second in, the one that came later a second after it.
     let (first, second) = (first.1 - t0, second.1 - t0);
     assert!(first >= Duration::from_millis(700), "{first:?}");
-    assert!(second >= first + Duration::from_millis(700), "{first:?} {second:?}");
+    assert!(
+        second >= first + Duration::from_millis(700),
+        "{first:?} {second:?}"
+    );
     if let (Some(calls), Some(before)) = (evalsha_calls, calls_before) {
         assert_eq!(calls() - before, 3, "one script call per request");
     }

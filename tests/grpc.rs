@@ -450,6 +450,9 @@ async fn a_waiting_call_runs_at_its_turn_and_a_cancelled_one_gives_it_back() {
     assert_eq!((second.0, fourth.0), (Ok(()), Ok(())));
     let (second, fourth) = (second.1 - t0, fourth.1 - t0);
     assert!(second >= Duration::from_millis(700), "{second:?}");
-    assert!(fourth >= second + Duration::from_millis(700), "{second:?} {fourth:?}");
+    assert!(
+        fourth >= second + Duration::from_millis(700),
+        "{second:?} {fourth:?}"
+    );
     assert!(fourth < Duration::from_millis(2_700), "{fourth:?}");
 }

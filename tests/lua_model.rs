@@ -1442,15 +1442,14 @@ fn reserve_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
         Algorithm::FixedWindow,
     ]);
     let window = prop_oneof![1u64..20, 1u64..3_000];
-    let limit = (algorithm, 1u32..20, window, 1u32..30).prop_map(
-        |(algorithm, limit, window_ms, burst)| {
+    let limit =
+        (algorithm, 1u32..20, window, 1u32..30).prop_map(|(algorithm, limit, window_ms, burst)| {
             let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
             match algorithm {
                 Algorithm::TokenBucket | Algorithm::Gcra => l.with_burst(burst).unwrap(),
                 _ => l,
             }
-        },
-    );
+        });
     distinct(prop::collection::vec(limit, 1..=3))
 }
 
@@ -1485,7 +1484,10 @@ fn reserving_batches_strategy() -> impl Strategy<Value = Vec<(Wait, Vec<(Reservi
         1 => (1u64..30).prop_map(Wait::Back),
     ];
     prop::collection::vec(
-        (wait, prop::collection::vec((reserving_strategy(), 0usize..2), 1..5)),
+        (
+            wait,
+            prop::collection::vec((reserving_strategy(), 0usize..2), 1..5),
+        ),
         1..30,
     )
 }

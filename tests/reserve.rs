@@ -110,11 +110,7 @@ where
     tower::util::BoxCloneService::new(layer.layer(tower::util::BoxCloneService::new(inner)))
 }
 
-fn layer(
-    limits: Vec<Limit>,
-    store: impl Store,
-    max_wait: Duration,
-) -> RateLimitLayer<HeaderKey> {
+fn layer(limits: Vec<Limit>, store: impl Store, max_wait: Duration) -> RateLimitLayer<HeaderKey> {
     let mut limits = limits.into_iter();
     let mut layer = RateLimitLayer::new(limits.next().unwrap());
     for limit in limits {
@@ -391,7 +387,11 @@ async fn redis_waiters_in_order(store: tollgate::store::RedisStore) {
     answered(5).await;
     gone.abort();
     tokio::time::sleep(ms(50)).await;
-    assert_eq!(store.adjusted.load(Ordering::SeqCst), 1, "its units went back");
+    assert_eq!(
+        store.adjusted.load(Ordering::SeqCst),
+        1,
+        "its units went back"
+    );
     // ...and a newcomer takes its place, behind the four.
     handles.push(send("late"));
     for handle in handles {

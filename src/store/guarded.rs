@@ -86,7 +86,11 @@ impl Guarded {
                 .check_held(key, limits, cost)
                 .ok_or_else(StoreError::circuit_open));
         }
-        match self.store.reserve(key, limits, cost, max_wait_ms).into_ready() {
+        match self
+            .store
+            .reserve(key, limits, cost, max_wait_ms)
+            .into_ready()
+        {
             Ok(result) => {
                 if let Some(breaker) = &self.breaker {
                     breaker.record(admission, result.is_ok());

@@ -311,7 +311,13 @@ impl MemoryStore {
     }
 
     /// Decides now, reserving up to `max_wait_ms` ahead: what [`Store::reserve`] answers.
-    pub fn reserve_now(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Decision {
+    pub fn reserve_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        max_wait_ms: u64,
+    ) -> Decision {
         let now = self.inner.clock.now_ms();
         self.inner.maybe_sweep(now);
         self.inner.decide(key, limits, cost, now, max_wait_ms)
