@@ -406,7 +406,9 @@ impl Inner {
     }
 
     /// Decides, reserving up to `reserve_ms` ahead when it is not 0 (see
-    /// [`algorithm::check_reserving`]; a list with a lockout never reserves).
+    /// [`algorithm::check_reserving`]; a list with a lockout never reserves). Inlined, so
+    /// that the plain check's call (`reserve_ms` = 0) keeps none of the reserving code.
+    #[inline(always)]
     fn decide(
         &self,
         key: &Key,
