@@ -20,6 +20,7 @@
 # Shapes (every limit 1e9 per second, so nothing is rejected; the script reads Redis TIME;
 # the sliding window log keeps the last second's requests, some 10^4 members):
 #   <alg>x1        one request against one limit, for each algorithm
+#   tb/gcra x1 reserve  the same with a reservation section (max_wait), never waiting
 #   sw cost 1       one request of cost 1, then of cost 10 000, on the sliding window
 #   sw cost 10000   log, COSTLY=2000 calls per measurement (both: short runs cost more
 #                   per call), since before the weighted log such a call wrote 10 000
@@ -49,7 +50,9 @@ done
   die "unknown revision $REV"
 
 # The script exactly as the crate joins it: the include_str! order of src/store/redis.
-FILES=$(grep -o 'lua/[a-z_]*\.lua' src/store/redis/mod.rs | awk '!seen[$0]++')
+# (Only the include_str! lines: comments name lua/ files too.)
+FILES=$(grep -o 'include_str!("[./]*lua/[a-z_]*\.lua")' src/store/redis/mod.rs |
+  grep -o 'lua/[a-z_]*\.lua')
 [[ -n $FILES ]] || die "no lua/ files named in src/store/redis/mod.rs"
 source_at() { # source_at [REV]: the joined script of REV, or of the checkout
   local file
@@ -154,6 +157,14 @@ for alg in 1:fw 2:sw 3:swc 4:tb 5:gcra; do
   code=${alg%%:*} name=${alg#*:}
   # shellcheck disable=SC2046 # word splitting is the point: these are EVALSHA's arguments
   row "$name x1" 1 "bench:{one}:$name" "" $(one_limit "$code") $(requests 1)
+done
+# A reserving request (RateLimitLayer::max_wait on buckets): the empty lease sections and
+# one reservation of up to 1 s; with 1e9 per second it never waits, so this is what
+# the section and the reservations' definitions cost.
+for alg in 4:tb 5:gcra; do
+  code=${alg%%:*} name=${alg#*:}
+  # shellcheck disable=SC2046 # as above
+  row "$name x1 reserve" 1 "bench:{one}:$name" "" $(one_limit "$code") $(requests 1) 0 0 1 1 1000
 done
 for cost in 1 10000; do
   # shellcheck disable=SC2046 # as above

@@ -55,6 +55,21 @@ local function define_gcra()
     return s.tat - now
   end
 
+  if reservations then -- reservations for max_wait (see main.lua)
+    function gcra.can_reserve(s, now)
+      return true
+    end
+
+    -- From the TAT, or from now + wait when it lies before that: the request arriving then.
+    function gcra.reserve(s, now, L, W, B, cost, wait)
+      local a = 0
+      if s.tat >= now then a = (s.tat - now) * L + s.frac end
+      a = math.max(a, wait * L) + cost * W
+      s.tat = now + math.floor(a / L)
+      s.frac = a % L
+    end
+  end
+
   if adjusting then -- adjustments after a response (see main.lua)
     -- The TAT moves back by `units` intervals, never before now.
     function gcra.refund(s, now, L, W, B, units, at)

@@ -94,16 +94,17 @@ local function lease_return(group, k, units, starts, now)
 end
 
 -- Reads the lease sections at ARGV[a] (after the requests; absent: no leases) and runs
--- the returns at once. Returns the asks: request index -> units wanted.
+-- the returns at once. Returns the asks (request index -> units wanted) and the index in
+-- ARGV after the sections (where the reservations follow, see main.lua).
 local function lease_sections(a, groups, now)
   local asks = {}
-  if ARGV[a] == nil then return asks end
+  if ARGV[a] == nil then return asks, a end
   for _ = 1, ARGV[a] + 0 do
     asks[ARGV[a + 1] + 0] = ARGV[a + 2] + 0
     a = a + 2
   end
   a = a + 1
-  if ARGV[a] == nil then return asks end
+  if ARGV[a] == nil then return asks, a end
   for _ = 1, ARGV[a] + 0 do
     local group = groups[ARGV[a + 1] + 0]
     local k, units = ARGV[a + 2] + 0, ARGV[a + 3] + 0
@@ -114,5 +115,5 @@ local function lease_sections(a, groups, now)
     lease_return(group, k, units, starts, now)
     a = a + 3 + #group
   end
-  return asks
+  return asks, a + 1
 end

@@ -20,6 +20,15 @@
 -- the group. Returns run before the requests. Without these sections nothing changes.
 -- An ask beside a peek or an adjustment, or for a group with a lockout limit (or a
 -- sliding-window log), is granted nothing.
+-- Reservations (optional): after the lease sections (then present, as "0 0" when there
+-- are no asks or returns), the number of reserving requests V and for each: request
+-- index (1-based), max wait ms. Such a request that does not fit now but would within
+-- its max wait, under limits that are all token buckets or GCRAs without lockouts, is
+-- allowed *reserved*: its units are committed now as if it arrived `wait` ms later
+-- (reserve() in token_bucket.lua / gcra.lua; rules in src/algorithm/mod.rs
+-- check_reserving), and each of its limits answers allowed 1 with retry_after = the
+-- wait (> 0; an allowed limit answers 0 otherwise). A reserving request gets no lease.
+-- Without this section nothing changes.
 --
 -- Returns (empty when there are no requests), in this order:
 -- 1. for each limit of each request in order: allowed (0/1), remaining (minus the time
@@ -92,14 +101,50 @@ end
 
 -- The lease sections follow the requests (an adjustment has one argument more than a
 -- request): looked for only when ARGV goes on past N plain requests.
-local asks
+local asks, reserving, reservation
 if #ARGV > a + 2 * ARGV[a] then
   local e = a + 1
   for _ = 1, ARGV[a] + 0 do
     if ARGV[e] + 0 < 0 then e = e + 3 else e = e + 2 end
   end
-  asks = lease_sections(e, groups, now)
+  asks, e = lease_sections(e, groups, now)
+  if ARGV[e] ~= nil then
+    reserving = {}
+    for _ = 1, ARGV[e] + 0 do
+      reserving[ARGV[e + 1] + 0] = ARGV[e + 2] + 0
+      e = e + 2
+    end
+    -- The bucket algorithms' reservations, defined now (as adjustments are, below).
+    reservations = true
+    for code, defined in pairs(algorithms) do
+      if code >= 4 then
+        local full = definitions[code]()
+        defined.can_reserve, defined.reserve = full.can_reserve, full.reserve
+      end
+    end
+    -- The wait request `cost` of `group` may reserve (see the header), 0 when it may not:
+    -- `held` and `retries` are its limits' states and waits. Made only by a call with
+    -- reservations (a function at the top would be made by every call).
+    reservation = function(group, held, retries, now, cost, max)
+      local w = 0
+      for i = 1, #group do
+        local limit = group[i]
+        if limit.code < 4 or limit.D > 0 or cost > limit.B then return 0 end
+        if retries[i] > w then w = retries[i] end
+      end
+      if w == 0 or w > max then return 0 end
+      for i = 1, #group do
+        local limit = group[i]
+        -- At most 2^51 units ahead (MAX_RESERVED in src/algorithm/mod.rs): all stays exact.
+        if w * limit.L > 2251799813685248 or not limit.alg.can_reserve(held[i], now) then
+          return 0
+        end
+      end
+      return w
+    end
+  end
 end
+
 local tail = {} -- the asks' results, after the requests'
 
 local states = {} -- key -> state, loaded on first use
@@ -187,6 +232,10 @@ for r = 1, ARGV[a] + 0 do
     end
     held[i], fits[i], retries[i] = s, fit, retry
   end
+  local wait = 0
+  if not all_fit and reserving and reserving[r] and not peek and m > 0 then
+    wait = reservation(group, held, retries, now, cost, reserving[r])
+  end
   for i = 1, m do
     local limit = group[i]
     local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
@@ -202,11 +251,17 @@ for r = 1, ARGV[a] + 0 do
         s.changed = limit
         changed[#changed + 1] = s
       end
+    elseif wait > 0 then
+      alg.reserve(s, now, L, W, B, cost, wait)
+      if not s.changed then
+        s.changed = limit
+        changed[#changed + 1] = s
+      end
     end
-    out[n + 1] = fits[i] and 1 or 0
+    out[n + 1] = (fits[i] or wait > 0) and 1 or 0
     out[n + 2] = alg.remaining(s, now, L, W, B)
     out[n + 3] = alg.reset_after(s, now, L, W, B)
-    out[n + 4] = retries[i]
+    out[n + 4] = wait > 0 and wait or retries[i]
     if limit.D > 0 and not fits[i] then
       lockout_deny(out, n, KEYS[k + limit.bk], limit.D, now, peek)
     end

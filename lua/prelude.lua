@@ -46,6 +46,10 @@ end
 -- (In a library it stays set once a call had one: the definitions are kept, refunds too.)
 local adjusting = false
 
+-- Whether the bucket algorithms define their reservations (can_reserve, reserve): only
+-- once a call has a reservation (main.lua sets it), for the same reason.
+local reservations = false
+
 -- Writes a string key and its TTL in one command (`ttl` is at least 1 ms).
 local function set_expiring(key, value, ttl)
   redis.call('SET', key, value, 'PX', math.max(ttl, 1) + ttl_margin)

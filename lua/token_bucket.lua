@@ -60,6 +60,17 @@ local function define_token_bucket()
     return paused(s, now) + ceil_div(missing, L)
   end
 
+  if reservations then -- reservations for max_wait (see main.lua)
+    function token_bucket.can_reserve(s, now)
+      return s.last <= now
+    end
+
+    -- Into debt: the bucket `wait` ms from now (at most full), less cost and that refill.
+    function token_bucket.reserve(s, now, L, W, B, cost, wait)
+      s.tokens = math.min(s.tokens + wait * L, B * W) - cost * W - wait * L
+    end
+  end
+
   if adjusting then -- adjustments after a response (see main.lua)
     -- Back into the bucket, at most its capacity (a debt and a full bucket are two
     -- capacities apart: no refund gives back more).

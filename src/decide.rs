@@ -20,7 +20,7 @@ use crate::{
     rejection::OnRejection,
     rules::{Active, Cell},
     store::{Check, Guarded},
-    wait::{Ticket, Waiting},
+    wait::{self, Ticket, Waiting},
 };
 
 /// What a [`RateLimit`](crate::RateLimit) service shares with its response futures.
@@ -35,6 +35,26 @@ pub(crate) struct Shared<R> {
     pub(crate) metrics: metrics::LayerMetrics,
     /// Denied requests may wait ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
     pub(crate) waiting: Option<Arc<Waiting>>,
+}
+
+impl<R> Shared<R> {
+    /// Asks the store about a request: for a reservation when the layer lets requests
+    /// wait and its line has room ([`wait`](crate::wait)), else a plain check.
+    #[inline(always)]
+    pub(crate) fn ask(
+        &self,
+        key: &Key,
+        limits: &[crate::Limit],
+        cost: u32,
+    ) -> Result<Result<Decision, StoreError>, Check> {
+        match &self.waiting {
+            Some(waiting) if waiting.has_room(key) => {
+                self.store
+                    .reserve_now(key, limits, cost, waiting.max_wait_ms())
+            }
+            _ => self.store.check_now(key, limits, cost),
+        }
+    }
 }
 
 /// How the store was asked about a request: what [`settle`] needs besides its answer.
@@ -232,6 +252,14 @@ fn enforce<ReqB, ResB, R>(
 where
     R: OnRejection<ReqB, ResB>,
 {
+    // A reservation: its wait, in line (or, with no place left, a denial). Tested by
+    // reference: moving the answer through a match costs every request a copy.
+    if let Ok(decision) = &result
+        && decision.wait_ms() > 0
+        && decision.is_allowed()
+    {
+        return reserved(shared, rules, result, allowed, request, asked);
+    }
     let recorded = match &result {
         Ok(decision) if decision.is_allowed() => allowed,
         Ok(decision) => {
@@ -263,6 +291,48 @@ where
     let mut response = shared.rejection.rate_limited(request, &decision);
     rules.headers.write(response.headers_mut(), &decision);
     Next::Answer(response)
+}
+
+/// A request whose units the store reserved (`result`): waits in line, or with no place
+/// left (or no line: a store that reserved unasked) is denied, after giving the units
+/// back when no other reservation of the key is in line (then they are the last ones
+/// counted; see [`wait`](crate::wait)). Out of line: rare.
+#[inline(never)]
+fn reserved<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    result: Result<Decision, StoreError>,
+    allowed: Recorded,
+    request: &Request<ReqB>,
+    asked: &Asked,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    let Ok(decision) = result else {
+        return enforce(shared, rules, result, allowed, request, asked, false);
+    };
+    let (decision, alone) = match &shared.waiting {
+        Some(waiting) => {
+            let alone = waiting.none_reserved(&asked.key);
+            match waiting.admit_reserved(&asked.key, decision) {
+                Ok(ticket) => return Next::Wait(Box::new(ticket)),
+                Err(decision) => (decision, alone),
+            }
+        }
+        None => (decision, true),
+    };
+    if alone {
+        wait::release(
+            &shared.store,
+            rules.limits(),
+            &asked.key,
+            asked.cost,
+            &decision,
+        );
+    }
+    let refused = wait::refused(&decision);
+    enforce(shared, rules, Ok(refused), allowed, request, asked, false)
 }
 
 /// The failure policy's answer to a store error: a decision (the local fallback store's),

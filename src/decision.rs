@@ -71,8 +71,8 @@ impl LimitDecision {
 /// request is allowed only when every limit has room, and a denied request consumes
 /// nothing from any of them.
 ///
-/// Equality compares the outcome (allowed and every limit's numbers), not
-/// [`decided_at_ms`](Self::decided_at_ms).
+/// Equality compares the outcome (allowed, every limit's numbers and the
+/// [`wait`](Self::wait)), not [`decided_at_ms`](Self::decided_at_ms).
 #[derive(Debug, Clone)]
 pub struct Decision {
     allowed: bool,
@@ -84,13 +84,18 @@ pub struct Decision {
     /// days) fits beside `allowed`, so a `Decision` is no larger than without it; a cache
     /// that reads a saturated value only forgets a denial early.
     blocked_ms: u32,
+    /// A reservation ([`wait`](Self::wait)): ms to wait before the request may run, 0 for
+    /// a request that may run at once. Saturating, as `blocked_ms`.
+    wait_ms: u32,
     /// The store's time of the decision (ms), where a refund finds the units' state.
     at_ms: Option<u64>,
 }
 
 impl PartialEq for Decision {
     fn eq(&self, other: &Self) -> bool {
-        self.allowed == other.allowed && self.limits == other.limits
+        self.allowed == other.allowed
+            && self.limits == other.limits
+            && self.wait_ms == other.wait_ms
     }
 }
 
@@ -108,8 +113,31 @@ impl Decision {
             allowed,
             limits,
             blocked_ms: 0,
+            wait_ms: 0,
             at_ms: None,
         }
+    }
+
+    /// The same decision, allowed after a wait of `wait_ms`: a reservation, made by
+    /// [`Store::reserve`](crate::Store::reserve). The units are counted already at the
+    /// moment the request may run; the caller waits `wait_ms`, then runs it without asking
+    /// the store again. (0: no wait. Saturates at `u32::MAX` ms, about 49 days.)
+    #[must_use]
+    pub fn with_wait(mut self, wait_ms: u64) -> Self {
+        self.wait_ms = u32::try_from(wait_ms).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// How long an allowed request must wait before it runs: zero unless the store
+    /// [reserved](crate::Store::reserve) its units for a moment ahead. See
+    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait).
+    pub fn wait(&self) -> Duration {
+        Duration::from_millis(self.wait_ms())
+    }
+
+    /// [`wait`](Self::wait) in milliseconds.
+    pub fn wait_ms(&self) -> u64 {
+        u64::from(self.wait_ms)
     }
 
     /// The same decision, blocked by a lockout for `blocked_ms` more (0: not blocked).
@@ -146,6 +174,7 @@ impl Decision {
             allowed: true,
             limits: SmallVec::new(),
             blocked_ms: 0,
+            wait_ms: 0,
             at_ms: None,
         }
     }

@@ -240,18 +240,29 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
         self
     }
 
-    /// Lets a request that would be denied wait instead, when the store says it would fit
-    /// within `max_wait` (its `retry_after`): it sleeps that long, then asks the store
-    /// again and passes if it fits (nginx `limit_req delay=`, a throttling queue). Bursts
-    /// are smoothed instead of failed; the client sees a slower answer, not a 429.
+    /// Lets a request that would be denied wait instead, when it would fit within
+    /// `max_wait` (nginx `limit_req delay=`, a throttling queue). Bursts are smoothed
+    /// instead of failed; the client sees a slower answer, not a 429.
     ///
-    /// - Nothing is reserved: a request that arrives meanwhile may take the units first.
-    ///   A waiter that finds itself overtaken waits again for the new `retry_after` while
-    ///   its whole wait stays within `max_wait`, and is answered 429 otherwise. (Of the
-    ///   algorithms, only GCRA's state could hold a reservation as it is.)
+    /// - **Token bucket and GCRA limits reserve**: the layer asks the store to
+    ///   [reserve](crate::Store::reserve), which counts the request at once for the moment
+    ///   it may run (a bucket goes into debt, GCRA's arrival time moves ahead) and answers
+    ///   "allowed after [`wait`](crate::Decision::wait)". The request sleeps that long and
+    ///   runs without asking again: nobody can overtake it, and it never waits in vain.
+    ///   Several limits reserve together or not at all (the longest wait counts).
+    /// - **Fixed and sliding windows, the log and lockouts do not reserve** (a window
+    ///   cannot hold units for a later window without counting them in the wrong one):
+    ///   a denied request whose `retry_after` is within `max_wait` sleeps that long and
+    ///   asks the store again. A request that arrives meanwhile may take the units first;
+    ///   the waiter then waits again while its whole wait stays within `max_wait`, and is
+    ///   answered 429 otherwise. So does a list of limits with one of these among them,
+    ///   and a custom [`Store`] without `reserve`.
     /// - At most [`max_waiters`](Self::max_waiters) requests wait per layer and per key;
     ///   beyond that the answer is 429 at once, so waiting never holds unbounded memory.
-    ///   A client that hangs up gives its place back at once.
+    ///   A client that hangs up gives its place back at once, and a reserved one its
+    ///   units too ([`Adjustment::Refund`](crate::Adjustment::Refund)) when no
+    ///   reservation of its key in this layer's line was made after it (see
+    ///   [`wait`](crate::wait) for why, and for the limit of that with several replicas).
     /// - A request that can never fit (costlier than a limit's capacity) does not wait.
     /// - Waiting uses Tokio's timer: the service must run on a Tokio runtime.
     ///

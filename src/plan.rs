@@ -644,10 +644,7 @@ where
             Err(checks) => Started::Checks(checks),
         };
     }
-    match shared
-        .store
-        .check_now(&asked.key, rules.limits(), asked.cost)
-    {
+    match shared.ask(&asked.key, rules.limits(), asked.cost) {
         Ok(result) => Started::Next(settle(shared, rules, result, request, asked, false)),
         Err(check) => Started::Check(check),
     }

@@ -120,7 +120,7 @@ macro_rules! decide {
                 },
             )
         } else {
-            let check = shared.store.check_now(&$key, rules.limits(), $cost);
+            let check = shared.ask(&$key, rules.limits(), $cost);
             let asked = Asked {
                 key: $key,
                 cost: $cost,

@@ -1,18 +1,31 @@
-//! Waiting instead of answering 429 ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)):
-//! a denied request whose `retry_after` is within the layer's `max_wait` takes a place in
-//! line, sleeps until then and asks the store again.
+//! Waiting instead of answering 429 ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
 //!
-//! Nothing is reserved: the store's answer after the sleep is a fresh decision, so a
-//! request that arrives meanwhile (on this process or another replica) may take the units
-//! first. A waiter that finds itself overtaken waits again for the new `retry_after` while
-//! the total stays within `max_wait` (counted from the first denial), and is answered 429
-//! otherwise. Of the algorithms, only GCRA's state (one arrival time, which may lie in the
-//! future) could hold a reservation as it is; the token bucket, the windows and the log
-//! would need state for units spent in the future, which no store keeps yet.
+//! **Reserved** (token bucket and GCRA limits): the layer asks the store to
+//! [reserve](crate::Store::reserve) within `max_wait`. A request that does not fit now but
+//! would within `max_wait` is counted at once, for the moment it may run, and answered
+//! "allowed after `wait`": it takes a place in line, sleeps `wait` and then calls the
+//! inner service without asking the store again. Its units are its own: no later request
+//! can overtake it (a later one queues behind it in the store's state), and it never waits
+//! in vain.
+//!
+//! **Asked again** (fixed and sliding windows, the log, lockouts, or a store that does not
+//! reserve): a denied request whose `retry_after` is within `max_wait` takes a place,
+//! sleeps until then and asks the store again. Nothing is reserved, so a request that
+//! arrives meanwhile (on this process or another replica) may take the units first; a
+//! waiter that finds itself overtaken waits again for the new `retry_after` while the total
+//! stays within `max_wait` (counted from the first denial), and is answered 429 otherwise.
+//! (A window cannot hold units for a later window without counting them in the wrong one.)
 //!
 //! The line is bounded per layer and per key: beyond either bound a request is answered
-//! 429 at once. A place is held by the request's response future, so a client that hangs
-//! up (the future is dropped) gives its place back at once.
+//! 429 at once (a layer asks to reserve only while the line has room). A place is held by
+//! the request's response future, so a client that hangs up (the future is dropped) gives
+//! its place back at once; a reserved one gives its units back too
+//! ([`Adjustment::Refund`]) when no reservation of its key in this line was made after it:
+//! then its units are the last ones counted, and handing them back lets nobody run earlier
+//! than a waiter already in line. A reservation made after it keeps them (they are then
+//! not the last, and giving them back would let a newcomer run at the same time as that
+//! waiter). The line is the layer's: a reservation made by another replica after it is not
+//! seen, and the refund may then let one newcomer run up to those units early, once.
 
 use std::{
     fmt,
@@ -25,9 +38,10 @@ use std::{
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::{
-    Decision, Limit,
+    Adjustment, Decision, Limit, LimitDecision,
     key::Key,
     rules::Active,
     store::{Check, Guarded},
@@ -45,8 +59,19 @@ pub(crate) struct Waiting {
     max_waiters: usize,
     max_per_key: usize,
     waiters: AtomicUsize,
-    /// Waiters per key; touched only by requests that wait.
-    per_key: Mutex<HashMap<Key, usize>>,
+    /// Waiters per key; touched only by requests that wait (and, while anybody waits, by
+    /// the look for room before a reservation).
+    per_key: Mutex<HashMap<Key, Line>>,
+}
+
+/// One key's part of the line.
+#[derive(Debug, Default)]
+struct Line {
+    waiters: usize,
+    /// The live reservations' numbers, in the order they were made.
+    reserved: SmallVec<[u64; 4]>,
+    /// The number of the next reservation.
+    next: u64,
 }
 
 impl fmt::Debug for Waiting {
@@ -69,6 +94,26 @@ impl Waiting {
             waiters: AtomicUsize::new(0),
             per_key: Mutex::default(),
         }
+    }
+
+    /// The longest wait, in ms: what the layer asks the store to reserve within.
+    pub(crate) fn max_wait_ms(&self) -> u64 {
+        self.max_wait_ms
+    }
+
+    /// Whether a request of `key` would find a place in line now: the layer asks the store
+    /// to reserve only then, so that a full line makes no reservations it must give back.
+    /// (No lock while nobody waits.)
+    #[inline]
+    pub(crate) fn has_room(&self, key: &Key) -> bool {
+        let waiting = self.waiters.load(Ordering::Acquire);
+        waiting == 0
+            || (waiting < self.max_waiters
+                && self
+                    .per_key
+                    .lock()
+                    .get(key)
+                    .is_none_or(|line| line.waiters < self.max_per_key))
     }
 
     /// How many requests wait now.
@@ -95,31 +140,117 @@ impl Waiting {
         if limits.iter().any(|l| cost > l.capacity()) {
             return None;
         }
+        let place = self.take_place(key, false)?;
+        Some(Ticket {
+            place,
+            kind: Kind::Retry(retry_ms),
+        })
+    }
+
+    /// A place in line for a request of `key` whose units the store reserved (`decision`
+    /// allows it after [`Decision::wait`]), when neither bound is reached; the decision
+    /// back when one is (the caller gives the units back: see [`release`] and
+    /// [`refused`]).
+    pub(crate) fn admit_reserved(
+        self: &Arc<Self>,
+        key: &Key,
+        decision: Decision,
+    ) -> Result<Ticket, Decision> {
+        match self.take_place(key, true) {
+            Some(place) => Ok(Ticket {
+                place,
+                kind: Kind::Reserved(decision),
+            }),
+            None => Err(decision),
+        }
+    }
+
+    /// Takes a place for `key` (numbered as the key's latest reservation when
+    /// `reserved`), unless a bound is reached.
+    fn take_place(self: &Arc<Self>, key: &Key, reserved: bool) -> Option<Place> {
         if self.waiters.fetch_add(1, Ordering::AcqRel) >= self.max_waiters {
             self.waiters.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        {
-            let mut per_key = self.per_key.lock();
-            match per_key.get_mut(key) {
-                Some(count) if *count >= self.max_per_key => {
-                    drop(per_key);
-                    self.waiters.fetch_sub(1, Ordering::AcqRel);
-                    return None;
-                }
-                Some(count) => *count += 1,
-                None => {
-                    per_key.insert(key.clone(), 1);
-                }
-            }
+        let mut per_key = self.per_key.lock();
+        if !per_key.contains_key(key) {
+            per_key.insert(key.clone(), Line::default());
         }
-        Some(Ticket {
-            place: Place {
-                waiting: self.clone(),
-                key: key.clone(),
-            },
-            retry_ms,
+        let line = per_key.get_mut(key).expect("inserted above");
+        if line.waiters >= self.max_per_key {
+            if line.waiters == 0 {
+                per_key.remove(key);
+            }
+            drop(per_key);
+            self.waiters.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        line.waiters += 1;
+        let seq = reserved.then(|| {
+            let seq = line.next;
+            line.next += 1;
+            line.reserved.push(seq);
+            seq
+        });
+        drop(per_key);
+        Some(Place {
+            waiting: self.clone(),
+            key: key.clone(),
+            seq,
         })
+    }
+
+    /// Whether `key` has no live reservation in line.
+    pub(crate) fn none_reserved(&self, key: &Key) -> bool {
+        self.per_key
+            .lock()
+            .get(key)
+            .is_none_or(|line| line.reserved.is_empty())
+    }
+}
+
+/// The denial a reservation that finds no place in line gets instead: each limit denied
+/// with the reservation's wait as its `retry_after`.
+pub(crate) fn refused(decision: &Decision) -> Decision {
+    let wait = decision.wait_ms();
+    let limits = decision
+        .limits()
+        .iter()
+        .map(|l| LimitDecision::deny(l.limit, l.remaining, l.reset_after_ms, wait))
+        .collect();
+    let refused = Decision::new(limits);
+    match decision.decided_at_ms() {
+        Some(at) => refused.decided_at(at),
+        None => refused,
+    }
+}
+
+/// Gives a reservation's units back: `cost` units charged by `decision`, through
+/// [`Store::adjust`](crate::Store::adjust) under the layer's timeout and breaker. A call
+/// that has to wait for the store is spawned (the request it belonged to is gone);
+/// without a Tokio runtime, or when the store does not say when it decided, nothing is
+/// given back.
+pub(crate) fn release(
+    store: &Guarded,
+    limits: &[Limit],
+    key: &Key,
+    cost: u32,
+    decision: &Decision,
+) {
+    let Some(charged_at_ms) = decision.decided_at_ms() else {
+        return;
+    };
+    if cost == 0 {
+        return;
+    }
+    let refund = Adjustment::Refund {
+        units: cost,
+        charged_at_ms,
+    };
+    if let Err(check) = store.adjust_now(key, limits, refund)
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        runtime.spawn(check);
     }
 }
 
@@ -128,14 +259,33 @@ impl Waiting {
 struct Place {
     waiting: Arc<Waiting>,
     key: Key,
+    /// The reservation's number, for a reserved request still in line.
+    seq: Option<u64>,
+}
+
+impl Place {
+    /// Leaves the key's reservations (once): whether it was the latest live one.
+    fn leave_reserved(&mut self) -> bool {
+        let Some(seq) = self.seq.take() else {
+            return false;
+        };
+        let mut per_key = self.waiting.per_key.lock();
+        let Some(line) = per_key.get_mut(&self.key) else {
+            return false;
+        };
+        let last = line.reserved.last() == Some(&seq);
+        line.reserved.retain(|s| *s != seq);
+        last
+    }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
+        self.leave_reserved();
         let mut per_key = self.waiting.per_key.lock();
-        if let Some(count) = per_key.get_mut(&self.key) {
-            *count -= 1;
-            if *count == 0 {
+        if let Some(line) = per_key.get_mut(&self.key) {
+            line.waiters -= 1;
+            if line.waiters == 0 {
                 per_key.remove(&self.key);
             }
         }
@@ -144,19 +294,77 @@ impl Drop for Place {
     }
 }
 
-/// A denied request's place in line and how long it waits first.
+/// A request's place in line and what it waits for.
 pub(crate) struct Ticket {
     place: Place,
-    retry_ms: u64,
+    kind: Kind,
+}
+
+enum Kind {
+    /// Denied: sleeps this many ms, then asks again.
+    Retry(u64),
+    /// Reserved: sleeps its wait, then runs with this decision.
+    Reserved(Decision),
+}
+
+/// A reserved request's place while it sleeps: dropped before its time (its client hung
+/// up), it gives the units back when they are the key's latest reserved ones.
+struct Reservation {
+    place: Place,
+    store: Guarded,
+    rules: Arc<Active>,
+    key: Key,
+    cost: u32,
+    decision: Decision,
+    /// Still before its time.
+    armed: bool,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let last = self.place.leave_reserved();
+        if self.armed && last {
+            release(
+                &self.store,
+                self.rules.limits(),
+                &self.key,
+                self.cost,
+                &self.decision,
+            );
+        }
+    }
 }
 
 impl Ticket {
-    /// The wait, then the store's fresh answer, as a [`Check`]: sleeps `retry_after`, asks
-    /// the store again under the same `rules` and, while it is denied and the new
+    /// The wait, as a [`Check`] under the same `rules`. Reserved: sleeps the reservation's
+    /// wait and answers its decision (allowed now) without asking the store; dropped
+    /// before then, it gives the units back as the [module docs](self) say. Denied:
+    /// sleeps `retry_after`, asks the store again and, while it is denied and the new
     /// `retry_after` still ends within `max_wait` of the first denial, sleeps again. The
     /// place is given back when the check ends or is dropped.
     pub(crate) fn wait(self, store: Guarded, rules: Arc<Active>, key: Key, cost: u32) -> Check {
-        let Self { place, retry_ms } = self;
+        let Self { place, kind } = self;
+        let retry_ms = match kind {
+            Kind::Retry(retry_ms) => retry_ms,
+            Kind::Reserved(decision) => {
+                let wait = decision.wait();
+                return Check::pending(async move {
+                    let mut reservation = Reservation {
+                        place,
+                        store,
+                        rules,
+                        key,
+                        cost,
+                        decision,
+                        armed: true,
+                    };
+                    tokio::time::sleep(wait).await;
+                    // Its time has come: the units are this request's to spend.
+                    reservation.armed = false;
+                    Ok(reservation.decision.clone().with_wait(0))
+                });
+            }
+        };
         let max_wait = Duration::from_millis(place.waiting.max_wait_ms);
         Check::pending(async move {
             let _place = place;
@@ -194,6 +402,32 @@ mod tests {
 
     fn denied(retry_after_ms: u64) -> Decision {
         Decision::new(vec![LimitDecision::deny(5, 0, 1_000, retry_after_ms)])
+    }
+
+    #[test]
+    fn only_the_latest_reservation_of_a_key_is_the_last() {
+        let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 10, 10));
+        let (a, b) = (Key::new("a"), Key::new("b"));
+        let reserved = Decision::new(vec![LimitDecision::allow(1, 0, 100)]).with_wait(50);
+        let place = |key: &Key| match waiting.admit_reserved(key, reserved.clone()) {
+            Ok(ticket) => ticket.place,
+            Err(_) => panic!("a place for {key:?}"),
+        };
+        let (mut first, mut second, mut other) = (place(&a), place(&a), place(&b));
+        assert!(!waiting.none_reserved(&a));
+        // "first" is not the latest of "a" ("second" is); "b" has its own line.
+        assert!(!first.leave_reserved());
+        assert!(other.leave_reserved());
+        assert!(second.leave_reserved());
+        assert!(!second.leave_reserved(), "once");
+        assert!(waiting.none_reserved(&a));
+        // A refused reservation is a denial with its wait as the retry.
+        let denied = refused(&reserved);
+        assert!(!denied.is_allowed());
+        assert_eq!(denied.retry_after(), Duration::from_millis(50));
+        drop((first, second, other));
+        assert_eq!(waiting.len(), 0);
+        assert!(waiting.per_key.lock().is_empty());
     }
 
     #[test]

@@ -605,6 +605,45 @@ async fn a_delayed_route_waits_instead_of_429(store: &str) {
     gw.stop().await.unwrap();
 }
 
+/// `delay` reserves (GCRA, 1 per second): a request that comes while another waits goes
+/// behind it, and each runs at its reserved time without asking the store again (on
+/// Redis: one script call per request, counted by `evalsha_calls`).
+async fn a_delayed_route_serves_waiters_in_order(
+    store: &str,
+    evalsha_calls: Option<&dyn Fn() -> u64>,
+) {
+    let routes = "[[routes]]\npath = \"/slow\"\ndelay = \"5s\"\n[[routes.limits]]\n\
+                  key = \"global\"\nalgorithm = \"gcra\"\nlimit = 1\nwindow = \"1s\"\n";
+    let gw = gateway(store, routes).await;
+    let client = client();
+    let calls_before = evalsha_calls.map(|calls| calls());
+    let t0 = std::time::Instant::now();
+    assert_eq!(statuses(&client, &gw, &["/slow"]).await, [200]);
+    let send = || {
+        let (client, url) = (client.clone(), url(&gw, "/slow"));
+        tokio::spawn(async move {
+            let status = get(&client, &url).await.status;
+            (status, std::time::Instant::now())
+        })
+    };
+    let first = send();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = send();
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!((first.0.as_u16(), second.0.as_u16()), (200, 200));
+    // The first waiter runs about a second in, the one that came later a second after it.
+    let (first, second) = (first.1 - t0, second.1 - t0);
+    assert!(first >= Duration::from_millis(700), "{first:?}");
+    assert!(
+        second >= first + Duration::from_millis(700),
+        "{first:?} {second:?}"
+    );
+    if let (Some(calls), Some(before)) = (evalsha_calls, calls_before) {
+        assert_eq!(calls() - before, 3, "one script call per request");
+    }
+    gw.stop().await.unwrap();
+}
+
 /// `max_in_flight = 2` on a route keyed by a header: two responses still streaming from
 /// the upstream hold both permits of their client, a third request gets 429 with
 /// `Retry-After: 1`, another client passes, and a body that ends frees its permit.
@@ -678,6 +717,11 @@ async fn memory_max_in_flight_holds_streaming_responses() {
 #[tokio::test]
 async fn memory_a_delayed_route_waits_instead_of_429() {
     a_delayed_route_waits_instead_of_429(MEMORY).await;
+}
+
+#[tokio::test]
+async fn memory_a_delayed_route_serves_waiters_in_order() {
+    a_delayed_route_serves_waiters_in_order(MEMORY, None).await;
 }
 
 #[tokio::test]
@@ -1610,6 +1654,13 @@ mod redis {
     async fn redis_a_delayed_route_waits_instead_of_429() {
         let redis = RedisServer::start();
         a_delayed_route_waits_instead_of_429(&store(&redis, "delay")).await;
+    }
+
+    #[tokio::test]
+    async fn redis_a_delayed_route_serves_waiters_in_order() {
+        let redis = RedisServer::start();
+        let calls = || redis.calls("evalsha");
+        a_delayed_route_serves_waiters_in_order(&store(&redis, "delay"), Some(&calls)).await;
     }
 
     #[tokio::test]

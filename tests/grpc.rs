@@ -409,3 +409,50 @@ mod redis {
         );
     }
 }
+
+/// `max_wait` over gRPC (GCRA, 1 a second per `x-api-key`, real time): a call beyond the
+/// limit waits its reserved turn and succeeds instead of RESOURCE_EXHAUSTED; a later call
+/// runs after it; a call whose client gives up (its deadline passes) while it waits gives
+/// its place and units back, so the call after it takes its turn.
+#[tokio::test]
+async fn a_waiting_call_runs_at_its_turn_and_a_cancelled_one_gives_it_back() {
+    let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(1)).unwrap())
+        .key(HeaderKey::new("x-api-key").unwrap())
+        .max_wait(Duration::from_secs(5));
+    let running = serve(layer).await;
+    let t0 = std::time::Instant::now();
+    let call = |timeout: Option<Duration>| {
+        let mut client = running.client.clone();
+        let mut request = check(Some("k"));
+        if let Some(timeout) = timeout {
+            request.set_timeout(timeout);
+        }
+        tokio::spawn(async move {
+            let result = client.check(request).await.map(|_| ());
+            (result.map_err(|s| s.code()), std::time::Instant::now())
+        })
+    };
+    assert_eq!(call(None).await.unwrap().0, Ok(()));
+    // At 1 s.
+    let second = call(None);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // At 2 s, but its client gives up after 200 ms: that turn is free again.
+    let cancelled = call(Some(Duration::from_millis(200)));
+    let cancelled = cancelled.await.unwrap().0;
+    assert!(
+        matches!(cancelled, Err(Code::DeadlineExceeded | Code::Cancelled)),
+        "{cancelled:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Takes the cancelled call's turn: at 2 s, not 3 s.
+    let fourth = call(None);
+    let (second, fourth) = (second.await.unwrap(), fourth.await.unwrap());
+    assert_eq!((second.0, fourth.0), (Ok(()), Ok(())));
+    let (second, fourth) = (second.1 - t0, fourth.1 - t0);
+    assert!(second >= Duration::from_millis(700), "{second:?}");
+    assert!(
+        fourth >= second + Duration::from_millis(700),
+        "{second:?} {fourth:?}"
+    );
+    assert!(fourth < Duration::from_millis(2_700), "{fourth:?}");
+}

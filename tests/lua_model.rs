@@ -1432,3 +1432,198 @@ proptest! {
         })?;
     }
 }
+
+/// Limits for reservations: mostly token buckets and GCRAs (which reserve), sometimes a
+/// fixed window among them (then a request reserves nothing).
+fn reserve_limits_strategy() -> impl Strategy<Value = Vec<Limit>> {
+    let algorithm = prop::sample::select(vec![
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+    ]);
+    let window = prop_oneof![1u64..20, 1u64..3_000];
+    let limit =
+        (algorithm, 1u32..20, window, 1u32..30).prop_map(|(algorithm, limit, window_ms, burst)| {
+            let l = Limit::new(algorithm, limit, Duration::from_millis(window_ms)).unwrap();
+            match algorithm {
+                Algorithm::TokenBucket | Algorithm::Gcra => l.with_burst(burst).unwrap(),
+                _ => l,
+            }
+        });
+    distinct(prop::collection::vec(limit, 1..=3))
+}
+
+/// One step of a history with reservations.
+#[derive(Debug, Clone, Copy)]
+enum Reserving {
+    Check(u32),
+    /// Cost, max wait ms.
+    Reserve(u32, u64),
+    /// Gives back the key's last reservation (its cost, at its decision's time), as a
+    /// client that hangs up does.
+    Release,
+    TopUp(u32),
+}
+
+fn reserving_strategy() -> impl Strategy<Value = Reserving> {
+    let max_wait = prop_oneof![1u64..50, 1u64..5_000];
+    prop_oneof![
+        2 => (0u32..8).prop_map(Reserving::Check),
+        5 => (0u32..8, max_wait).prop_map(|(c, m)| Reserving::Reserve(c, m)),
+        1 => Just(Reserving::Release),
+        1 => (1u32..6).prop_map(Reserving::TopUp),
+    ]
+}
+
+fn reserving_batches_strategy() -> impl Strategy<Value = Vec<(Wait, Vec<(Reserving, usize)>)>> {
+    let wait = prop_oneof![
+        2 => Just(Wait::Ms(0)),
+        2 => (0u64..50).prop_map(Wait::Ms),
+        2 => (0u64..4_000).prop_map(Wait::Ms),
+        1 => (-1i64..=1).prop_map(Wait::RetryAfter),
+        1 => (1u64..30).prop_map(Wait::Back),
+    ];
+    prop::collection::vec(
+        (
+            wait,
+            prop::collection::vec((reserving_strategy(), 0usize..2), 1..5),
+        ),
+        1..30,
+    )
+}
+
+/// The model's answers to `batches`: per batch its time and, per step, what to send (a
+/// release as its adjustment) and the decision.
+#[allow(clippy::type_complexity)]
+fn model_reserving(
+    limits: &[Limit],
+    batches: &[(Wait, Vec<(Reserving, usize)>)],
+) -> Vec<(u64, Vec<(Option<tollgate::Adjustment>, Decision)>)> {
+    let mut states: [Vec<State>; 2] =
+        std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+    let mut reserved: [Vec<(u32, u64)>; 2] = Default::default();
+    let mut now = START;
+    let mut previous: Option<Decision> = None;
+    let mut out = Vec::new();
+    for (wait, ops) in batches {
+        now = next_now(now, *wait, previous.as_ref());
+        let mut decided = Vec::new();
+        for &(op, key) in ops {
+            let (adjustment, decision) = match op {
+                Reserving::Check(cost) => {
+                    (None, algorithm::check(&mut states[key], limits, now, cost))
+                }
+                Reserving::Reserve(cost, max) => {
+                    let d = algorithm::check_reserving(&mut states[key], limits, now, cost, max);
+                    if d.wait_ms() > 0 && cost > 0 {
+                        reserved[key].push((cost, now));
+                    }
+                    (None, d)
+                }
+                Reserving::Release => {
+                    let (units, at) = reserved[key].pop().unwrap_or((1, now));
+                    let a = tollgate::Adjustment::Refund {
+                        units,
+                        charged_at_ms: at,
+                    };
+                    (Some(a), algorithm::adjust(&mut states[key], limits, now, a))
+                }
+                Reserving::TopUp(units) => {
+                    let a = tollgate::Adjustment::TopUp { units };
+                    (Some(a), algorithm::adjust(&mut states[key], limits, now, a))
+                }
+            };
+            previous = Some(decision.clone());
+            decided.push((adjustment, decision));
+        }
+        out.push((now, decided));
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Reservations (`Store::reserve`) decide like the model's `check_reserving`, mixed
+    /// with plain checks, releases and top-ups in one script call (coalesced) and alone,
+    /// also when the clock steps back and with a fixed window among the limits.
+    #[test]
+    fn lua_reserves_like_the_model(
+        limits in reserve_limits_strategy(),
+        batches in reserving_batches_strategy(),
+    ) {
+        let expected = model_reserving(&limits, &batches);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for ((_, ops), (now, want)) in batches.iter().zip(&expected) {
+                clock.set(*now);
+                let calls: Vec<_> = ops
+                    .iter()
+                    .zip(want)
+                    .map(|(&(op, key), (adjustment, _))| match (op, adjustment) {
+                        (Reserving::Check(cost), _) => store.check(&keys[key], &limits, cost),
+                        (Reserving::Reserve(cost, max), _) => {
+                            store.reserve(&keys[key], &limits, cost, max)
+                        }
+                        (_, Some(a)) => store.adjust(&keys[key], &limits, *a),
+                        (_, None) => unreachable!("an adjustment without one"),
+                    })
+                    .collect();
+                let got = futures_util::future::join_all(calls).await;
+                for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
+                    let got = got.unwrap();
+                    prop_assert_eq!(&got, want, "{:?} at {} in {:?} with {:?}", op, now, batches, limits);
+                }
+            }
+            Ok(())
+        })?;
+    }
+
+    /// A reservation is exactly the request arriving at its time: the requests allowed
+    /// (reserved or at once) on one key, replayed on a fresh state at the times they run
+    /// (`now + wait`, in that order), are every one allowed; and a reservation is made
+    /// whenever every limit reserves and the wait is within the bound. (Clock forward
+    /// only: a step back makes the times of a run overlap.)
+    #[test]
+    fn a_reservation_is_the_request_arriving_when_it_runs(
+        limits in reserve_limits_strategy(),
+        steps in prop::collection::vec((0u64..400, 0u32..8, prop_oneof![1u64..50, 1u64..5_000]), 1..60),
+    ) {
+        let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        let mut now = START;
+        let mut runs = Vec::new();
+        let reserves = limits
+            .iter()
+            .all(|l| matches!(l.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra));
+        for &(wait, cost, max) in &steps {
+            now += wait;
+            let before = states.clone();
+            let d = algorithm::check_reserving(&mut states, &limits, now, cost, max);
+            if d.is_allowed() {
+                runs.push((now + d.wait_ms(), cost));
+                prop_assert!(d.wait_ms() <= max);
+                prop_assert!(reserves || d.wait_ms() == 0);
+            } else {
+                prop_assert_eq!(&states, &before, "a denial changes nothing");
+                let plain = algorithm::peek(&before, &limits, now, cost);
+                let fits_in = plain.retry_after().as_millis() as u64;
+                let capacity_ok = limits.iter().all(|l| cost <= l.capacity());
+                prop_assert!(
+                    !(reserves && capacity_ok && fits_in <= max),
+                    "denied though it could reserve {} <= {}", fits_in, max
+                );
+            }
+        }
+        runs.sort_by_key(|&(t, _)| t);
+        let mut replay: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
+        for &(t, cost) in &runs {
+            let d = algorithm::check(&mut replay, &limits, t, cost);
+            prop_assert!(d.is_allowed(), "a run at {} of cost {} in {:?} with {:?}", t, cost, runs, limits);
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! `RateLimitLayer::max_wait`: a denied request whose `retry_after` is within the bound
 //! waits and then passes, instead of a 429; the line is bounded per layer and per key, and
-//! a client that hangs up gives its place back.
+//! a client that hangs up gives its place back. Most of these use fixed windows, which
+//! wait and ask again; reservations (token bucket, GCRA) are in tests/reserve.rs.
 //!
 //! Time is Tokio's, paused: the store reads a clock that follows it, so a request that
 //! sleeps its `retry_after` finds the store's window rolled exactly then.
@@ -199,8 +200,8 @@ async fn an_overtaken_waiter_within_max_wait_waits_again_and_passes() {
     assert_eq!(t0.elapsed(), Duration::from_millis(1700));
 }
 
-/// On Redis the decision is not ready at once: the response future waits for it, then
-/// waits its turn, then asks Redis again. Real time (Tokio's paused clock jumps ahead to
+/// On Redis the decision is not ready at once: the response future waits for it (a
+/// reservation, GCRA reserves), then waits its turn and runs. Real time (Tokio's paused clock jumps ahead to
 /// the Redis connection's own timers while it waits for Redis, so it cannot time this):
 /// a GCRA of 1 per 500 ms on Redis's clock makes the second request wait about 500 ms;
 /// the bounds are generous, the order of events is what is checked.
@@ -298,7 +299,9 @@ async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
         start.elapsed()
     );
 
-    // "b" spends its unit; its next request waits, and its client gives up after 200 ms.
+    // "b" spends its unit; its next request waits (reserved for 2 s on), and its client
+    // gives up after 200 ms.
+    let b0 = std::time::Instant::now();
     assert_eq!(within(get("b")).await.unwrap().status(), StatusCode::OK);
     assert!(
         tokio::time::timeout(Duration::from_millis(200), get("b"))
@@ -318,4 +321,6 @@ async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
     })
     .await;
     assert_eq!(response.status(), StatusCode::OK);
+    // The hang-up gave its units back too: this one took its turn at 2 s, not 4 s.
+    assert!(b0.elapsed() < Duration::from_secs(3), "{:?}", b0.elapsed());
 }

@@ -131,6 +131,26 @@ impl Model for Gcra {
         self.tat = now + ahead / scale;
         self.frac = ahead % scale;
     }
+
+    fn can_reserve(&self, _now: u64) -> bool {
+        true
+    }
+
+    /// The TAT moves on from where it would be `wait` ms from now: from itself, or from
+    /// `now + wait` when it lies before that; exactly the request arriving then. (It ends
+    /// at most the tolerance plus `wait` ahead: the TAT less `wait` leaves room for
+    /// `cost`. Beyond the tolerance, `ahead` caps it and nothing fits until it is back.)
+    fn reserve(&mut self, now: u64, limit: &Limit, cost: u64, wait: u64) {
+        let scale = u64::from(limit.limit());
+        let ahead = if self.tat < now {
+            0
+        } else {
+            (self.tat - now) * scale + self.frac
+        };
+        let ahead = ahead.max(wait * scale) + cost * limit.window_ms();
+        self.tat = now + ahead / scale;
+        self.frac = ahead % scale;
+    }
 }
 
 #[cfg(test)]

@@ -94,6 +94,19 @@ pub(crate) trait Model {
     /// Charges `units` already spent, even when they do not fit; each algorithm bounds
     /// the debt it keeps.
     fn top_up(&mut self, now: u64, limit: &Limit, units: u64);
+    /// Whether `cost` may be [reserved](reserve) here at `now`: only states that can
+    /// hold units spent in the future (the token bucket's debt, GCRA's arrival time ahead).
+    fn can_reserve(&self, now: u64) -> bool {
+        let _ = now;
+        false
+    }
+    /// Commits `cost` exactly as a request arriving `wait` ms after `now` would (only
+    /// asked when [`can_reserve`](Self::can_reserve) and `wait` refills at most one
+    /// capacity).
+    fn reserve(&mut self, now: u64, limit: &Limit, cost: u64, wait: u64) {
+        let _ = wait;
+        self.commit(now, limit, cost);
+    }
 }
 
 macro_rules! dispatch {
@@ -199,6 +212,14 @@ impl Model for State {
     fn top_up(&mut self, now: u64, limit: &Limit, units: u64) {
         dispatch!(self, s => s.top_up(now, limit, units));
     }
+
+    fn can_reserve(&self, now: u64) -> bool {
+        dispatch!(self, s => s.can_reserve(now))
+    }
+
+    fn reserve(&mut self, now: u64, limit: &Limit, cost: u64, wait: u64) {
+        dispatch!(self, s => s.reserve(now, limit, cost, wait));
+    }
 }
 
 /// Applies `adjustment` to every limit's state at `now` (ms): units given back after a
@@ -299,6 +320,111 @@ pub fn check(states: &mut [State], limits: &[Limit], now: u64, cost: u32) -> Dec
         }
     }
     Decision::from_limits(decisions).decided_at(now)
+}
+
+/// [`check`], reserving where the algorithms allow it: a request that does not fit now
+/// but would in `wait` ms, `0 < wait <= max_wait_ms`, is allowed *with that wait*
+/// ([`Decision::wait`]), and its units are counted now exactly as if it had arrived
+/// `wait` ms later; later requests queue behind it. Nobody can take those units
+/// meanwhile, so the caller sleeps `wait` and then runs the request without asking again.
+///
+/// Only the token bucket and GCRA reserve: the bucket by going into debt, GCRA by moving
+/// its arrival time further ahead, by at most what refills in `max_wait_ms` (and at most
+/// 2^51 units of `1 / window_ms` of a request, so that all stays exact). A request
+/// reserves only when every one of its limits can (all-or-nothing): a fixed or sliding
+/// window, a log or a lockout among them, a clock that stepped back behind a bucket's
+/// last refill, or a wait beyond `max_wait_ms` make it the plain denial of [`check`].
+/// (A window cannot hold units for a later window without counting them in the wrong
+/// one, and the log would need an entry in the future that the sliding window would
+/// count too early.)
+///
+/// # Panics
+///
+/// As [`check`].
+pub fn check_reserving(
+    states: &mut [State],
+    limits: &[Limit],
+    now: u64,
+    cost: u32,
+    max_wait_ms: u64,
+) -> Decision {
+    assert_eq!(states.len(), limits.len(), "one state per limit");
+    let cost = u64::from(cost);
+    let mut before: SmallVec<[Option<State>; 2]> = SmallVec::new();
+    let mut judged: SmallVec<[(bool, u64); 2]> = SmallVec::new();
+    for (state, limit) in states.iter_mut().zip(limits) {
+        before.push(state.kept_on_denial());
+        judged.push(judge(state, limit, now, cost));
+    }
+    let all_fit = judged.iter().all(|&(fits, _)| fits);
+    let wait = if all_fit {
+        0
+    } else {
+        reservation(states, limits, &judged, now, cost, max_wait_ms)
+    };
+    let mut decisions = LimitDecisions::new();
+    for ((state, limit), &(fits, retry_after_ms)) in states.iter_mut().zip(limits).zip(&judged) {
+        if all_fit {
+            state.commit(now, limit, cost);
+        } else if wait > 0 {
+            state.reserve(now, limit, cost, wait);
+        }
+        decisions.push(LimitDecision {
+            allowed: fits || wait > 0,
+            limit: limit.limit(),
+            remaining: state.remaining(now, limit),
+            reset_after_ms: state.reset_after(now, limit),
+            retry_after_ms: if wait > 0 { 0 } else { retry_after_ms },
+        });
+    }
+    if !all_fit && wait == 0 {
+        for (state, before) in states.iter_mut().zip(before) {
+            if let Some(before) = before {
+                *state = before;
+            }
+        }
+    }
+    Decision::from_limits(decisions)
+        .with_wait(wait)
+        .decided_at(now)
+}
+
+/// The most a reservation may hold ahead, in a limit's scaled units (`wait * limit`):
+/// with the state's own capacity (below 2^50) every value stays below 2^53, exact in
+/// the script's doubles.
+pub(crate) const MAX_RESERVED: u64 = 1 << 51;
+
+/// Whether a request under `limits` can ever be reserved: every limit a token bucket or
+/// a GCRA, none with a lockout.
+pub(crate) fn reservable(limits: &[Limit]) -> bool {
+    limits.iter().all(|l| {
+        matches!(l.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra) && l.lockout_ms() == 0
+    })
+}
+
+/// The wait a request that does not fit now may reserve (see [`check_reserving`]), 0 when
+/// it may not.
+fn reservation(
+    states: &[State],
+    limits: &[Limit],
+    judged: &[(bool, u64)],
+    now: u64,
+    cost: u64,
+    max_wait_ms: u64,
+) -> u64 {
+    let wait = judged.iter().map(|&(_, retry)| retry).max().unwrap_or(0);
+    if wait == 0 || wait > max_wait_ms {
+        return 0;
+    }
+    if !reservable(limits) {
+        return 0;
+    }
+    let reservable = states.iter().zip(limits).all(|(state, limit)| {
+        cost <= u64::from(limit.capacity())
+            && state.can_reserve(now)
+            && wait.saturating_mul(u64::from(limit.limit())) <= MAX_RESERVED
+    });
+    if reservable { wait } else { 0 }
 }
 
 /// The decision [`check`] would make, with `states` left as they are: what a store's

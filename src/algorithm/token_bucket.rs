@@ -128,6 +128,23 @@ impl Model for TokenBucket {
         let spent = (units.min(2 * u64::from(limit.burst())) * limit.window_ms()) as i64;
         self.tokens = (self.tokens() - spent).max(-capacity).min(self.tokens());
     }
+
+    /// Not while refilling is paused (the clock stepped back behind the last refill):
+    /// the wait would not say when the bucket refills.
+    fn can_reserve(&self, now: u64) -> bool {
+        self.last <= now
+    }
+
+    /// Into debt: the bucket as it will be `wait` ms from now (refilled, at most full),
+    /// less `cost`, less the refill until then, so that it holds exactly that when the
+    /// request runs. (A debt of at most the refill of `wait`, below 2^51 units: see
+    /// [`check_reserving`](super::check_reserving).)
+    fn reserve(&mut self, _now: u64, limit: &Limit, cost: u64, wait: u64) {
+        // Both below 2^51 (Limit's validation, and the bound on `wait`).
+        let refill = (wait * u64::from(limit.limit())) as i64;
+        let spent = (cost * limit.window_ms()) as i64;
+        self.tokens = (self.tokens() + refill).min(Self::capacity(limit)) - spent - refill;
+    }
 }
 
 #[cfg(test)]

@@ -69,6 +69,38 @@ impl Guarded {
         Err(self.wait(check, admission))
     }
 
+    /// [`check_now`](Self::check_now) for [`Store::reserve`]: a layer with
+    /// [`max_wait`](crate::RateLimitLayer::max_wait) asks this. With the circuit open, as
+    /// a check (quota held already, or the failure policy): nothing is reserved then.
+    pub(crate) fn reserve_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        max_wait_ms: u64,
+    ) -> Result<Result<Decision, StoreError>, Check> {
+        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
+        if admission == Admission::Skip {
+            return Ok(self
+                .store
+                .check_held(key, limits, cost)
+                .ok_or_else(StoreError::circuit_open));
+        }
+        match self
+            .store
+            .reserve(key, limits, cost, max_wait_ms)
+            .into_ready()
+        {
+            Ok(result) => {
+                if let Some(breaker) = &self.breaker {
+                    breaker.record(admission, result.is_ok());
+                }
+                Ok(result)
+            }
+            Err(check) => Err(self.wait(check, admission)),
+        }
+    }
+
     /// [`Store::adjust`] under the same timeout and breaker as a check: a refund or top-up
     /// after a response. Ready, or the call to wait for.
     pub(crate) fn adjust_now(

@@ -307,7 +307,20 @@ impl MemoryStore {
     pub fn decide(&self, key: &Key, limits: &[Limit], cost: u32) -> Decision {
         let now = self.inner.clock.now_ms();
         self.inner.maybe_sweep(now);
-        self.inner.decide(key, limits, cost, now)
+        self.inner.decide(key, limits, cost, now, 0)
+    }
+
+    /// Decides now, reserving up to `max_wait_ms` ahead: what [`Store::reserve`] answers.
+    pub fn reserve_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        max_wait_ms: u64,
+    ) -> Decision {
+        let now = self.inner.clock.now_ms();
+        self.inner.maybe_sweep(now);
+        self.inner.decide(key, limits, cost, now, max_wait_ms)
     }
 
     /// Applies `adjustment` now, synchronously: what [`Store::adjust`] answers. A refund
@@ -357,6 +370,10 @@ impl Store for MemoryStore {
         Check::ready(Ok(self.decide(key, limits, cost)))
     }
 
+    fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {
+        Check::ready(Ok(self.reserve_now(key, limits, cost, max_wait_ms)))
+    }
+
     fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         let now = self.inner.clock.now_ms();
         Check::ready(Ok(self.inner.peek(key, limits, cost, now)))
@@ -388,7 +405,18 @@ impl Inner {
         self.hasher.hash_one(key.as_str())
     }
 
-    fn decide(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+    /// Decides, reserving up to `reserve_ms` ahead when it is not 0 (see
+    /// [`algorithm::check_reserving`]; a list with a lockout never reserves). Inlined, so
+    /// that the plain check's call (`reserve_ms` = 0) keeps none of the reserving code.
+    #[inline(always)]
+    fn decide(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        now: u64,
+        reserve_ms: u64,
+    ) -> Decision {
         if lockouts(limits) {
             return self.decide_with_lockouts(key, limits, cost, now);
         }
@@ -420,7 +448,12 @@ impl Inner {
                     slots.last_mut().expect("just pushed")
                 }
             };
-            return algorithm::check(std::slice::from_mut(&mut slot.state), limits, now, cost);
+            let states = std::slice::from_mut(&mut slot.state);
+            return if reserve_ms == 0 {
+                algorithm::check(states, limits, now, cost)
+            } else {
+                algorithm::check_reserving(states, limits, now, cost, reserve_ms)
+            };
         }
 
         // Take each limit's state out of its slot, decide, and put them back.
@@ -445,7 +478,11 @@ impl Inner {
                 std::mem::replace(&mut slots[i].state, State::new(limit.algorithm()))
             })
             .collect();
-        let decision = algorithm::check(&mut states, limits, now, cost);
+        let decision = if reserve_ms == 0 {
+            algorithm::check(&mut states, limits, now, cost)
+        } else {
+            algorithm::check_reserving(&mut states, limits, now, cost, reserve_ms)
+        };
         for (&i, state) in indexes.iter().zip(states) {
             slots[i].state = state;
         }

@@ -41,6 +41,21 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Decides one request of `cost` against `limits` (at least one) for `key`.
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check;
 
+    /// [`check`](Self::check), reserving where the algorithms allow it: a request that
+    /// does not fit now but would within `max_wait_ms` may be answered *allowed with a
+    /// wait* ([`Decision::wait`]); its units are counted now for the moment it may run,
+    /// so nobody can take them meanwhile, and the caller runs it after the wait without
+    /// asking again. The token bucket and GCRA reserve; see
+    /// [`algorithm::check_reserving`](crate::algorithm::check_reserving) for the rules.
+    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait) asks this.
+    ///
+    /// The default reserves nothing: it answers [`check`](Self::check), and the layer
+    /// waits out a denial and asks again.
+    fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {
+        let _ = max_wait_ms;
+        self.check(key, limits, cost)
+    }
+
     /// Told by [`RulesHandle::set`](crate::RulesHandle::set) before `limits` come into
     /// force. A store that keeps limits besides the state (the memory store, to know when
     /// state expires) updates those whose state carries over; the default does nothing.
@@ -99,6 +114,10 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 impl<S: Store + ?Sized> Store for Arc<S> {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         (**self).check(key, limits, cost)
+    }
+
+    fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {
+        (**self).reserve(key, limits, cost, max_wait_ms)
     }
 
     fn limits_changed(&self, limits: &[Limit]) {

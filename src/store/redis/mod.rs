@@ -441,6 +441,7 @@ impl RedisStore {
             group,
             quotas: limits.iter().map(Limit::limit).collect(),
             peek: false,
+            reserve_ms: 0,
             slot,
             lease: None,
         }
@@ -459,11 +460,56 @@ impl Store for RedisStore {
     }
 
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        self.decide(key, limits, cost, 0)
+    }
+
+    /// A reserving request spends leased units only when it fits in them now (no
+    /// reservation is made from a lease), and otherwise goes to Redis without an ask: a
+    /// reservation is always made in Redis. A cached denial answers it only when its
+    /// `retry_after` is beyond `max_wait_ms` (no reservation could be made either); a
+    /// reservation is never cached as a denial.
+    fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {
+        // Limits that never reserve are checked as usual (no reservation section sent).
+        let reserve_ms = if crate::algorithm::reservable(limits) {
+            max_wait_ms
+        } else {
+            0
+        };
+        self.decide(key, limits, cost, reserve_ms)
+    }
+
+    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
+        self.peek_check(key, limits, cost)
+    }
+
+    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
+        self.reset_state(key, limits)
+    }
+
+    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        self.adjust_call(key, limits, adjustment)
+    }
+
+    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
+        Some(crate::in_flight::SharedPermits::redis(self.clone()))
+    }
+}
+
+impl RedisStore {
+    /// [`Store::check`], reserving up to `reserve_ms` ahead when it is not 0
+    /// ([`Store::reserve`]).
+    fn decide(&self, key: &Key, limits: &[Limit], cost: u32, reserve_ms: u64) -> Check {
         let mut lease_entry = None;
         if let Some(leases) = &self.leases {
-            match leases.spend(key, limits, cost) {
-                Spent::Here(decision) => return Check::ready(Ok(decision)),
-                Spent::Redis(entry) => lease_entry = entry,
+            if reserve_ms > 0 {
+                if let Some(decision) = leases.spend_held(key, limits, cost) {
+                    return Check::ready(Ok(decision));
+                }
+            } else {
+                match leases.spend(key, limits, cost) {
+                    Spent::Here(decision) => return Check::ready(Ok(decision)),
+                    Spent::Redis(entry) => lease_entry = entry,
+                }
             }
         }
         // A request that can never fit is not "blocked until" anything: Redis answers it.
@@ -473,7 +519,9 @@ impl Store for RedisStore {
                 let fingerprint = BlockCache::fingerprint(limits);
                 if fits_at_all {
                     let now = local_now_ms(self.clock.as_ref());
-                    if let Some(decision) = cache.get(key, fingerprint, cost, now) {
+                    if let Some(decision) = cache.get(key, fingerprint, cost, now)
+                        && (reserve_ms == 0 || decision.retry_after_ms() > reserve_ms)
+                    {
                         // A lease due for a refill still pays before a cached denial answers.
                         if let (Some(leases), Some(_)) = (&self.leases, &lease_entry)
                             && let Some(decision) = leases.spend_held(key, limits, cost)
@@ -488,6 +536,7 @@ impl Store for RedisStore {
             None => None,
         };
         let mut encoded = self.encode(key, limits, cost);
+        encoded.reserve_ms = reserve_ms;
         if let (Some(leases), Some(entry)) = (&self.leases, lease_entry) {
             match leases.attach(entry, limits, cost) {
                 Ok(attach) => encoded.lease = attach.map(Arc::new),
@@ -549,22 +598,6 @@ impl Store for RedisStore {
             }
             Ok(decision)
         })
-    }
-
-    fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
-        self.peek_check(key, limits, cost)
-    }
-
-    fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
-        self.reset_state(key, limits)
-    }
-
-    fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
-        self.adjust_call(key, limits, adjustment)
-    }
-
-    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
-        Some(crate::in_flight::SharedPermits::redis(self.clone()))
     }
 }
 
@@ -649,6 +682,8 @@ pub(crate) struct Encoded {
     quotas: SmallVec<[u32; 2]>,
     /// Decided without committing: sent with its group index negated.
     peek: bool,
+    /// Reserves up to this many ms ahead ([`Store::reserve`]); 0: a plain check.
+    reserve_ms: u64,
     /// The hash slot of the keys (0 outside a cluster).
     slot: u16,
     /// What rides on it for leased quota (an ask, units going back).
@@ -706,8 +741,20 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
             Some(at) => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
         };
     }
+    let reserving = requests.iter().filter(|r| r.reserve_ms > 0).count();
     if requests.iter().any(|r| r.lease.is_some()) {
         lease::sections(&mut cmd, requests, &group_of);
+    } else if reserving > 0 {
+        // No asks, no returns: the reservations follow (see lua/main.lua).
+        cmd.arg(0).arg(0);
+    }
+    if reserving > 0 {
+        cmd.arg(reserving);
+        for (index, request) in requests.iter().enumerate() {
+            if request.reserve_ms > 0 {
+                cmd.arg(index + 1).arg(request.reserve_ms);
+            }
+        }
     }
     cmd
 }
@@ -802,7 +849,7 @@ pub(crate) fn parse(
     // A limit whose lockout blocks the request sends `remaining` as minus the time left
     // on the block (lua/lockout.lua): remaining 0, and the block for the block cache.
     let mut blocked_ms = 0;
-    let decisions: LimitDecisions = reply
+    let mut decisions: LimitDecisions = reply
         .chunks_exact(4)
         .zip(quotas)
         .map(|(v, &limit)| {
@@ -823,7 +870,17 @@ pub(crate) fn parse(
             }
         })
         .collect();
-    let decision = Decision::from_limits(decisions).blocked_for(blocked_ms);
+    // A reservation: every limit allowed, with the wait as its retry_after (lua/main.lua).
+    let mut wait = 0;
+    if decisions.iter().all(|d| d.allowed) {
+        for limit in &mut decisions {
+            wait = wait.max(limit.retry_after_ms);
+            limit.retry_after_ms = 0;
+        }
+    }
+    let decision = Decision::from_limits(decisions)
+        .blocked_for(blocked_ms)
+        .with_wait(wait);
     Ok(match now.and_then(|now| u64::try_from(now).ok()) {
         Some(now) => decision.decided_at(now),
         None => decision,
