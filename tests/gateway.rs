@@ -607,16 +607,16 @@ async fn a_delayed_route_waits_instead_of_429(store: &str) {
 
 /// `delay` reserves (GCRA, 1 per second): a request that comes while another waits goes
 /// behind it, and each runs at its reserved time without asking the store again (on
-/// Redis: one script call per request, counted by `evalsha_calls`).
+/// Redis: one script call per request, counted by `script_calls`).
 async fn a_delayed_route_serves_waiters_in_order(
     store: &str,
-    evalsha_calls: Option<&dyn Fn() -> u64>,
+    script_calls: Option<&dyn Fn() -> u64>,
 ) {
     let routes = "[[routes]]\npath = \"/slow\"\ndelay = \"5s\"\n[[routes.limits]]\n\
                   key = \"global\"\nalgorithm = \"gcra\"\nlimit = 1\nwindow = \"1s\"\n";
     let gw = gateway(store, routes).await;
     let client = client();
-    let calls_before = evalsha_calls.map(|calls| calls());
+    let calls_before = script_calls.map(|calls| calls());
     let t0 = std::time::Instant::now();
     assert_eq!(statuses(&client, &gw, &["/slow"]).await, [200]);
     let send = || {
@@ -638,7 +638,7 @@ async fn a_delayed_route_serves_waiters_in_order(
         second >= first + Duration::from_millis(700),
         "{first:?} {second:?}"
     );
-    if let (Some(calls), Some(before)) = (evalsha_calls, calls_before) {
+    if let (Some(calls), Some(before)) = (script_calls, calls_before) {
         assert_eq!(calls() - before, 3, "one script call per request");
     }
     gw.stop().await.unwrap();
@@ -1659,7 +1659,7 @@ mod redis {
     #[tokio::test]
     async fn redis_a_delayed_route_serves_waiters_in_order() {
         let redis = RedisServer::start();
-        let calls = || redis.calls("evalsha");
+        let calls = || redis.script_calls();
         a_delayed_route_serves_waiters_in_order(&store(&redis, "delay"), Some(&calls)).await;
     }
 

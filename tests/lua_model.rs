@@ -816,7 +816,7 @@ proptest! {
         runtime.block_on(async {
             let url = SERVER.with(|s| s.url());
             let client = redis::Client::open(url).unwrap();
-            let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+            let mut connection = patient(&client).await;
             for (i, step) in steps.iter().enumerate() {
                 now = match step.wait {
                     Wait::Back(ms) => now - ms,
@@ -999,7 +999,19 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
 async fn raw_connection() -> redis::aio::MultiplexedConnection {
     let server = SERVER.with(|s| s.url());
     let client = redis::Client::open(server).unwrap();
-    client.get_multiplexed_async_connection().await.unwrap()
+    patient(&client).await
+}
+
+/// A connection that waits 10 s for an answer (redis-rs's default, 500 ms, times out on a
+/// loaded machine, which would fail a property for nothing).
+async fn patient(client: &redis::Client) -> redis::aio::MultiplexedConnection {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(std::time::Duration::from_secs(10)))
+        .set_response_timeout(Some(std::time::Duration::from_secs(10)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap()
 }
 
 /// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.
