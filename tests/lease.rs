@@ -1312,3 +1312,273 @@ async fn remaining_never_rises_on_either_node() {
     assert_eq!(allowed, 1_000);
     assert_eq!(last, [0, 0]);
 }
+
+/// The count of a fixed-window `limit` for `key` in Redis (0 when there is none), through
+/// a connection of the test's own: cheap enough to read after every request.
+async fn counted(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+) -> u64 {
+    let value: Option<String> = redis::cmd("GET")
+        .arg(store.redis_key(key, limit))
+        .query_async(conn)
+        .await
+        .unwrap();
+    value.map_or(0, |v| v.trim().split(':').nth(1).unwrap().parse().unwrap())
+}
+
+/// [`counted`] in the fixed window that starts at `start` (0 while Redis holds another).
+async fn counted_since(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+    start: u64,
+) -> u64 {
+    let value: Option<String> = redis::cmd("GET")
+        .arg(store.redis_key(key, limit))
+        .query_async(conn)
+        .await
+        .unwrap();
+    let Some(value) = value else { return 0 };
+    let (s, count) = value.trim().split_once(':').unwrap();
+    if s.parse::<u64>().unwrap() == start {
+        count.parse().unwrap()
+    } else {
+        0
+    }
+}
+
+/// One request of cost 1 for `key` on `store`, one at a time: whether it passed, what
+/// Redis counted before it, and the units it leased (what Redis counted for it beyond its
+/// own unit). The window must outlast the test, so that no lease ends or goes back on
+/// its way: then a request spent from a lease counts nothing, one that Redis denies
+/// nothing, one that Redis allows 1 and its grant.
+async fn lease_of(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+) -> (bool, u64, u64) {
+    let before = counted(conn, store, key, limit).await;
+    let decision = store
+        .check(key, std::slice::from_ref(limit), 1)
+        .await
+        .unwrap();
+    let after = counted(conn, store, key, limit).await;
+    let more = after
+        .checked_sub(before)
+        .unwrap_or_else(|| panic!("Redis counted {before}, then {after}"));
+    if !decision.is_allowed() {
+        assert_eq!(more, 0, "a denied request was counted: {decision:?}");
+    }
+    (decision.is_allowed(), before, more.saturating_sub(1))
+}
+
+async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// A lease holds about one period of this node's traffic of the key: three nodes on one
+/// key, a budget too large to bound a lease, 20 periods of 100 ms on the clock. A node
+/// sending one request every 150 ms never leases; one sending 4 per period leases a few
+/// units at a time; one sending 100 per period leases batches of about 100, once its
+/// smoothed rate has caught up (the first periods count from nothing).
+#[tokio::test]
+async fn lease_size_follows_each_nodes_rate_of_a_key() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let mut conn = connection(&server).await;
+    // A tenth of it is 10 000 units: max_fraction bounds no lease here.
+    let limit = Limit::fixed_window(100_000, Duration::from_secs(3600)).unwrap();
+    let key = Key::new("global");
+    let cold = node(&server.url(), "size", &clock, LeaseConfig::new()).await;
+    let slow = node(&server.url(), "size", &clock, LeaseConfig::new()).await;
+    let fast = node(&server.url(), "size", &clock, LeaseConfig::new()).await;
+    let (mut slow_grants, mut fast_grants) = (Vec::new(), Vec::new());
+    for ms in 0..2_000u64 {
+        clock.set(START + ms);
+        if ms % 150 == 0 {
+            let (allowed, _, grant) = lease_of(&mut conn, &cold, &key, &limit).await;
+            assert!(allowed);
+            assert_eq!(grant, 0, "the cold node leased at {ms} ms");
+        }
+        if ms % 25 == 0 {
+            let (allowed, _, grant) = lease_of(&mut conn, &slow, &key, &limit).await;
+            assert!(allowed);
+            if grant > 0 {
+                slow_grants.push(grant);
+            }
+        }
+        let (allowed, _, grant) = lease_of(&mut conn, &fast, &key, &limit).await;
+        assert!(allowed);
+        if grant > 0 {
+            fast_grants.push((ms, grant));
+        }
+    }
+    println!("slow node's leases: {slow_grants:?}");
+    println!("fast node's leases: {fast_grants:?}");
+    assert!(!slow_grants.is_empty(), "the slow node never leased");
+    let slow_max = *slow_grants.iter().max().unwrap();
+    assert!(slow_max <= 8, "the slow node leased {slow_grants:?}");
+    let late: Vec<u64> = fast_grants
+        .iter()
+        .filter(|&&(ms, _)| ms >= 500)
+        .map(|&(_, grant)| grant)
+        .collect();
+    assert!(late.len() >= 5, "the fast node leased {fast_grants:?}");
+    for &grant in &late {
+        assert!(
+            (50..=120).contains(&grant),
+            "the fast node leased {grant} at 100 per period: {fast_grants:?}"
+        );
+        assert!(grant >= 6 * slow_max, "{grant} against {slow_max}");
+    }
+    // Nothing else was counted: every unit leased and not spent goes back.
+    for store in [&cold, &slow, &fast] {
+        store.release_leases().await.unwrap();
+    }
+    let sent = 2_000 + 2_000 / 25 + 2_000u64.div_ceil(150);
+    assert_eq!(counted(&mut conn, &fast, &key, &limit).await, sent);
+}
+
+/// A lease is bounded by `max_fraction` of the limit, and shrinks as the shared budget
+/// runs low: two nodes, each at 500 requests per period on one key (far more than the
+/// bound), take turns until each was denied 3 times. Every grant is at most 5% of the
+/// limit (reached), and at most half of what the limit had left after its request
+/// (both nodes' leases counted as spent), so the last grants are of a unit or two; the
+/// limit is spent exactly, and at exhaustion no unit is stranded in a lease.
+#[tokio::test]
+async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let mut conn = connection(&server).await;
+    let limit = Limit::fixed_window(4_000, Duration::from_secs(3600)).unwrap();
+    let config = LeaseConfig::new().max_fraction(0.05).unwrap();
+    let key = Key::new("global");
+    let nodes = [
+        node(&server.url(), "shrink", &clock, config).await,
+        node(&server.url(), "shrink", &clock, config).await,
+    ];
+    let (mut grants, mut allowed, mut denied) = (Vec::new(), 0u64, [0; 2]);
+    let mut ms = 0;
+    while denied.iter().any(|&d| d < 3) {
+        clock.set(START + ms);
+        for _ in 0..5 {
+            for (n, store) in nodes.iter().enumerate() {
+                if denied[n] == 3 {
+                    continue;
+                }
+                let (ok, before, grant) = lease_of(&mut conn, store, &key, &limit).await;
+                if ok {
+                    allowed += 1;
+                } else {
+                    denied[n] += 1;
+                }
+                if grant > 0 {
+                    grants.push((before, grant));
+                }
+            }
+        }
+        ms += 1;
+        assert!(ms < 10_000, "still not exhausted after {ms} ms");
+    }
+    println!("leases (counted before, leased): {grants:?}");
+    assert!(grants.iter().all(|&(_, grant)| grant <= 200), "{grants:?}");
+    assert!(grants.iter().any(|&(_, grant)| grant == 200), "{grants:?}");
+    for &(before, grant) in &grants {
+        let left = 4_000 - before - 1;
+        assert!(
+            grant <= left / 2,
+            "{grant} leased with {left} left: {grants:?}"
+        );
+    }
+    let last = grants.last().unwrap();
+    assert!(last.1 <= 2, "the last lease took {}: {grants:?}", last.1);
+    assert!(
+        grants.iter().filter(|&&(_, grant)| grant < 200).count() >= 5,
+        "no shrinking: {grants:?}"
+    );
+    // The whole budget was spent, and none of it is left in a lease.
+    assert_eq!(allowed, 4_000);
+    assert_eq!(counted(&mut conn, &nodes[0], &key, &limit).await, 4_000);
+    for store in &nodes {
+        store.release_leases().await.unwrap();
+    }
+    assert_eq!(counted(&mut conn, &nodes[0], &key, &limit).await, 4_000);
+}
+
+/// Multi-limit requests stay all-or-nothing across nodes: 2 nodes x 32 tasks, each
+/// request under two limits of one key, 500 per second and 3 250 per minute, 10 seconds
+/// of one minute on the clock. Each second is hit at two moments, as in [`saturate`]
+/// (60% of the second's limit, then until every task was denied 3 times); the first six
+/// seconds end on the per-second limit, the seventh on the per-minute one, the rest are
+/// denied by it. At each second's end both nodes give their leases back: then every limit
+/// counted exactly the requests allowed (per second, and in all for the minute), so no
+/// limit counted a request another refused, nor a leased unit the other did not, and no
+/// aligned window of either limit admitted more than its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_keep_two_limits_all_or_nothing() {
+    let server = RedisServer::start();
+    let minute = START.next_multiple_of(60_000);
+    let clock = ManualClock::new(minute);
+    let mut conn = connection(&server).await;
+    let second = Limit::fixed_window(500, Duration::from_secs(1)).unwrap();
+    let per_minute = Limit::fixed_window(3_250, Duration::from_secs(60)).unwrap();
+    let limits = [second.clone(), per_minute.clone()];
+    let key = Key::new("global");
+    let nodes = [
+        node(&server.url(), "two", &clock, LeaseConfig::new()).await,
+        node(&server.url(), "two", &clock, LeaseConfig::new()).await,
+    ];
+    let first = vec![(6 * 500usize / 10).div_ceil(64); 2];
+    let calls = script_calls(&server);
+    let (mut total, mut requests, mut per_second) = (0, 0, Vec::new());
+    for s in 0..10u64 {
+        clock.set(minute + s * 1_000 + (s * 97) % 500);
+        let got = hammer(&nodes, &limits, &key, 32, &first).await;
+        clock.set(minute + s * 1_000 + 500 + (s * 31) % 500);
+        let then = hammer_until(&nodes, &limits, &key, 32, &[500, 500], 3).await;
+        let allowed: u64 = got.iter().chain(&then).sum();
+        requests += (first[0] * 64) as u64 + then.iter().sum::<u64>() + 3 * 64;
+        for store in &nodes {
+            store.release_leases().await.unwrap();
+        }
+        let counted_second =
+            counted_since(&mut conn, &nodes[0], &key, &second, minute + s * 1_000).await;
+        assert_eq!(
+            counted_second, allowed,
+            "second {s}: {allowed} allowed, {counted_second} counted per second"
+        );
+        assert!(allowed <= 500, "second {s}: {allowed} allowed");
+        total += allowed;
+        assert_eq!(
+            counted(&mut conn, &nodes[0], &key, &per_minute).await,
+            total,
+            "second {s}: {total} allowed so far"
+        );
+        per_second.push(allowed);
+    }
+    let calls = script_calls(&server) - calls;
+    println!(
+        "allowed per second {per_second:?}, {total} in the minute; {calls} script calls for \
+         {requests} requests"
+    );
+    assert!(total <= 3_250, "{total} allowed in the minute");
+    // Both limits bound on the way: nearly every second's limit while the minute had
+    // room, then nearly the minute's; and leases carried most of the requests.
+    for (s, &allowed) in per_second.iter().enumerate().take(6) {
+        assert!(allowed >= 485, "second {s}: {per_second:?}");
+    }
+    assert!(total >= 3_200, "{per_second:?}");
+    assert!(
+        calls * 3 < requests,
+        "{calls} script calls for {requests} requests"
+    );
+}
