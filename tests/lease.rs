@@ -1378,11 +1378,7 @@ async fn lease_of(
 }
 
 async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
+    support::test_connection(&server.url()).await
 }
 
 /// A lease holds about one period of this node's traffic of the key: three nodes on one

@@ -815,8 +815,7 @@ proptest! {
         let mut now = START;
         runtime.block_on(async {
             let url = SERVER.with(|s| s.url());
-            let client = redis::Client::open(url).unwrap();
-            let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+            let mut connection = support::test_connection(&url).await;
             for (i, step) in steps.iter().enumerate() {
                 now = match step.wait {
                     Wait::Back(ms) => now - ms,
@@ -998,8 +997,7 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
 /// A plain connection to the shared server, to look at keys.
 async fn raw_connection() -> redis::aio::MultiplexedConnection {
     let server = SERVER.with(|s| s.url());
-    let client = redis::Client::open(server).unwrap();
-    client.get_multiplexed_async_connection().await.unwrap()
+    support::test_connection(&server).await
 }
 
 /// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.

@@ -490,11 +490,7 @@ fn a_store_outlives_the_runtime_it_was_first_used_in() {
 /// A plain connection for the test's own reads (faster than `redis-cli`, so that the
 /// moments read around a check are close together).
 async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
+    support::test_connection(&server.url()).await
 }
 
 /// Redis's clock, in ms.
