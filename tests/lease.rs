@@ -1312,3 +1312,325 @@ async fn remaining_never_rises_on_either_node() {
     assert_eq!(allowed, 1_000);
     assert_eq!(last, [0, 0]);
 }
+
+/// The count of a fixed-window `limit` for `key` in Redis (0 when there is none), through
+/// a connection of the test's own: cheap enough to read after every request.
+async fn counted(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+) -> u64 {
+    let value: Option<String> = redis::cmd("GET")
+        .arg(store.redis_key(key, limit))
+        .query_async(conn)
+        .await
+        .unwrap();
+    value.map_or(0, |v| v.trim().split(':').nth(1).unwrap().parse().unwrap())
+}
+
+/// [`counted`] in the fixed window that starts at `start` (0 while Redis holds another).
+async fn counted_since(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+    start: u64,
+) -> u64 {
+    let value: Option<String> = redis::cmd("GET")
+        .arg(store.redis_key(key, limit))
+        .query_async(conn)
+        .await
+        .unwrap();
+    let Some(value) = value else { return 0 };
+    let (s, count) = value.trim().split_once(':').unwrap();
+    if s.parse::<u64>().unwrap() == start {
+        count.parse().unwrap()
+    } else {
+        0
+    }
+}
+
+/// One request of cost 1 for `key` on `store`, one at a time: whether it passed, what
+/// Redis counted before it, and the units it leased (what Redis counted for it beyond its
+/// own unit). The window must outlast the test, so that no lease ends or goes back on
+/// its way: then a request spent from a lease counts nothing, one that Redis denies
+/// nothing, one that Redis allows 1 and its grant.
+async fn lease_of(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limit: &Limit,
+) -> (bool, u64, u64) {
+    let before = counted(conn, store, key, limit).await;
+    let decision = store
+        .check(key, std::slice::from_ref(limit), 1)
+        .await
+        .unwrap();
+    let after = counted(conn, store, key, limit).await;
+    let more = after
+        .checked_sub(before)
+        .unwrap_or_else(|| panic!("Redis counted {before}, then {after}"));
+    if !decision.is_allowed() {
+        assert_eq!(more, 0, "a denied request was counted: {decision:?}");
+    }
+    (decision.is_allowed(), before, more.saturating_sub(1))
+}
+
+async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    support::test_connection(&server.url()).await
+}
+
+/// A lease holds about one period of this node's traffic of the key: three nodes on one
+/// key, a budget too large to bound a lease, 20 periods of 100 ms on the clock. A node
+/// sending one request every 150 ms never leases; one sending 4 per period leases a few
+/// units at a time; one sending 100 per period leases batches of about 100, once its
+/// smoothed rate has caught up (the first periods count from nothing).
+#[tokio::test]
+async fn lease_size_follows_each_nodes_rate_of_a_key() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let mut conn = connection(&server).await;
+    // A tenth of it is 10 000 units: max_fraction bounds no lease here.
+    let limit = Limit::fixed_window(100_000, Duration::from_secs(3600)).unwrap();
+    let key = Key::new("global");
+    let cold = node(&server.url(), "size", &clock, LeaseConfig::new()).await;
+    let slow = node(&server.url(), "size", &clock, LeaseConfig::new()).await;
+    let fast = node(&server.url(), "size", &clock, LeaseConfig::new()).await;
+    let (mut slow_grants, mut fast_grants) = (Vec::new(), Vec::new());
+    for ms in 0..2_000u64 {
+        clock.set(START + ms);
+        if ms % 150 == 0 {
+            let (allowed, _, grant) = lease_of(&mut conn, &cold, &key, &limit).await;
+            assert!(allowed);
+            assert_eq!(grant, 0, "the cold node leased at {ms} ms");
+        }
+        if ms % 25 == 0 {
+            let (allowed, _, grant) = lease_of(&mut conn, &slow, &key, &limit).await;
+            assert!(allowed);
+            if grant > 0 {
+                slow_grants.push(grant);
+            }
+        }
+        let (allowed, _, grant) = lease_of(&mut conn, &fast, &key, &limit).await;
+        assert!(allowed);
+        if grant > 0 {
+            fast_grants.push((ms, grant));
+        }
+    }
+    println!("slow node's leases: {slow_grants:?}");
+    println!("fast node's leases: {fast_grants:?}");
+    assert!(!slow_grants.is_empty(), "the slow node never leased");
+    let slow_max = *slow_grants.iter().max().unwrap();
+    assert!(slow_max <= 8, "the slow node leased {slow_grants:?}");
+    let late: Vec<u64> = fast_grants
+        .iter()
+        .filter(|&&(ms, _)| ms >= 500)
+        .map(|&(_, grant)| grant)
+        .collect();
+    assert!(late.len() >= 5, "the fast node leased {fast_grants:?}");
+    for &grant in &late {
+        assert!(
+            (50..=120).contains(&grant),
+            "the fast node leased {grant} at 100 per period: {fast_grants:?}"
+        );
+        assert!(grant >= 6 * slow_max, "{grant} against {slow_max}");
+    }
+    // Nothing else was counted: every unit leased and not spent goes back.
+    for store in [&cold, &slow, &fast] {
+        store.release_leases().await.unwrap();
+    }
+    let sent = 2_000 + 2_000 / 25 + 2_000u64.div_ceil(150);
+    assert_eq!(counted(&mut conn, &fast, &key, &limit).await, sent);
+}
+
+/// A lease is bounded by `max_fraction` of the limit, and shrinks as the shared budget
+/// runs low: two nodes, each at 500 requests per period on one key (far more than the
+/// bound), take turns until each was denied 3 times. Every grant is at most 5% of the
+/// limit (reached), and at most half of what the limit had left after its request
+/// (both nodes' leases counted as spent), so the last grants are of a unit or two; the
+/// limit is spent exactly, and at exhaustion no unit is stranded in a lease.
+#[tokio::test]
+async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let mut conn = connection(&server).await;
+    let limit = Limit::fixed_window(4_000, Duration::from_secs(3600)).unwrap();
+    let config = LeaseConfig::new().max_fraction(0.05).unwrap();
+    let key = Key::new("global");
+    let nodes = [
+        node(&server.url(), "shrink", &clock, config).await,
+        node(&server.url(), "shrink", &clock, config).await,
+    ];
+    let (mut grants, mut allowed, mut denied) = (Vec::new(), 0u64, [0; 2]);
+    let mut ms = 0;
+    while denied.iter().any(|&d| d < 3) {
+        clock.set(START + ms);
+        for _ in 0..5 {
+            for (n, store) in nodes.iter().enumerate() {
+                if denied[n] == 3 {
+                    continue;
+                }
+                let (ok, before, grant) = lease_of(&mut conn, store, &key, &limit).await;
+                if ok {
+                    allowed += 1;
+                } else {
+                    denied[n] += 1;
+                }
+                if grant > 0 {
+                    grants.push((before, grant));
+                }
+            }
+        }
+        ms += 1;
+        assert!(ms < 10_000, "still not exhausted after {ms} ms");
+    }
+    println!("leases (counted before, leased): {grants:?}");
+    assert!(grants.iter().all(|&(_, grant)| grant <= 200), "{grants:?}");
+    assert!(grants.iter().any(|&(_, grant)| grant == 200), "{grants:?}");
+    for &(before, grant) in &grants {
+        let left = 4_000 - before - 1;
+        assert!(
+            grant <= left / 2,
+            "{grant} leased with {left} left: {grants:?}"
+        );
+    }
+    let last = grants.last().unwrap();
+    assert!(last.1 <= 2, "the last lease took {}: {grants:?}", last.1);
+    assert!(
+        grants.iter().filter(|&&(_, grant)| grant < 200).count() >= 5,
+        "no shrinking: {grants:?}"
+    );
+    // The whole budget was spent, and none of it is left in a lease.
+    assert_eq!(allowed, 4_000);
+    assert_eq!(counted(&mut conn, &nodes[0], &key, &limit).await, 4_000);
+    for store in &nodes {
+        store.release_leases().await.unwrap();
+    }
+    assert_eq!(counted(&mut conn, &nodes[0], &key, &limit).await, 4_000);
+}
+
+/// Redis never counts more than a limit, leased units included (they are pre-paid
+/// within it): the per-second limit in the second that starts at `start`, and the
+/// per-minute one.
+async fn within(
+    conn: &mut redis::aio::MultiplexedConnection,
+    store: &RedisStore,
+    key: &Key,
+    limits: &[Limit; 2],
+    start: u64,
+) {
+    let second = counted_since(conn, store, key, &limits[0], start).await;
+    let minute = counted(conn, store, key, &limits[1]).await;
+    assert!(
+        second <= u64::from(limits[0].limit()) && minute <= u64::from(limits[1].limit()),
+        "at {start}: Redis counts {second} in the second, {minute} in the minute"
+    );
+}
+
+/// Multi-limit requests stay all-or-nothing across nodes: 2 nodes x 32 tasks, each
+/// request under two limits of one key, 500 per second and 2 670 per minute, 10 seconds
+/// of one minute on the clock. Each second is hit first with 64% of the second's limit
+/// (the nodes keep leases); in seconds 1 and 3 that is all, and the nodes end the second
+/// holding leases, which die with it (the shorter window); the other seconds are then hit
+/// until every task was denied 3 times. Seconds 0, 2, 4 and 5 end on the per-second limit
+/// (500 each, with 320 in seconds 1 and 3: 2 640), second 6 on the per-minute one (30
+/// left: a lease ignoring a limit's room would overshoot it), the rest are denied by it.
+/// - Redis never counts more than a limit, leased units included;
+/// - a light second counted what it allowed plus the units the nodes held when it ended,
+///   alike in both limits, and none of them is spent in the next second;
+/// - at the end of the other seconds, and in the middle of the even ones (while the nodes
+///   hold leases), both nodes give their leases back: then each limit counted exactly the
+///   requests allowed (per second, and in all for the minute), so no limit counted a
+///   request another refused, nor a leased unit the other did not;
+/// - every aligned window of either limit admitted at most its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_keep_two_limits_all_or_nothing() {
+    let server = RedisServer::start();
+    let minute = START.next_multiple_of(60_000);
+    let clock = ManualClock::new(minute);
+    let mut conn = connection(&server).await;
+    let second = Limit::fixed_window(500, Duration::from_secs(1)).unwrap();
+    let per_minute = Limit::fixed_window(2_670, Duration::from_secs(60)).unwrap();
+    let limits = [second.clone(), per_minute.clone()];
+    let key = Key::new("global");
+    let nodes = [
+        node(&server.url(), "two", &clock, LeaseConfig::new()).await,
+        node(&server.url(), "two", &clock, LeaseConfig::new()).await,
+    ];
+    let release = || async {
+        for store in &nodes {
+            store.release_leases().await.unwrap();
+        }
+    };
+    let calls = script_calls(&server);
+    let (mut total, mut requests, mut per_second) = (0, 0, Vec::new());
+    for s in 0..10u64 {
+        let start = minute + s * 1_000;
+        clock.set(start + (s * 97) % 500);
+        let mut allowed: u64 = hammer(&nodes, &limits, &key, 32, &[5, 5])
+            .await
+            .iter()
+            .sum();
+        within(&mut conn, &nodes[0], &key, &limits, start).await;
+        requests += 5 * 64;
+        if s == 1 || s == 3 {
+            // The leases still held die with the second: counted in it by both limits
+            // (the leases of the seconds before went back), never spent in the next.
+            total += allowed;
+            let counted_second = counted_since(&mut conn, &nodes[0], &key, &second, start).await;
+            let counted_minute = counted(&mut conn, &nodes[0], &key, &per_minute).await;
+            assert!(
+                counted_second >= allowed,
+                "second {s}: {allowed} allowed, {counted_second} counted"
+            );
+            assert_eq!(
+                counted_minute - total,
+                counted_second - allowed,
+                "second {s}: units held counted by one limit only"
+            );
+            per_second.push(allowed);
+            continue;
+        }
+        if s % 2 == 0 {
+            release().await;
+            let counted_second = counted_since(&mut conn, &nodes[0], &key, &second, start).await;
+            assert_eq!(counted_second, allowed, "second {s}, mid-second");
+            let counted_minute = counted(&mut conn, &nodes[0], &key, &per_minute).await;
+            assert_eq!(counted_minute, total + allowed, "second {s}, mid-second");
+        }
+        clock.set(start + 500 + (s * 31) % 500);
+        let then = hammer_until(&nodes, &limits, &key, 32, &[500, 500], 3).await;
+        within(&mut conn, &nodes[0], &key, &limits, start).await;
+        allowed += then.iter().sum::<u64>();
+        requests += then.iter().sum::<u64>() + 3 * 64;
+        total += allowed;
+        release().await;
+        let counted_second = counted_since(&mut conn, &nodes[0], &key, &second, start).await;
+        assert_eq!(
+            counted_second, allowed,
+            "second {s}: {allowed} allowed, {counted_second} counted"
+        );
+        let counted_minute = counted(&mut conn, &nodes[0], &key, &per_minute).await;
+        assert_eq!(counted_minute, total, "second {s}: {total} allowed so far");
+        assert!(allowed <= 500, "second {s}: {allowed} allowed");
+        per_second.push(allowed);
+    }
+    let calls = script_calls(&server) - calls;
+    println!(
+        "allowed per second {per_second:?}, {total} in the minute; {calls} script calls for \
+         {requests} requests"
+    );
+    assert!(total <= 2_670, "{total} allowed in the minute");
+    // Both limits bound on the way: nearly every full second's limit while the minute had
+    // room, then nearly the minute's; and leases carried most of the requests.
+    for s in [0, 2, 4, 5] {
+        assert!(per_second[s] >= 485, "second {s}: {per_second:?}");
+    }
+    assert_eq!((per_second[1], per_second[3]), (320, 320), "{per_second:?}");
+    assert!(total >= 2_640, "{per_second:?}");
+    assert!(
+        calls * 3 < requests,
+        "{calls} script calls for {requests} requests"
+    );
+}

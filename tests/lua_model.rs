@@ -815,8 +815,7 @@ proptest! {
         let mut now = START;
         runtime.block_on(async {
             let url = SERVER.with(|s| s.url());
-            let client = redis::Client::open(url).unwrap();
-            let mut connection = patient(&client).await;
+            let mut connection = support::test_connection(&url).await;
             for (i, step) in steps.iter().enumerate() {
                 now = match step.wait {
                     Wait::Back(ms) => now - ms,
@@ -998,20 +997,7 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
 /// A plain connection to the shared server, to look at keys.
 async fn raw_connection() -> redis::aio::MultiplexedConnection {
     let server = SERVER.with(|s| s.url());
-    let client = redis::Client::open(server).unwrap();
-    patient(&client).await
-}
-
-/// A connection that waits 10 s for an answer (redis-rs's default, 500 ms, times out on a
-/// loaded machine, which would fail a property for nothing).
-async fn patient(client: &redis::Client) -> redis::aio::MultiplexedConnection {
-    let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(std::time::Duration::from_secs(10)))
-        .set_response_timeout(Some(std::time::Duration::from_secs(10)));
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .unwrap()
+    support::test_connection(&server).await
 }
 
 /// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.

@@ -490,15 +490,7 @@ fn a_store_outlives_the_runtime_it_was_first_used_in() {
 /// A plain connection for the test's own reads (faster than `redis-cli`, so that the
 /// moments read around a check are close together).
 async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    // 10 s for an answer: redis-rs's default 500 ms times out on a loaded machine.
-    let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(10)))
-        .set_response_timeout(Some(Duration::from_secs(10)));
-    redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .unwrap()
+    support::test_connection(&server.url()).await
 }
 
 /// Redis's clock, in ms.

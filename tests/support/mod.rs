@@ -24,6 +24,20 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// A plain multiplexed connection for a test's own commands, waiting up to 10 s to connect
+/// and for each answer: redis-rs's defaults (1 s, 500 ms) fail on a loaded machine.
+#[cfg(feature = "redis")]
+pub async fn test_connection(url: &str) -> redis::aio::MultiplexedConnection {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(10)))
+        .set_response_timeout(Some(Duration::from_secs(10)));
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap()
+}
+
 /// The `redis-server` binary: `$REDIS_SERVER`, or the one on `PATH`.
 pub fn redis_server_bin() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
