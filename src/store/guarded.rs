@@ -49,24 +49,11 @@ impl Guarded {
         limits: &[Limit],
         cost: u32,
     ) -> Result<Result<Decision, StoreError>, Check> {
-        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
-        if admission == Admission::Skip {
-            // Quota the store holds already (leases) is spent while the circuit is open.
-            return Ok(self
-                .store
-                .check_held(key, limits, cost)
-                .ok_or_else(StoreError::circuit_open));
-        }
-        let check = match self.store.check(key, limits, cost).into_ready() {
-            Ok(result) => {
-                if let Some(breaker) = &self.breaker {
-                    breaker.record(admission, result.is_ok());
-                }
-                return Ok(result);
-            }
-            Err(check) => check,
-        };
-        Err(self.wait(check, admission))
+        // Quota the store holds already (leases) is spent while the circuit is open.
+        self.call(
+            || self.held(key, limits, cost),
+            |store| store.check(key, limits, cost),
+        )
     }
 
     /// [`check_now`](Self::check_now) for [`Store::reserve`]: a layer with
@@ -79,26 +66,10 @@ impl Guarded {
         cost: u32,
         max_wait_ms: u64,
     ) -> Result<Result<Decision, StoreError>, Check> {
-        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
-        if admission == Admission::Skip {
-            return Ok(self
-                .store
-                .check_held(key, limits, cost)
-                .ok_or_else(StoreError::circuit_open));
-        }
-        match self
-            .store
-            .reserve(key, limits, cost, max_wait_ms)
-            .into_ready()
-        {
-            Ok(result) => {
-                if let Some(breaker) = &self.breaker {
-                    breaker.record(admission, result.is_ok());
-                }
-                Ok(result)
-            }
-            Err(check) => Err(self.wait(check, admission)),
-        }
+        self.call(
+            || self.held(key, limits, cost),
+            |store| store.reserve(key, limits, cost, max_wait_ms),
+        )
     }
 
     /// [`Store::adjust`] under the same timeout and breaker as a check: a refund or top-up
@@ -109,11 +80,32 @@ impl Guarded {
         limits: &[Limit],
         adjustment: Adjustment,
     ) -> Result<Result<Decision, StoreError>, Check> {
+        self.call(
+            || Err(StoreError::circuit_open()),
+            |store| store.adjust(key, limits, adjustment),
+        )
+    }
+
+    /// The answer with the circuit open: from quota the store holds already, if any.
+    fn held(&self, key: &Key, limits: &[Limit], cost: u32) -> Result<Decision, StoreError> {
+        self.store
+            .check_held(key, limits, cost)
+            .ok_or_else(StoreError::circuit_open)
+    }
+
+    /// One store call under the breaker: `open`'s answer while the circuit is open, else
+    /// `call`'s, recorded by the breaker when ready, or put under the timeout.
+    #[inline(always)]
+    fn call(
+        &self,
+        open: impl FnOnce() -> Result<Decision, StoreError>,
+        call: impl FnOnce(&dyn Store) -> Check,
+    ) -> Result<Result<Decision, StoreError>, Check> {
         let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
         if admission == Admission::Skip {
-            return Ok(Err(StoreError::circuit_open()));
+            return Ok(open());
         }
-        match self.store.adjust(key, limits, adjustment).into_ready() {
+        match call(&*self.store).into_ready() {
             Ok(result) => {
                 if let Some(breaker) = &self.breaker {
                     breaker.record(admission, result.is_ok());

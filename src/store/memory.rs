@@ -207,6 +207,43 @@ impl Slots {
         self.iter()
             .position(|slot| slot.tagged & !REFERENCED == fingerprint)
     }
+
+    /// Takes the state of each of `limits` out of its slot (marked used; made when
+    /// missing), to decide a request of several limits on: with the slots' indexes, for
+    /// [`put_back`](Self::put_back).
+    fn take_states(
+        &mut self,
+        limits: &[Limit],
+        known: &mut Known,
+    ) -> (SmallVec<[usize; 4]>, SmallVec<[State; 2]>) {
+        let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
+        for limit in limits {
+            let index = match self.find(fingerprint(limit)) {
+                Some(index) => {
+                    self[index].tagged |= REFERENCED;
+                    index
+                }
+                None => {
+                    self.push(Slot::new(limit, known));
+                    self.len() - 1
+                }
+            };
+            indexes.push(index);
+        }
+        let states = indexes
+            .iter()
+            .zip(limits)
+            .map(|(&i, limit)| std::mem::replace(&mut self[i].state, State::new(limit.algorithm())))
+            .collect();
+        (indexes, states)
+    }
+
+    /// Puts back the states [`take_states`](Self::take_states) took, as decided.
+    fn put_back(&mut self, indexes: &[usize], states: SmallVec<[State; 2]>) {
+        for (&i, state) in indexes.iter().zip(states) {
+            self[i].state = state;
+        }
+    }
 }
 
 impl std::ops::Deref for Slots {
@@ -457,35 +494,13 @@ impl Inner {
         }
 
         // Take each limit's state out of its slot, decide, and put them back.
-        let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
-        for limit in limits {
-            let index = match slots.find(fingerprint(limit)) {
-                Some(index) => {
-                    slots[index].tagged |= REFERENCED;
-                    index
-                }
-                None => {
-                    slots.push(Slot::new(limit, known));
-                    slots.len() - 1
-                }
-            };
-            indexes.push(index);
-        }
-        let mut states: SmallVec<[State; 2]> = indexes
-            .iter()
-            .zip(limits)
-            .map(|(&i, limit)| {
-                std::mem::replace(&mut slots[i].state, State::new(limit.algorithm()))
-            })
-            .collect();
+        let (indexes, mut states) = slots.take_states(limits, known);
         let decision = if reserve_ms == 0 {
             algorithm::check(&mut states, limits, now, cost)
         } else {
             algorithm::check_reserving(&mut states, limits, now, cost, reserve_ms)
         };
-        for (&i, state) in indexes.iter().zip(states) {
-            slots[i].state = state;
-        }
+        slots.put_back(&indexes, states);
         decision
     }
 

@@ -7,12 +7,8 @@
 use hashbrown::HashTable;
 use smallvec::SmallVec;
 
-use super::{Inner, REFERENCED, SHARDS, Shard, Slot, fingerprint, lock};
-use crate::{
-    Decision, Limit,
-    algorithm::{self, State},
-    key::Key,
-};
+use super::{Inner, SHARDS, Shard, fingerprint, lock};
+use crate::{Decision, Limit, algorithm, key::Key};
 
 /// The blocks of one shard: (key, limit) -> when the block ends.
 #[derive(Default)]
@@ -145,27 +141,7 @@ impl Inner {
         let slots = &mut self
             .entry(table, known, *max_keys, hand, key, hash, now)
             .slots;
-        let mut indexes: SmallVec<[usize; 4]> = SmallVec::new();
-        for limit in limits {
-            let index = match slots.find(fingerprint(limit)) {
-                Some(index) => {
-                    slots[index].tagged |= REFERENCED;
-                    index
-                }
-                None => {
-                    slots.push(Slot::new(limit, known));
-                    slots.len() - 1
-                }
-            };
-            indexes.push(index);
-        }
-        let mut states: SmallVec<[State; 2]> = indexes
-            .iter()
-            .zip(limits)
-            .map(|(&i, limit)| {
-                std::mem::replace(&mut slots[i].state, State::new(limit.algorithm()))
-            })
-            .collect();
+        let (indexes, mut states) = slots.take_states(limits, known);
         let before: SmallVec<[u64; 2]> = limits
             .iter()
             .map(|limit| match limit.lockout_ms() {
@@ -175,9 +151,7 @@ impl Inner {
             .collect();
         let mut until = before.clone();
         let decision = algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
-        for (&i, state) in indexes.iter().zip(states) {
-            slots[i].state = state;
-        }
+        slots.put_back(&indexes, states);
         for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
             if new != old {
                 blocks.set(hash, key, fingerprint(limit), new, now, *max_keys);
