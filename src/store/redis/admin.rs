@@ -30,7 +30,8 @@ impl RedisStore {
         let clock = self.clock.clone();
         Check::pending(async move {
             let now = clock.as_ref().map(|c| c.now_ms());
-            let reply = invoke(connection, script_call(now, &[&encoded])).await?;
+            let call = script_call(&connection.mode, now, &[&encoded]);
+            let reply = invoke(connection, call).await?;
             let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
             parse(values, &encoded.quotas, at)
         })

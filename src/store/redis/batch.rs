@@ -208,7 +208,8 @@ pub(crate) async fn send(
     _permit: Arc<OwnedSemaphorePermit>,
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-    let result = invoke(connection, script_call(now, &requests)).await;
+    let call = script_call(&connection.mode, now, &requests);
+    let result = invoke(connection, call).await;
     drop(requests);
     deliver(batch, &result);
 }

@@ -105,17 +105,19 @@ impl Mode {
         }
     }
 
-    /// Runs `call` (an `FCALL` of the library, see [`head`]): on a missing function (after
-    /// `FUNCTION FLUSH`, a restart, a failover, on a new cluster node) loads the library
-    /// and calls once more; where there are no functions, `EVALSHA`s the script instead,
-    /// reloading it on `NOSCRIPT`. Only these errors are retried: each proves the call
-    /// never ran.
+    /// Runs `call` (made with [`head`](Self::head)). An `FCALL` that meets a missing
+    /// function (after `FUNCTION FLUSH`, a restart, a failover, on a new cluster node)
+    /// loads the library and calls once more; one that finds no functions (turning this
+    /// connection to the script) is sent as `EVALSHA`. An `EVALSHA` reloads the script on
+    /// `NOSCRIPT`. Only these errors are retried: each proves the call never ran.
     pub(crate) async fn run<C: ConnectionLike>(
         &self,
         connection: &mut C,
         call: &Cmd,
     ) -> RedisResult<Vec<i64>> {
-        if self.functions() {
+        let evalsha;
+        let mut call = call;
+        if is_fcall(call) {
             match call.query_async(connection).await {
                 Err(error) if missing(&error) => {
                     self.load(connection).await?;
@@ -126,8 +128,9 @@ impl Mode {
                 Err(error) if unavailable(&error) => self.script_only(),
                 result => return result,
             }
+            evalsha = as_evalsha(call);
+            call = &evalsha;
         }
-        let call = as_evalsha(call);
         match call.query_async(connection).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 SCRIPT.load_async(connection).await?;
@@ -136,25 +139,22 @@ impl Mode {
             result => result,
         }
     }
-}
 
-/// Starts a script call of `keys` keys: `FCALL <function> <keys>` (the arguments that
-/// follow are the script's `KEYS` and `ARGV`, exactly as `EVALSHA`'s).
-pub(crate) fn head(cmd: &mut Cmd, keys: usize) {
-    cmd.arg("FCALL").arg(NAME.as_str()).arg(keys);
-}
-
-impl Mode {
-    /// `call` (`FCALL ...`) as this connection sends it: unchanged, or as `EVALSHA` once
-    /// functions turned out unavailable (for calls sent without [`run`](Self::run), such
-    /// as a cluster master's pipeline).
-    pub(crate) fn form(&self, call: Cmd) -> Cmd {
+    /// Starts a script call of `keys` keys as this connection sends it: `FCALL <function>
+    /// <keys>`, or `EVALSHA <sha> <keys>` once functions turned out unavailable (the
+    /// arguments that follow, the script's `KEYS` and `ARGV`, are the same for both).
+    pub(crate) fn head(&self, cmd: &mut Cmd, keys: usize) {
         if self.functions() {
-            call
+            cmd.arg("FCALL").arg(NAME.as_str()).arg(keys);
         } else {
-            as_evalsha(&call)
+            cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
         }
     }
+}
+
+/// Whether `call` is an `FCALL` (else an `EVALSHA`).
+fn is_fcall(call: &Cmd) -> bool {
+    matches!(call.args_iter().next(), Some(Arg::Simple(b"FCALL")))
 }
 
 /// `call` (`FCALL <function> ...`) as `EVALSHA <sha> ...`.

@@ -577,7 +577,12 @@ impl Leases {
         let mut result = Ok(());
         for same_slot in returns.chunk_by(|a, b| a.target.slot == b.target.slot) {
             for chunk in same_slot.chunks(64) {
-                if let Err(error) = invoke(connection.clone(), return_call(now, chunk)).await {
+                if let Err(error) = invoke(
+                    connection.clone(),
+                    return_call(&connection.mode, now, chunk),
+                )
+                .await
+                {
                     result = Err(error);
                 }
             }
@@ -798,10 +803,10 @@ fn with_more_remaining(decision: &Decision, more: u64) -> Decision {
 }
 
 /// The script call that only returns units (no request).
-fn return_call(now: Option<u64>, returns: &[Return]) -> Cmd {
+fn return_call(mode: &super::function::Mode, now: Option<u64>, returns: &[Return]) -> Cmd {
     let keys: usize = returns.iter().map(|r| r.target.keys.len()).sum();
     let mut cmd = Cmd::new();
-    super::function::head(&mut cmd, keys);
+    mode.head(&mut cmd, keys);
     for r in returns {
         for key in &r.target.keys {
             cmd.arg(key.as_str());

@@ -564,7 +564,8 @@ impl RedisStore {
                 })?,
                 Call::Direct(encoded) => {
                     let now = clock.as_ref().map(|c| c.now_ms());
-                    let reply = invoke(connection, script_call(now, &[&encoded])).await;
+                    let call = script_call(&connection.mode, now, &[&encoded]);
+                    let reply = invoke(connection, call).await;
                     let len = encoded.quotas.len() * 4;
                     // The request's results, its ask's (when it asked), then `now`.
                     let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
@@ -654,7 +655,8 @@ impl RedisStore {
                 }),
                 Call::Direct(encoded) => {
                     let now = clock.as_ref().map(|c| c.now_ms());
-                    let reply = invoke(connection, script_call(now, &[&encoded])).await?;
+                    let call = script_call(&connection.mode, now, &[&encoded]);
+                    let reply = invoke(connection, call).await?;
                     let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
                     parse(values, &encoded.quotas, at)
                 }
@@ -696,7 +698,7 @@ pub(crate) struct Encoded {
 /// Built straight into one [`Cmd`] buffer; each distinct list of limits is sent once
 /// and requests name theirs by index, so a batch of requests under the same limits costs
 /// two arguments per request besides its keys.
-pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
+pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     let mut groups: SmallVec<[&[u64]; 4]> = SmallVec::new();
     let mut group_of: SmallVec<[usize; 32]> = SmallVec::with_capacity(requests.len());
     for request in requests {
@@ -715,7 +717,7 @@ pub(crate) fn script_call(now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
     let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
-    function::head(&mut cmd, keys);
+    mode.head(&mut cmd, keys);
     for request in requests {
         for key in &request.keys {
             cmd.arg(key.as_str());

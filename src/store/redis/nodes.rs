@@ -396,7 +396,7 @@ async fn pipelined(
             pipeline.add_command(redis::cmd("ASKING"));
         }
         let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-        pipeline.add_command(connection.mode.form(script_call(now, &requests)));
+        pipeline.add_command(script_call(&connection.mode, now, &requests));
     }
     let count = calls.len() * if asking { 2 } else { 1 };
     let values = match node.req_packed_commands(&pipeline, 0, count).await {
@@ -468,7 +468,8 @@ async fn per_slot(calls: Vec<Batch>, connection: &Connection, now: Option<u64>) 
         let connection = connection.clone();
         async move {
             let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-            let result = invoke(connection, script_call(now, &requests)).await;
+            let call = script_call(&connection.mode, now, &requests);
+            let result = invoke(connection, call).await;
             drop(requests);
             deliver(batch, &result);
         }
