@@ -16,6 +16,10 @@
 # of the cost-10 000 shapes, ONLY=<regex> to measure only the shapes it matches. Every
 # measurement starts on an empty Redis (FLUSHALL), so
 # that two revisions never read each other's keys.
+# COUNT=instructions: instead of time, the instructions Redis executes per call, counted
+# by valgrind's callgrind around each measurement (the whole server: parsing, the
+# command, the reply), which a busy machine does not disturb; then REQUESTS defaults to
+# 3000, COSTLY to 200, CLIENTS to 1 and REPEAT to 1 (counts repeat exactly).
 #
 # Shapes (every limit 1e9 per second, so nothing is rejected; the script reads Redis TIME;
 # the sliding window log keeps the last second's requests, some 10^4 members):
@@ -32,16 +36,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-REQUESTS=${REQUESTS:-60000}
-COSTLY=${COSTLY:-2000}
-REPEAT=${REPEAT:-3}
-CLIENTS=${CLIENTS:-16}
 REV=${1:-}
 
 die() {
   echo "script.sh: $*" >&2
   exit 1
 }
+COUNT=${COUNT:-time}
+if [[ $COUNT == instructions ]]; then
+  REQUESTS=${REQUESTS:-3000}
+  COSTLY=${COSTLY:-200}
+  REPEAT=${REPEAT:-1}
+  CLIENTS=${CLIENTS:-1}
+else
+  [[ $COUNT == time ]] || die "COUNT is time or instructions, not $COUNT"
+  REQUESTS=${REQUESTS:-60000}
+  COSTLY=${COSTLY:-2000}
+  REPEAT=${REPEAT:-3}
+  CLIENTS=${CLIENTS:-16}
+fi
 for tool in redis-server redis-cli redis-benchmark; do
   command -v "$tool" >/dev/null || die "$tool not found (Debian: apt-get install redis-server redis-tools)"
 done
@@ -75,9 +88,19 @@ for _ in $(seq 100); do
   break
 done
 [[ -n $PORT ]] || die "found no free port"
-redis-server --port "$PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
-  --logfile "$WORK/log" --daemonize yes
-for _ in $(seq 100); do
+SERVER=(redis-server --port "$PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK"
+  --logfile "$WORK/log")
+if [[ $COUNT == instructions ]]; then
+  command -v valgrind >/dev/null || die "valgrind not found (Debian: apt-get install valgrind)"
+  # hz 1: Redis's timer work (serverCron, 10 times a second by default) would otherwise
+  # add more per call the slower a busy machine runs the calls.
+  valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out" "${SERVER[@]}" --hz 1 \
+    >"$WORK/valgrind.log" 2>&1 &
+  VALGRIND=$!
+else
+  "${SERVER[@]}" --daemonize yes
+fi
+for _ in $(seq 600); do
   [[ $(redis-cli -p "$PORT" PING 2>/dev/null) == PONG ]] && break
   sleep 0.05
 done
@@ -114,14 +137,35 @@ return {1, tonumber(ARGV[1]) - c}")
 # usec inside Redis per call of `COMMAND args...` (EVALSHA or FCALL), the median of
 # REPEAT measurements of CALLS (default REQUESTS) calls.
 measure() {
-  local i command=$1 lower
+  local i command=$1 lower calls=${CALLS:-$REQUESTS}
   lower=$(echo "$command" | tr '[:upper:]' '[:lower:]')
   for i in $(seq "$REPEAT"); do
     cli FLUSHALL >/dev/null
     cli CONFIG RESETSTAT >/dev/null
-    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "${CALLS:-$REQUESTS}" -q "$@" >/dev/null 2>&1
-    cli INFO commandstats | sed -n "s/.*cmdstat_$lower:.*usec_per_call=\\([0-9.]*\\).*/\\1/p"
+    [[ $COUNT == time ]] || callgrind_control -z "$VALGRIND" >/dev/null 2>&1
+    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "$calls" -q "$@" >/dev/null 2>&1
+    if [[ $COUNT == time ]]; then
+      cli INFO commandstats | sed -n "s/.*cmdstat_$lower:.*usec_per_call=\\([0-9.]*\\).*/\\1/p"
+    else
+      instructions_since_zero "$calls"
+    fi
   done | sort -n | sed -n "$(((REPEAT + 1) / 2))p"
+}
+
+# Instructions per call since callgrind's counters were zeroed: dumps them and divides
+# the total by CALLS. (redis-benchmark's connection setup is in it: a few thousand
+# instructions per measurement, nothing per call.)
+instructions_since_zero() {
+  local dump total
+  rm -f "$WORK"/callgrind.out.*
+  callgrind_control -d "$VALGRIND" >/dev/null 2>&1
+  for _ in $(seq 100); do
+    dump=$(ls "$WORK"/callgrind.out.* 2>/dev/null | tail -1)
+    [[ -n $dump ]] && grep -q '^totals:' "$dump" && break
+    sleep 0.1
+  done
+  total=$(sed -n 's/^totals: *\([0-9]*\).*/\1/p' "$dump")
+  awk -v t="$total" -v n="$1" 'BEGIN { printf "%.0f", t / n }'
 }
 
 # one_limit ALG: ARGV for one group of one limit of algorithm code ALG, 1e9 per second,
@@ -138,7 +182,11 @@ distinct_keys=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw"; done)
 printf '%-16s' "shape"
 for label in "${LABELS[@]}"; do printf '%14s' "$label"; done
 ((${#LABELS[@]} > 1)) && printf '%16s' "${LABELS[-1]} / ${LABELS[0]}"
-printf '   (us inside Redis per call)\n'
+if [[ $COUNT == time ]]; then
+  printf '   (us inside Redis per call)\n'
+else
+  printf '   (instructions in Redis per call)\n'
+fi
 row() { # row NAME NUMKEYS KEYS... -- ARGS...: one line of the table
   local name=$1 label value first=
   shift

@@ -1,25 +1,64 @@
--- Fixed window: a string "<window start>:<count>", read with one GET and written with
--- one SET (a hash would take HMGET, HSET and PEXPIRE). Windows are aligned to multiples
--- of W since the epoch. The key expires when its window ends: the write that opens a
--- window sets that TTL (SET PX), later writes in the window keep it (SET KEEPTTL, about
--- half the cost inside Redis). A request from before the stored window (a clock that
--- stepped back) counts into the stored window. Mirrors src/algorithm/fixed_window.rs.
+-- Fixed window: one integer per key, count * 2^20 + tag, where the tag names the window,
+-- (start / W) mod (2^20 - 1) + 1, so that one INCRBY counts a request in place and keeps
+-- the key's TTL (main.lua's one-limit path) and a value is never 0 (an INCRBY on a key that
+-- does not exist returns a tag of 0: no window). Windows are aligned to multiples of W
+-- since the epoch; a tag is read relative to the current window, as one at most 2^19
+-- windows before or after it (a key lives W plus the clock margin, so only a clock stepped
+-- back that far is misread). The key expires when its window ends: the write that opens a
+-- window sets that TTL (SET PX), later writes in the window keep it (INCRBY). A request
+-- from before the stored window (a clock that stepped back) counts into the stored window.
+-- Counts stay below 2^33 (limits are u32 and a count never exceeds twice one), so a value
+-- stays below 2^53: exact in Lua's doubles. Key tag "fw2" (src/limit.rs): the earlier
+-- "<start>:<count>" strings lived under "fw". Mirrors src/algorithm/fixed_window.rs.
+
+-- The tag of the window that starts at `start` (a multiple of W).
+local function fw_tag(start, W)
+  return (start / W) % 1048575 + 1
+end
+
+-- `n` units as an INCRBY argument, n * 2^20, as a decimal string. Redis before 7.2 prints
+-- every number a script passes to a command with "%.17g", some 2 000 instructions each,
+-- while a string goes as it is: so the strings of small counts are kept (in a library,
+-- across calls), and a request of cost 1 costs no printing at all.
+local fw_units_text = {}
+local function fw_units(n)
+  local text = fw_units_text[n]
+  if text == nil then
+    text = string.format('%d', n * 1048576)
+    if n >= -64 and n <= 64 then fw_units_text[n] = text end
+  end
+  return text
+end
+
+-- The window start and count a stored value `v` (a number) holds, read at `now`.
+local function fw_decode(v, now, W)
+  local tag = v % 1048576
+  local current = now - now % W
+  local ahead = (tag - fw_tag(current, W)) % 1048575
+  if ahead >= 524288 then ahead = ahead - 1048575 end
+  return current + ahead * W, (v - tag) / 1048576
+end
+
 -- Defined on first use, so a call pays only for the algorithms it runs.
 local function define_fixed_window()
   local fixed_window = {}
 
   function fixed_window.load(key, now, L, W, B)
-    -- ttl_set: the key holds this window already, so it has this window's TTL.
-    local s = { start = now - now % W, count = 0, key = key, changed = false, ttl_set = false }
+    -- ttl_set: the key holds this window already, so it has this window's TTL; `stored`
+    -- is the count it holds, so that save adds only the difference.
+    local s = {
+      start = now - now % W, count = 0, key = key, changed = false, ttl_set = false,
+      stored = 0,
+    }
     local v = redis.call('GET', key)
     if v then
-      local start, count = string.match(v, '^(%d+):(%d+)$')
-      start = start + 0
+      local start, count = fw_decode(v + 0, now, W)
       -- An earlier window is over; a later one is the latest this key has seen, where a
       -- clock that stepped back keeps counting (never that window's budget again).
       if start >= s.start then
         s.start = start
-        s.count = count + 0
+        s.count = count
+        s.stored = count
         s.ttl_set = true
       end
     end
@@ -39,11 +78,12 @@ local function define_fixed_window()
   end
 
   function fixed_window.save(s, now, L, W, B)
-    local value = string.format('%d:%d', s.start, s.count)
     if s.ttl_set then
-      redis.call('SET', s.key, value, 'KEEPTTL')
+      if s.count ~= s.stored then
+        redis.call('INCRBY', s.key, fw_units(s.count - s.stored))
+      end
     else
-      set_expiring(s.key, value, s.start + W - now)
+      set_expiring(s.key, s.count * 1048576 + fw_tag(s.start, W), s.start + W - now)
     end
   end
 

@@ -58,10 +58,9 @@ local function lease_return(group, k, units, starts, now)
     if limit.code == 1 then
       local v = redis.call('GET', key)
       if v then
-        local s, count = string.match(v, '^(%d+):(%d+)$')
-        if s and s + 0 == start then
-          count = math.max(count - units, 0)
-          redis.call('SET', key, string.format('%d:%d', start, count), 'KEEPTTL')
+        local s, count = fw_decode(v + 0, now, limit.W)
+        if s == start and count > 0 then
+          redis.call('INCRBY', key, fw_units(-math.min(units, count)))
         end
       end
     elseif limit.code == 3 then

@@ -67,7 +67,9 @@ impl Algorithm {
 
     const fn key_tag(self) -> &'static str {
         match self {
-            Self::FixedWindow => "fw",
+            // Earlier builds used "fw" for a "<start>:<count>" string: a new name, so
+            // that the counts INCRBY updates in place never meet that format in one key.
+            Self::FixedWindow => "fw2",
             // Earlier builds used "sw" for one sorted-set member per unit: a new name,
             // so that weighted entries never meet that format in one key.
             Self::SlidingWindow => "sw2",

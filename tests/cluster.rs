@@ -305,7 +305,7 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
         assert_eq!(exists.trim(), "1", "{key} on the new master");
     }
     assert_eq!(
-        fixed_window_count(&cluster.cli(replica, &["GET", &tight_key]).unwrap()),
+        support::fixed_window_count(&cluster.cli(replica, &["GET", &tight_key]).unwrap()),
         20
     );
     let stats = cluster.cli(replica, &["INFO", "commandstats"]).unwrap();
@@ -394,7 +394,7 @@ async fn moving_the_hot_slot_keeps_its_count() {
         "allowed {total} of {N} ({errors} errors, {uncertain} of them maybe counted)"
     );
     assert_eq!(
-        fixed_window_count(&cluster.cli(to, &["GET", &name]).unwrap()),
+        support::fixed_window_count(&cluster.cli(to, &["GET", &name]).unwrap()),
         N
     );
     // The old owner redirected the store at least once: ASK while the slot was migrating,
@@ -414,15 +414,6 @@ async fn moving_the_hot_slot_keeps_its_count() {
         single.samples(),
         several_samples,
     );
-}
-
-/// The count in a fixed window's state, `<window start>:<count>`.
-fn fixed_window_count(state: &str) -> u32 {
-    let (_, count) = state
-        .trim()
-        .split_once(':')
-        .unwrap_or_else(|| panic!("{state:?}"));
-    count.parse().unwrap()
 }
 
 /// A master without the library (flushed here; a node added to the cluster, or restarted
@@ -563,7 +554,7 @@ async fn calls_of_many_slots_go_to_their_master_together_and_decide_exactly() {
         let state = cluster
             .cli(cluster.node_for_key(&name), &["GET", &name])
             .unwrap();
-        assert_eq!(fixed_window_count(&state), 3, "{name}");
+        assert_eq!(support::fixed_window_count(&state), 3, "{name}");
     }
 }
 
@@ -636,7 +627,11 @@ async fn moving_a_slot_under_pipelined_traffic_counts_each_request_once() {
         let state = cluster
             .cli(cluster.node_for_key(&name), &["GET", &name])
             .unwrap();
-        assert_eq!(u64::from(fixed_window_count(&state)), allowed, "{name}");
+        assert_eq!(
+            u64::from(support::fixed_window_count(&state)),
+            allowed,
+            "{name}"
+        );
     }
     // The old owner redirected pipelined calls.
     let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();

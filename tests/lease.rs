@@ -321,10 +321,10 @@ async fn a_small_node_beside_a_flooding_one_gets_its_share() {
     assert!(got * 100 >= asked * 95, "{got} of {asked}");
 }
 
-/// The Redis count of `limit` for `key` (fixed window: "<start>:<count>").
+/// The Redis count of `limit` for `key` (fixed window: `count * 2^20 + window tag`).
 fn count_in_redis(server: &RedisServer, store: &RedisStore, key: &Key, limit: &Limit) -> u64 {
     let value = server.cli(&["GET", &store.redis_key(key, limit)]).unwrap();
-    value.trim().split(':').nth(1).unwrap().parse().unwrap()
+    u64::from(support::fixed_window_count(&value))
 }
 
 /// Waits (up to 10 s) until Redis counts `want`.
@@ -671,7 +671,7 @@ async fn on_a_cluster_leases_keep_the_bound_and_go_back() {
         let redis_key = nodes[0].redis_key(key, &limit);
         let node = cluster.node_for_key(&redis_key);
         let value = cluster.cli(node, &["GET", &redis_key]).unwrap();
-        value.trim().split(':').nth(1).unwrap().parse().unwrap()
+        u64::from(support::fixed_window_count(&value))
     };
     assert!(keys.iter().any(|k| count(k) > 50));
     nodes[0].release_leases().await.unwrap();
@@ -713,14 +713,7 @@ async fn leased_units_are_spent_while_the_circuit_is_open() {
     let redis_keys = server.cli(&["--scan", "--pattern", "circuit:*"]).unwrap();
     let redis_key = redis_keys.lines().next().unwrap().trim().to_owned();
     let value = server.cli(&["GET", &redis_key]).unwrap();
-    let held: u64 = value
-        .trim()
-        .split(':')
-        .nth(1)
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        - 50;
+    let held = u64::from(support::fixed_window_count(&value)) - 50;
     assert!(held > 0, "{key:?}: no lease");
     server.kill();
     // Five cold keys fail: the circuit opens.
@@ -1047,7 +1040,7 @@ async fn bound_with_redis_killed(n: usize, algorithm: Algorithm) {
             let keys = server.cli(&["--scan", "--pattern", "killed:*"]).unwrap();
             let redis_key = keys.lines().next().unwrap().trim().to_owned();
             let value = server.cli(&["GET", &redis_key]).unwrap();
-            let counted: u64 = value.trim().split(':').nth(1).unwrap().parse().unwrap();
+            let counted: u64 = u64::from(support::fixed_window_count(&value));
             assert!(
                 counted > allowed,
                 "no lease after Redis came back: {counted} counted, {allowed} passed"
@@ -1326,7 +1319,7 @@ async fn counted(
         .query_async(conn)
         .await
         .unwrap();
-    value.map_or(0, |v| v.trim().split(':').nth(1).unwrap().parse().unwrap())
+    value.map_or(0, |v| u64::from(support::fixed_window_count(&v)))
 }
 
 /// [`counted`] in the fixed window that starts at `start` (0 while Redis holds another).
@@ -1343,9 +1336,9 @@ async fn counted_since(
         .await
         .unwrap();
     let Some(value) = value else { return 0 };
-    let (s, count) = value.trim().split_once(':').unwrap();
-    if s.parse::<u64>().unwrap() == start {
-        count.parse().unwrap()
+    let window_ms = u64::try_from(limit.window().as_millis()).unwrap();
+    if support::fixed_window_tag(&value) == support::fixed_window_tag_of(start, window_ms) {
+        u64::from(support::fixed_window_count(&value))
     } else {
         0
     }

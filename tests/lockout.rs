@@ -274,7 +274,7 @@ mod redis {
             store.check(&key, &limits, 1).await.unwrap();
         }
         let block = format!("{}:lockout", store.redis_key(&key, &limits[0]));
-        assert_eq!(block, "tollgate:{custom|mallory}:login:fw:3:60000:lockout");
+        assert_eq!(block, "tollgate:{custom|mallory}:login:fw2:3:60000:lockout");
         let read = |name: &str| server.cli(&[name, &block]).unwrap().trim().to_owned();
         assert_eq!(read("GET"), (NOW_MS + 900_000).to_string());
         let ttl: u64 = read("PTTL").parse().unwrap();

@@ -256,7 +256,7 @@ async fn keys_follow_the_documented_layout() {
         keys,
         [
             "app:{custom|user:1}:burst:tb:5:1000:5",
-            "app:{custom|user:1}:fw:5:60000"
+            "app:{custom|user:1}:fw2:5:60000"
         ]
     );
     assert_eq!(store.redis_key(&Key::new("user:1"), &limits[0]), keys[1]);
@@ -349,6 +349,52 @@ async fn a_coalesced_batch_reads_and_writes_a_hot_key_once() {
         (1, 1, 1)
     );
     assert!(!store.check(&hot, &limit, 1).await.unwrap().is_allowed());
+    support::assert_every_key_expires(&server);
+}
+
+/// Cold keys (one fixed window each, one request per key in a batch) take the lean path:
+/// each is one `INCRBY` that keeps its key's TTL, no `GET` and no `SET` once the window
+/// is open; a denial is counted back with a second `INCRBY`.
+#[tokio::test]
+async fn a_batch_of_cold_keys_counts_each_with_one_incrby() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let limit = hourly(2);
+    let keys: Vec<Key> = (0..20).map(|i| Key::new(format!("client-{i}"))).collect();
+    let round = || async {
+        // Submitted before any is awaited: the batching task takes all 20 at once.
+        let checks: Vec<_> = keys.iter().map(|key| store.check(key, &limit, 1)).collect();
+        futures_util::future::join_all(checks)
+            .await
+            .into_iter()
+            .map(|d| {
+                let d = d.unwrap();
+                (d.is_allowed(), d.limits()[0].remaining)
+            })
+            .collect::<Vec<_>>()
+    };
+    // The first opens each key's window (INCRBY on no key, then SET PX).
+    assert_eq!(round().await, vec![(true, 1); 20]);
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    assert_eq!(round().await, vec![(true, 0); 20]);
+    let counts = || {
+        (
+            server.script_calls(),
+            server.calls("incrby"),
+            server.calls("get"),
+            server.calls("set"),
+        )
+    };
+    assert_eq!(counts(), (1, 20, 0, 0));
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    assert_eq!(round().await, vec![(false, 0); 20]);
+    assert_eq!(counts(), (1, 40, 0, 0));
+    for key in &keys {
+        let value = server
+            .cli(&["GET", &store.redis_key(key, &limit[0])])
+            .unwrap();
+        assert_eq!(support::fixed_window_count(&value), 2, "{key:?}");
+    }
     support::assert_every_key_expires(&server);
 }
 

@@ -17,6 +17,7 @@ const OLDEST: (u32, u32) = (6, 0);
 /// Commands the script calls, and the version that introduced each in the form used.
 const COMMANDS: &[(&str, (u32, u32), &str)] = &[
     ("GET", (1, 0), ""),
+    ("INCRBY", (1, 0), ""),
     ("SET", (2, 6), "SET with PX is 2.6.12"),
     ("HMGET", (2, 0), ""),
     ("HSET", (4, 0), "several field-value pairs in one HSET"),

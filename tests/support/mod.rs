@@ -39,6 +39,30 @@ pub async fn test_connection(url: &str) -> redis::aio::MultiplexedConnection {
 }
 
 /// The `redis-server` binary: `$REDIS_SERVER`, or the one on `PATH`.
+/// The count in a fixed window's stored value, `count * 2^20 + window tag`
+/// (lua/fixed_window.lua), as `redis-cli GET` prints it.
+pub fn fixed_window_count(value: &str) -> u32 {
+    let value: u64 = value
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("not a fixed window's value: {value:?}"));
+    u32::try_from(value >> 20).unwrap()
+}
+
+/// The window tag in a fixed window's stored value (see [`fixed_window_count`]).
+pub fn fixed_window_tag(value: &str) -> u64 {
+    let value: u64 = value
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("not a fixed window's value: {value:?}"));
+    value & 0xF_FFFF
+}
+
+/// The tag of the fixed window that starts at `start` ms (lua/fixed_window.lua's `fw_tag`).
+pub fn fixed_window_tag_of(start: u64, window_ms: u64) -> u64 {
+    (start / window_ms) % 0xF_FFFF + 1
+}
+
 pub fn redis_server_bin() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
 }
