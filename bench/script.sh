@@ -31,6 +31,7 @@
 #                   members
 #   fw x13 one key  13 requests on one key in one call (a coalesced global key)
 #   fw x13 keys     13 requests on 13 keys in one call (coalesced per-client keys)
+#   fw x13 new keys the same on 13 keys never seen before (each request opens a window)
 #   incr (ref)      the hand-written INCR + PEXPIRE script of bench_server, for scale
 # It starts its own redis-server on a free port (never 6379) and stops it on exit.
 set -euo pipefail
@@ -143,7 +144,8 @@ measure() {
     cli FLUSHALL >/dev/null
     cli CONFIG RESETSTAT >/dev/null
     [[ $COUNT == time ]] || callgrind_control -z "$VALGRIND" >/dev/null 2>&1
-    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "$calls" -q "$@" >/dev/null 2>&1
+    # shellcheck disable=SC2086 # BENCH_FLAGS: redis-benchmark's options, split
+    redis-benchmark -p "$PORT" -c "$CLIENTS" -n "$calls" -q ${BENCH_FLAGS:-} "$@" >/dev/null 2>&1
     if [[ $COUNT == time ]]; then
       cli INFO commandstats | sed -n "s/.*cmdstat_$lower:.*usec_per_call=\\([0-9.]*\\).*/\\1/p"
     else
@@ -177,6 +179,8 @@ requests() { # requests N [COST]: N requests of cost COST (default 1) in group 1
   for i in $(seq "$1"); do echo -n " ${2:-1} 1"; done
 }
 same_key=$(for _ in $(seq 13); do echo -n " bench:{hot}:fw"; done)
+# redis-benchmark -r replaces each __rand_int__ with a random number of its own.
+new_keys=$(for i in $(seq 13); do echo -n " bench:{new$i-__rand_int__}:fw"; done)
 distinct_keys=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw"; done)
 
 printf '%-16s' "shape"
@@ -222,6 +226,8 @@ done
 row "fw x13 one key" 13 $same_key "" $(one_limit 1) $(requests 13)
 # shellcheck disable=SC2046,SC2086
 row "fw x13 keys" 13 $distinct_keys "" $(one_limit 1) $(requests 13)
+# shellcheck disable=SC2046,SC2086
+BENCH_FLAGS="-r 1000000000" row "fw x13 new keys" 13 $new_keys "" $(one_limit 1) $(requests 13)
 [[ -z ${ONLY:-} || "incr (ref)" =~ $ONLY ]] || exit 0
 value=$(measure EVALSHA "$INCR" 1 bench:{ref}:incr 1000000000 1000)
 printf '%-16s%14s   (the hand-written INCR script: one request)\n' "incr (ref)" "$value"

@@ -187,10 +187,21 @@ for r = 1, ARGV[a] + 0 do
     local count = (v - tag) / 1048576
     if tag ~= group.tag then
       local ahead = (tag - group.tag) % 1048575
-      if tag == 0 or ahead >= 524288 then
-        -- No key (the INCRBY made it) or an earlier window: this window opens here.
+      if tag == 0 then
+        -- No key: the INCRBY made it, without a tag or a TTL. The same tag and TTL for
+        -- every key of the group in this call: printed once.
+        local opened = group.opened
+        if not opened then
+          opened = { int(group.tag), int(start + W - now + ttl_margin) }
+          group.opened = opened
+        end
+        redis.call('INCRBY', key, opened[1])
+        redis.call('PEXPIRE', key, opened[2])
         count = cost
+      elseif ahead >= 524288 then
+        -- An earlier window (its key outlives it by the clock margin): this one opens.
         set_expiring(key, cost * 1048576 + group.tag, start + W - now)
+        count = cost
       else
         start = start + ahead * W -- a later window: a clock that stepped back
       end
