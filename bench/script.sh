@@ -32,6 +32,8 @@
 #   fw x13 one key  13 requests on one key in one call (a coalesced global key)
 #   fw x13 keys     13 requests on 13 keys in one call (coalesced per-client keys)
 #   fw x13 new keys the same on 13 keys never seen before (each request opens a window)
+#   fw x1 one.lua   one request against one fixed window by the library's own function
+#                   for it (FCALL <library>_fw, what the store sends for that shape)
 #   incr (ref)      the hand-written INCR + PEXPIRE script of bench_server, for scale
 # It starts its own redis-server on a free port (never 6379) and stops it on exit.
 set -euo pipefail
@@ -114,7 +116,10 @@ library_of() {
   sed -e 's/^local KEYS, ARGV = KEYS, ARGV$/local KEYS, ARGV/' \
     -e "s/^-- Per call: from here on.*/local function decide(keys, args) KEYS, ARGV = keys, args/"
   echo "end"
+  [[ -f lua/one.lua ]] && cat lua/one.lua
   echo "redis.register_function('tollgate_bench', decide)"
+  [[ -f lua/one.lua ]] && echo "redis.register_function('tollgate_bench_fw', decide_fixed_window)"
+  true
 }
 
 # label -> the command and its first argument (the script's SHA or the function's name)
@@ -228,6 +233,11 @@ row "fw x13 one key" 13 $same_key "" $(one_limit 1) $(requests 13)
 row "fw x13 keys" 13 $distinct_keys "" $(one_limit 1) $(requests 13)
 # shellcheck disable=SC2046,SC2086
 BENCH_FLAGS="-r 1000000000" row "fw x13 new keys" 13 $new_keys "" $(one_limit 1) $(requests 13)
+if [[ ${SHA[fcall]:-} && -f lua/one.lua && ( -z ${ONLY:-} || "fw x1 one.lua" =~ $ONLY ) ]]; then
+  value=$(measure FCALL tollgate_bench_fw 1 "bench:{one}:fw" "" 1000000000 1000 1)
+  printf '%-16s%14s   (FCALL of the library'"'"'s function for one fixed window, lua/one.lua)\n' \
+    "fw x1 one.lua" "$value"
+fi
 [[ -z ${ONLY:-} || "incr (ref)" =~ $ONLY ]] || exit 0
 value=$(measure EVALSHA "$INCR" 1 bench:{ref}:incr 1000000000 1000)
 printf '%-16s%14s   (the hand-written INCR script: one request)\n' "incr (ref)" "$value"

@@ -39,6 +39,44 @@ local function fw_decode(v, now, W)
   return current + ahead * W, (v - tag) / 1048576
 end
 
+-- The one-limit path (main.lua, and the library's function for one request, lua/one.lua):
+-- counts `cost` (1 to L) units into `key`'s fixed window at `now` in place, deciding
+-- exactly as load/fits/commit/save below would, and returns the limit's result: allowed
+-- (0/1), remaining, reset_after, retry_after. One INCRBY when the key holds the window; a
+-- key with no state gets its tag and TTL (INCRBY, PEXPIRE), a denial its units back.
+-- `window` holds the current window's `start` and `tag`, and keeps the strings of a
+-- window that opens (`opened`: printed once for all keys of a group in a call).
+local function fw_count(key, now, L, W, cost, window)
+  local start = window.start
+  local v = redis.call('INCRBY', key, fw_units(cost))
+  local tag = v % 1048576
+  local count = (v - tag) / 1048576
+  if tag ~= window.tag then
+    local ahead = (tag - window.tag) % 1048575
+    if tag == 0 then
+      -- No key: the INCRBY made it, without a tag or a TTL.
+      local opened = window.opened
+      if not opened then
+        opened = { int(window.tag), int(start + W - now + ttl_margin) }
+        window.opened = opened
+      end
+      redis.call('INCRBY', key, opened[1])
+      redis.call('PEXPIRE', key, opened[2])
+      count = cost
+    elseif ahead >= 524288 then
+      -- An earlier window (its key outlives it by the clock margin): this one opens.
+      set_expiring(key, cost * 1048576 + window.tag, start + W - now)
+      count = cost
+    else
+      start = start + ahead * W -- a later window: a clock that stepped back
+    end
+  end
+  local ends = start + W - now -- > 0; a count here is never 0
+  if count <= L then return 1, L - count, ends, 0 end
+  redis.call('INCRBY', key, fw_units(-cost)) -- denied: counted for nothing
+  return 0, L - count + cost, ends, ends
+end
+
 -- Defined on first use, so a call pays only for the algorithms it runs.
 local function define_fixed_window()
   local fixed_window = {}

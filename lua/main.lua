@@ -59,16 +59,8 @@ local function algorithm(code)
 end
 
 -- Per call: from here on, once per call (a library's function body; see prelude.lua).
-local now
+local now = clock(ARGV[1])
 blocks = nil
-if ARGV[1] ~= '' then
-  now = ARGV[1] + 0
-  ttl_margin = 5000
-else
-  local time = redis.call('TIME')
-  now = time[1] * 1000 + math.floor(time[2] / 1000)
-  ttl_margin = 0
-end
 
 local a = 3
 local groups = {}
@@ -173,49 +165,14 @@ for r = 1, ARGV[a] + 0 do
   local key = KEYS[k]
   if group.tag and states[key] == nil and KEYS[k + 1] ~= key and cost > 0
     and cost <= limit.L and not peek and not (asks and asks[r]) then
-    -- One fixed window, counted in place: one INCRBY that keeps the key's TTL, decided
-    -- exactly as load/fits/commit/save in fixed_window.lua would. Not for a key that the
-    -- next request has too (a coalesced hot key), nor one that an earlier request had:
-    -- those take that path, which reads the key once, counts in Lua and writes once at
-    -- the end, cheaper than an INCRBY each. (`false` in `states`: counted here, to be
-    -- read again by a later request.)
-    local L, W = limit.L, limit.W
+    -- One fixed window, counted in place (fw_count: one INCRBY that keeps the key's TTL).
+    -- Not for a key that the next request has too (a coalesced hot key), nor one that an
+    -- earlier request had: those take the path below, which reads the key once, counts in
+    -- Lua and writes once at the end, cheaper than an INCRBY each. (`false` in `states`:
+    -- counted here, to be read again by a later request.)
     states[key] = false
-    local start = group.start
-    local v = redis.call('INCRBY', key, fw_units(cost))
-    local tag = v % 1048576
-    local count = (v - tag) / 1048576
-    if tag ~= group.tag then
-      local ahead = (tag - group.tag) % 1048575
-      if tag == 0 then
-        -- No key: the INCRBY made it, without a tag or a TTL. The same tag and TTL for
-        -- every key of the group in this call: printed once.
-        local opened = group.opened
-        if not opened then
-          opened = { int(group.tag), int(start + W - now + ttl_margin) }
-          group.opened = opened
-        end
-        redis.call('INCRBY', key, opened[1])
-        redis.call('PEXPIRE', key, opened[2])
-        count = cost
-      elseif ahead >= 524288 then
-        -- An earlier window (its key outlives it by the clock margin): this one opens.
-        set_expiring(key, cost * 1048576 + group.tag, start + W - now)
-        count = cost
-      else
-        start = start + ahead * W -- a later window: a clock that stepped back
-      end
-    end
-    local ends = start + W - now -- > 0; a count here is never 0
-    if count <= L then
-      out[n + 1], out[n + 4] = 1, 0
-    else
-      redis.call('INCRBY', key, fw_units(-cost)) -- denied: counted for nothing
-      count = count - cost
-      out[n + 1], out[n + 4] = 0, ends
-    end
-    out[n + 2] = L - count
-    out[n + 3] = ends
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] =
+      fw_count(key, now, limit.L, limit.W, cost, group)
     n = n + 4
     m = 0 -- decided (k moves past the request's key below)
   end

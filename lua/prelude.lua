@@ -34,8 +34,21 @@ end
 -- Milliseconds added to every TTL. 0 when the script reads Redis TIME: then expiry and
 -- decisions share one clock. When the caller sends its own clock, that clock may lag
 -- Redis's, and a key must never vanish before the caller's time says its state is
--- worthless: main sets a margin (in every call: one library serves both kinds).
+-- worthless: `clock` sets a margin (in every call: one library serves both kinds).
 local ttl_margin = 0
+
+-- A call's `now` in ms from its first argument: the caller's clock, or "" to read Redis
+-- TIME (one clock for every replica). Sets the call's ttl_margin: 5 s with the caller's
+-- clock, for it to lag Redis's.
+local function clock(arg)
+  if arg ~= '' then
+    ttl_margin = 5000
+    return arg + 0
+  end
+  ttl_margin = 0
+  local time = redis.call('TIME')
+  return time[1] * 1000 + math.floor(time[2] / 1000)
+end
 
 -- Sets the TTL of a key the script just wrote: every written key gets one.
 local function expire(key, ttl)

@@ -352,6 +352,37 @@ async fn a_coalesced_batch_reads_and_writes_a_hot_key_once() {
     support::assert_every_key_expires(&server);
 }
 
+/// A call of one request against one fixed window goes to the library's function for
+/// that shape (`<library>_fw`, lua/one.lua) on Redis 7+, to the script on Redis 6; after
+/// `FUNCTION FLUSH` the library is loaded again, and every decision counts once.
+#[tokio::test]
+async fn one_request_on_one_fixed_window_has_a_function_of_its_own() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let limit = hourly(5);
+    let key = Key::new("one");
+    server
+        .cli(&["CONFIG", "SET", "slowlog-log-slower-than", "0"])
+        .unwrap();
+    server.cli(&["SLOWLOG", "RESET"]).unwrap();
+    assert_eq!(allowed(&store, "one", &limit, 3).await, 3);
+    let log = server.cli(&["SLOWLOG", "GET", "100"]).unwrap();
+    let lean = log.lines().filter(|l| l.trim().ends_with("_fw")).count();
+    if support::redis_server_major_version() >= 7 {
+        assert_eq!(lean, 3, "{log}");
+    } else {
+        assert_eq!(lean, 0, "{log}");
+        assert_eq!(server.calls("evalsha"), 3);
+    }
+    server.flush_scripts();
+    assert_eq!(allowed(&store, "one", &limit, 3).await, 2);
+    let value = server
+        .cli(&["GET", &store.redis_key(&key, &limit[0])])
+        .unwrap();
+    assert_eq!(support::fixed_window_count(&value), 5);
+    support::assert_every_key_expires(&server);
+}
+
 /// Cold keys (one fixed window each, one request per key in a batch) take the lean path:
 /// each is one `INCRBY` that keeps its key's TTL, no `GET` and no `SET` once the window
 /// is open; a denial is counted back with a second `INCRBY`.
@@ -756,7 +787,9 @@ async fn decisions_call_the_library_from_redis_7_on_and_the_script_before() {
     if support::redis_server_major_version() >= 7 {
         assert_eq!((fcalls, evalshas), (3, 0));
         let libraries = server.cli(&["FUNCTION", "LIST"]).unwrap();
-        assert_eq!(libraries.matches("tollgate_").count(), 2, "{libraries}");
+        // The library's name, its function's, and its function for one fixed window's.
+        assert_eq!(libraries.matches("tollgate_").count(), 3, "{libraries}");
+        assert_eq!(libraries.matches("_fw\n").count(), 1, "{libraries}");
     } else {
         assert_eq!((fcalls, evalshas), (0, 3));
     }

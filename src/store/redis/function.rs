@@ -20,6 +20,8 @@ use std::sync::{
 
 use redis::{Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, aio::ConnectionLike};
 
+use redis::Script;
+
 use super::{SCRIPT, SCRIPT_SOURCE};
 
 /// The line of lua/prelude.lua that takes EVAL's globals; a library declares the locals
@@ -29,15 +31,26 @@ const KEYS_LINE: &str = "local KEYS, ARGV = KEYS, ARGV\n";
 const PER_CALL_LINE: &str =
     "-- Per call: from here on, once per call (a library's function body; see prelude.lua).\n";
 
-/// The library's name, which is also its function's: `tollgate_` and the first 12 hex
-/// digits of the script's SHA-1.
-pub(crate) static NAME: LazyLock<String> =
-    LazyLock::new(|| format!("tollgate_{}", &SCRIPT.get_hash()[..12]));
+/// The library's second function, which only a library has: one request against one
+/// fixed window, decided without the general function's parsing (about half of a call's
+/// instructions inside Redis; BENCHMARKS.md).
+const FIXED_WINDOW_SOURCE: &str = include_str!("../../../lua/one.lua");
+
+/// The library's name, which is also its general function's: `tollgate_` and the first
+/// 12 hex digits of the SHA-1 of its Lua (the script, then lua/one.lua).
+pub(crate) static NAME: LazyLock<String> = LazyLock::new(|| {
+    let lua = Script::new(&format!("{SCRIPT_SOURCE}{FIXED_WINDOW_SOURCE}"));
+    format!("tollgate_{}", &lua.get_hash()[..12])
+});
+
+/// The name of the function for one request against one fixed window: `<NAME>_fw`.
+static FIXED_WINDOW_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_fw", *NAME));
 
 /// The library's source, for `FUNCTION LOAD`.
 pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| library(SCRIPT_SOURCE, &NAME));
 
-/// `source` (the script) as a library named `name`, with one function of that name.
+/// `source` (the script) as a library named `name`, with a function of that name and one
+/// named `<name>_fw` (lua/one.lua).
 fn library(source: &str, name: &str) -> String {
     assert!(
         source.matches(KEYS_LINE).count() == 1 && source.matches(PER_CALL_LINE).count() == 1,
@@ -50,7 +63,11 @@ fn library(source: &str, name: &str) -> String {
             "local function decide(keys, args) KEYS, ARGV = keys, args\n",
             1,
         );
-    format!("#!lua name={name}\n{body}end\nredis.register_function('{name}', decide)\n")
+    format!(
+        "#!lua name={name}\n{body}end\n{FIXED_WINDOW_SOURCE}\
+         redis.register_function('{name}', decide)\n\
+         redis.register_function('{name}_fw', decide_fixed_window)\n"
+    )
 }
 
 /// The lines of the library before the script's first (the header).
@@ -152,18 +169,60 @@ impl Mode {
     }
 }
 
+/// The call of the library's function for one request of `cost` (1 to `limit`) against
+/// one fixed window of `limit` per `window_ms` without a lockout, on `key`, at `now`
+/// (None: Redis `TIME`). Only for a connection that calls functions; [`Mode::run`] turns
+/// it into the general script's form if they turn out unavailable.
+pub(crate) fn fixed_window_call(
+    now: Option<u64>,
+    key: &str,
+    limit: u64,
+    window_ms: u64,
+    cost: u32,
+) -> Cmd {
+    let mut cmd = Cmd::with_capacity(8, 48 + key.len());
+    cmd.arg("FCALL")
+        .arg(FIXED_WINDOW_NAME.as_str())
+        .arg(1)
+        .arg(key);
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+    cmd.arg(limit).arg(window_ms).arg(cost);
+    cmd
+}
+
 /// Whether `call` is an `FCALL` (else an `EVALSHA`).
 fn is_fcall(call: &Cmd) -> bool {
     matches!(call.args_iter().next(), Some(Arg::Simple(b"FCALL")))
 }
 
-/// `call` (`FCALL <function> ...`) as `EVALSHA <sha> ...`.
+/// `call` (`FCALL <function> ...`) as `EVALSHA <sha> ...`: the same arguments, or for
+/// [`fixed_window_call`] the general script's form of its one request (lua/main.lua: one
+/// group of one limit, code 1, capacity = limit, no lockout; one request of group 1).
 fn as_evalsha(call: &Cmd) -> Cmd {
-    let mut cmd = Cmd::with_capacity(call.args_iter().len(), 0);
+    let mut args = call.args_iter().filter_map(|arg| match arg {
+        Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    });
+    let function = args.nth(1);
+    let mut cmd = Cmd::with_capacity(call.args_iter().len() + 7, 0);
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash());
-    for arg in call.args_iter().skip(2) {
-        if let Arg::Simple(bytes) = arg {
-            cmd.arg(bytes);
+    if function == Some(FIXED_WINDOW_NAME.as_bytes()) {
+        let [keys, key, now, limit, window, cost] = [(); 6].map(|()| args.next().unwrap_or(b""));
+        cmd.arg(keys).arg(key).arg(now);
+        cmd.arg(1)
+            .arg(1)
+            .arg(1)
+            .arg(limit)
+            .arg(window)
+            .arg(limit)
+            .arg(0);
+        cmd.arg(1).arg(cost).arg(1);
+    } else {
+        for arg in args {
+            cmd.arg(arg);
         }
     }
     cmd
@@ -210,6 +269,80 @@ mod tests {
                 );
             }
         }
+    }
+
+    fn words(cmd: &Cmd) -> Vec<String> {
+        cmd.args_iter()
+            .map(|arg| match arg {
+                Arg::Simple(bytes) => String::from_utf8(bytes.to_vec()).unwrap(),
+                _ => panic!("a cursor"),
+            })
+            .collect()
+    }
+
+    fn request(group: &[u64], cost: u32) -> super::super::Encoded {
+        super::super::Encoded {
+            keys: group
+                .chunks(5)
+                .enumerate()
+                .map(|(i, _)| format!("app:{{k}}:{i}"))
+                .collect(),
+            cost,
+            at: None,
+            group: group.iter().copied().collect(),
+            quotas: group.chunks(5).map(|g| g[1] as u32).collect(),
+            peek: false,
+            reserve_ms: 0,
+            slot: 0,
+            lease: None,
+        }
+    }
+
+    /// One request against one fixed window goes to the library's `<name>_fw`; where
+    /// functions turn out unavailable, that call becomes exactly the general script's call
+    /// of the same request. Every other shape goes to the general function.
+    #[test]
+    fn one_fixed_window_has_its_own_function_and_the_scripts_form_as_fallback() {
+        use super::super::script_call;
+        let functions = Mode::default();
+        let script = Mode::default();
+        script.script_only();
+        let fixed_window = [1, 10, 1000, 10, 0];
+        for now in [None, Some(1_700_000_000_000)] {
+            for cost in [1, 10] {
+                let one = request(&fixed_window, cost);
+                let lean = script_call(&functions, now, &[&one]);
+                assert_eq!(words(&lean)[..2], ["FCALL", FIXED_WINDOW_NAME.as_str()]);
+                assert_eq!(
+                    words(&as_evalsha(&lean)),
+                    words(&script_call(&script, now, &[&one]))
+                );
+            }
+        }
+        let mut peek = request(&fixed_window, 1);
+        peek.peek = true;
+        let mut reserving = request(&fixed_window, 1);
+        reserving.reserve_ms = 100;
+        let mut adjustment = request(&fixed_window, 1);
+        adjustment.at = Some(5);
+        let general = [
+            request(&fixed_window, 11),                        // more than the limit
+            request(&fixed_window, 0),                         // nothing to count
+            request(&[1, 10, 1000, 10, 60_000], 1),            // a lockout
+            request(&[4, 10, 1000, 10, 0], 1),                 // a token bucket
+            request(&[1, 10, 1000, 10, 0, 1, 5, 60, 5, 0], 1), // two limits
+            peek,
+            reserving,
+            adjustment,
+        ];
+        for one in &general {
+            let call = script_call(&functions, None, &[one]);
+            assert_eq!(words(&call)[..2], ["FCALL", NAME.as_str()], "{one:?}");
+        }
+        // Two requests in one call: the general function too.
+        let one = request(&fixed_window, 1);
+        let call = script_call(&functions, None, &[&one, &one]);
+        assert_eq!(words(&call)[1], NAME.as_str());
     }
 
     #[test]

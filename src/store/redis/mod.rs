@@ -38,7 +38,7 @@ use self::{
 };
 use super::{Check, Reset, Store};
 use crate::{
-    Adjustment, ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
+    Adjustment, Algorithm, ConfigError, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
     clock::{Clock, MonotonicClock},
     decision::LimitDecisions,
     key::Key,
@@ -692,6 +692,30 @@ pub(crate) struct Encoded {
     lease: Option<Arc<lease::Attach>>,
 }
 
+impl Encoded {
+    /// The limit and window of a request that the library's function for one fixed
+    /// window decides (lua/one.lua): one fixed-window limit without a lockout, a cost of
+    /// 1 to the limit, and nothing riding on it (no peek, adjustment, reservation or
+    /// lease).
+    fn one_fixed_window(&self) -> Option<(u64, u64)> {
+        let fixed_window = u64::from(Algorithm::FixedWindow.code());
+        match self.group[..] {
+            [code, limit, window_ms, _, 0]
+                if code == fixed_window
+                    && (1..=limit).contains(&u64::from(self.cost))
+                    && self.keys.len() == 1
+                    && self.at.is_none()
+                    && !self.peek
+                    && self.reserve_ms == 0
+                    && self.lease.is_none() =>
+            {
+                Some((limit, window_ms))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// The script call (`FCALL`, or `EVALSHA` where Redis has no functions: see
 /// [`function::Mode::run`]) deciding `requests` in order, at `now` (None: Redis `TIME`).
 ///
@@ -699,6 +723,12 @@ pub(crate) struct Encoded {
 /// and requests name theirs by index, so a batch of requests under the same limits costs
 /// two arguments per request besides its keys.
 pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&Encoded]) -> Cmd {
+    if let [request] = requests
+        && mode.functions()
+        && let Some((limit, window_ms)) = request.one_fixed_window()
+    {
+        return function::fixed_window_call(now, &request.keys[0], limit, window_ms, request.cost);
+    }
     let mut groups: SmallVec<[&[u64]; 4]> = SmallVec::new();
     let mut group_of: SmallVec<[usize; 32]> = SmallVec::with_capacity(requests.len());
     for request in requests {
