@@ -18,7 +18,9 @@ use std::sync::{
     atomic::{AtomicBool, Ordering},
 };
 
-use redis::{Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, aio::ConnectionLike};
+use redis::{
+    Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value, aio::ConnectionLike,
+};
 
 use super::{SCRIPT, SCRIPT_SOURCE};
 
@@ -118,11 +120,11 @@ impl Mode {
         let evalsha;
         let mut call = call;
         if is_fcall(call) {
-            match call.query_async(connection).await {
+            match query(call, connection).await {
                 Err(error) if missing(&error) => {
                     self.load(connection).await?;
                     if self.functions() {
-                        return call.query_async(connection).await;
+                        return query(call, connection).await;
                     }
                 }
                 Err(error) if unavailable(&error) => self.script_only(),
@@ -131,10 +133,10 @@ impl Mode {
             evalsha = as_evalsha(call);
             call = &evalsha;
         }
-        match call.query_async(connection).await {
+        match query(call, connection).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 SCRIPT.load_async(connection).await?;
-                call.query_async(connection).await
+                query(call, connection).await
             }
             result => result,
         }
@@ -150,6 +152,30 @@ impl Mode {
             cmd.arg("EVALSHA").arg(SCRIPT.get_hash()).arg(keys);
         }
     }
+}
+
+/// Sends a script call and reads its reply: [`Cmd::query_async`] into a `Vec<i64>`, in
+/// one pass over the reply.
+async fn query<C: ConnectionLike>(call: &Cmd, connection: &mut C) -> RedisResult<Vec<i64>> {
+    integers(connection.req_packed_command(call).await?)
+}
+
+/// The script's reply, a list of integers, as `from_redis_value::<Vec<i64>>` after
+/// `extract_error` reads it (what `query_async` does), in one pass: those walk the reply
+/// twice, each into a new `Vec`, which cost a request about as much as its share of the
+/// call's building. Anything but an integer takes their way.
+pub(crate) fn integers(reply: Value) -> RedisResult<Vec<i64>> {
+    let Value::Array(values) = reply else {
+        return Ok(redis::from_redis_value(reply.extract_error()?)?);
+    };
+    let mut out = Vec::with_capacity(values.len());
+    for value in values {
+        out.push(match value {
+            Value::Int(n) => n,
+            other => redis::from_redis_value(other.extract_error()?)?,
+        });
+    }
+    Ok(out)
 }
 
 /// Whether `call` is an `FCALL` (else an `EVALSHA`).

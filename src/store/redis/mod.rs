@@ -27,6 +27,7 @@ pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 
+use futures_util::future::BoxFuture;
 use redis::{Cmd, RedisError, RedisResult, Script, aio::ConnectionManager};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
@@ -543,62 +544,66 @@ impl RedisStore {
                 Err(decision) => return Check::ready(Ok(decision)),
             }
         }
-        // Queued for the batching task, or (no runtime to run it on) sent directly.
-        let call = match self.coalescer() {
-            Some(coalescer) => match coalescer.submit(encoded) {
-                Submitted::Queued(reply) => Call::Queued(reply),
-                Submitted::Refused(error) => return Check::ready(Err(error)),
-                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
-            },
-            None => Call::Direct(encoded),
+        let call = match self.send(encoded) {
+            Ok(call) => call,
+            Err(error) => return Check::ready(Err(error)),
         };
-        let connection = self.connection.clone();
         let clock = self.clock.clone();
         Check::pending(async move {
-            let decision = match call {
-                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
-                    Err(StoreError::new(
-                        StoreErrorKind::Unavailable,
-                        "the batch task stopped",
-                    ))
-                })?,
-                Call::Direct(encoded) => {
-                    let now = clock.as_ref().map(|c| c.now_ms());
-                    let call = script_call(&connection.mode, now, &[&encoded]);
-                    let reply = invoke(connection, call).await;
-                    let len = encoded.quotas.len() * 4;
-                    // The request's results, its ask's (when it asked), then `now`.
-                    let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
-                    let (decision, grant) = match &reply {
-                        Ok(reply) => {
-                            let (values, at) = split_now(reply, len + asked);
-                            let (own, grant) = values.split_at(len.min(values.len()));
-                            (parse(own, &encoded.quotas, at), Some(grant))
-                        }
-                        Err(error) => (Err(error.clone()), None),
-                    };
-                    match &encoded.lease {
-                        Some(attach) => attach.settle(&encoded, decision, grant)?,
-                        None => decision?,
-                    }
-                }
-            };
+            let decision = call.decision().await?;
             if let Some((cache, key, fingerprint, generation)) = block_cache {
+                let now = local_now_ms(clock.as_ref());
                 if !fits_at_all {
                     // Not cached, but a lockout it ran into may have started a block
                     // (its only write), which a cached denial of the key would not show.
                     if decision.blocked_ms() > 0 {
-                        cache.forget(&key, fingerprint);
+                        cache.forget(&key, fingerprint, now);
                     }
                 } else if decision.is_allowed() {
-                    cache.forget(&key, fingerprint);
+                    cache.forget(&key, fingerprint, now);
                 } else {
-                    let now = local_now_ms(clock.as_ref());
                     cache.insert(key, fingerprint, cost, now, &decision, generation);
                 }
             }
             Ok(decision)
         })
+    }
+
+    /// Queues `encoded` for the batching task, or (coalescing off, or no runtime to run
+    /// the task on) starts its own script call.
+    fn send(&self, encoded: Encoded) -> Result<Call, StoreError> {
+        let encoded = match self.coalescer() {
+            Some(coalescer) => match coalescer.submit(encoded) {
+                Submitted::Queued(reply) => return Ok(Call::Queued(reply)),
+                Submitted::Refused(error) => return Err(error),
+                Submitted::NoRuntime(encoded) => encoded,
+            },
+            None => encoded,
+        };
+        let connection = self.connection.clone();
+        let clock = self.clock.clone();
+        // Boxed on its own: the call's futures would otherwise size every decision's
+        // future, queued ones included, for this rarer path.
+        Ok(Call::Direct(Box::pin(async move {
+            let now = clock.as_ref().map(|c| c.now_ms());
+            let call = script_call(&connection.mode, now, &[&encoded]);
+            let reply = invoke(connection, call).await;
+            let len = encoded.quotas.len() * 4;
+            // The request's results, its ask's (when it asked), then `now`.
+            let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
+            let (decision, grant) = match &reply {
+                Ok(reply) => {
+                    let (values, at) = split_now(reply, len + asked);
+                    let (own, grant) = values.split_at(len.min(values.len()));
+                    (parse(own, &encoded.quotas, at), Some(grant))
+                }
+                Err(error) => (Err(error.clone()), None),
+            };
+            match &encoded.lease {
+                Some(attach) => attach.settle(&encoded, decision, grant),
+                None => decision,
+            }
+        })))
     }
 }
 
@@ -632,43 +637,35 @@ impl RedisStore {
             return Check::ready(Ok(Decision::unlimited()));
         }
         if let (Some(cache), Adjustment::Refund { .. }) = (&self.block_cache, adjustment) {
-            cache.forget(key, BlockCache::fingerprint(limits));
+            let now = local_now_ms(self.clock.as_ref());
+            cache.forget(key, BlockCache::fingerprint(limits), now);
         }
         let encoded = self.encode_as(key, limits, units, Some(at));
-        let call = match self.coalescer() {
-            Some(coalescer) => match coalescer.submit(encoded) {
-                Submitted::Queued(reply) => Call::Queued(reply),
-                Submitted::Refused(error) => return Check::ready(Err(error)),
-                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
-            },
-            None => Call::Direct(encoded),
-        };
-        let connection = self.connection.clone();
-        let clock = self.clock.clone();
-        Check::pending(async move {
-            match call {
-                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
-                    Err(StoreError::new(
-                        StoreErrorKind::Unavailable,
-                        "the batch task stopped",
-                    ))
-                }),
-                Call::Direct(encoded) => {
-                    let now = clock.as_ref().map(|c| c.now_ms());
-                    let call = script_call(&connection.mode, now, &[&encoded]);
-                    let reply = invoke(connection, call).await?;
-                    let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
-                    parse(values, &encoded.quotas, at)
-                }
-            }
-        })
+        match self.send(encoded) {
+            Ok(call) => Check::pending(call.decision()),
+            Err(error) => Check::ready(Err(error)),
+        }
     }
 }
 
-/// How a decision reaches Redis.
+/// How a decision reaches Redis: queued for the batching task, or its own script call.
 enum Call {
     Queued(oneshot::Receiver<Result<Decision, StoreError>>),
-    Direct(Encoded),
+    Direct(BoxFuture<'static, Result<Decision, StoreError>>),
+}
+
+impl Call {
+    async fn decision(self) -> Result<Decision, StoreError> {
+        match self {
+            Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
+                Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the batch task stopped",
+                ))
+            }),
+            Call::Direct(call) => call.await,
+        }
+    }
 }
 
 /// One request, ready to join a script call.
