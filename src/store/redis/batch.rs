@@ -1,6 +1,14 @@
 //! Coalescing: the decisions waiting at the same moment go to Redis as one script call.
 
-use std::{mem, sync::Arc};
+use std::{
+    future::{Future, poll_fn},
+    mem,
+    pin::pin,
+    sync::Arc,
+    task::Poll,
+};
+
+use futures_util::{StreamExt, stream::FuturesUnordered};
 
 use parking_lot::RwLock;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -41,7 +49,7 @@ pub(crate) enum Submitted {
     /// Not queued: the queue is full (or the task is gone).
     Refused(StoreError),
     /// No runtime to run the task on: the caller calls Redis itself.
-    NoRuntime(Encoded),
+    NoRuntime(Box<Encoded>),
 }
 
 type Queue = mpsc::Sender<(Encoded, Reply)>;
@@ -96,7 +104,7 @@ impl Coalescer {
             }
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Submitted::NoRuntime(item.0);
+            return Submitted::NoRuntime(Box::new(item.0));
         };
         let mut sender = self.sender.write();
         // Another decision may have started a task meanwhile; else start one.
@@ -156,11 +164,15 @@ async fn run(
         }
     }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    // The calls this task sends itself, driven while it waits for more work: a task
+    // spawned per call cost about as much as the call's share of its requests (an
+    // aligned allocation, a schedule and a wakeup per call).
+    let mut sending = FuturesUnordered::new();
     let mut waiting = Vec::new();
-    while let Some(first) = receiver.recv().await {
+    while let Some(first) = drive(&mut sending, receiver.recv()).await {
         waiting.push(first);
         // Wait for a free slot on the wire; whatever arrives meanwhile joins the batch.
-        let Ok(permit) = permits.clone().acquire_owned().await else {
+        let Ok(permit) = drive(&mut sending, permits.clone().acquire_owned()).await else {
             return;
         };
         while waiting.len() < config.max_batch {
@@ -178,9 +190,25 @@ async fn run(
             continue;
         }
         for batch in calls {
-            tokio::spawn(send(batch, connection.clone(), now, permit.clone()));
+            sending.push(send(batch, connection.clone(), now, permit.clone()));
         }
     }
+    // Every store clone is gone: the calls on the wire still answer their requests.
+    while sending.next().await.is_some() {}
+}
+
+/// Waits for `future` while the calls in `sending` make progress (each answers its
+/// requests as it ends).
+async fn drive<F: Future>(
+    sending: &mut FuturesUnordered<impl Future<Output = ()>>,
+    future: F,
+) -> F::Output {
+    let mut future = pin!(future);
+    poll_fn(|cx| {
+        while let Poll::Ready(Some(())) = sending.poll_next_unpin(cx) {}
+        future.as_mut().poll(cx)
+    })
+    .await
 }
 
 /// Splits a batch by hash slot (a script's keys must share one slot in a cluster).

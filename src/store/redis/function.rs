@@ -271,4 +271,36 @@ mod tests {
             "Function not found"
         )));
     }
+
+    /// [`integers`] reads every reply as `query_async::<Vec<i64>>` does: the script's
+    /// lists of integers, and the odd shapes and errors alike.
+    #[test]
+    fn integers_read_a_reply_as_query_async_does() {
+        let parse = |resp: &str| redis::parse_redis_value(resp.as_bytes()).unwrap();
+        let general = |reply: Value| -> RedisResult<Vec<i64>> {
+            Ok(redis::from_redis_value(reply.extract_error()?)?)
+        };
+        for resp in [
+            "*5\r\n:1\r\n:99\r\n:1000\r\n:0\r\n:1764460800000\r\n",
+            "*0\r\n",
+            "*2\r\n:-3\r\n$2\r\n17\r\n",
+            "*2\r\n:1\r\n$3\r\nabc\r\n",
+            "*2\r\n:1\r\n-ERR inside\r\n",
+            "*2\r\n:1\r\n*1\r\n:2\r\n",
+            "-NOSCRIPT No matching script\r\n",
+            "$-1\r\n",
+            ":7\r\n",
+            "+OK\r\n",
+        ] {
+            let (ours, theirs) = (integers(parse(resp)), general(parse(resp)));
+            match (&ours, &theirs) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b, "{resp:?}"),
+                (Err(a), Err(b)) => {
+                    assert_eq!(a.kind(), b.kind(), "{resp:?}");
+                    assert_eq!(a.to_string(), b.to_string(), "{resp:?}");
+                }
+                _ => panic!("{resp:?}: {ours:?} against {theirs:?}"),
+            }
+        }
+    }
 }

@@ -414,16 +414,9 @@ impl RedisStore {
     /// [`encode`](Self::encode), for a request (`at` = None) or an adjustment of `cost`
     /// units (`at`: the refund's decision time, or -1 for a top-up).
     fn encode_as(&self, key: &Key, limits: &[Limit], cost: u32, at: Option<i64>) -> Encoded {
-        let mut keys: SmallVec<[String; 2]> =
-            limits.iter().map(|l| self.redis_key(key, l)).collect();
-        // After the limits' keys, the block key of each limit with a lockout.
-        for (i, limit) in limits.iter().enumerate() {
-            if limit.lockout_ms() > 0 {
-                keys.push(lockout_key(&keys[i]));
-            }
-        }
+        let keys = Keys::new(&self.prefix, key, limits);
         let slot = if self.connection.is_cluster() {
-            slot_of(&keys[0])
+            slot_of(keys.iter().next().unwrap_or_default())
         } else {
             0
         };
@@ -576,7 +569,7 @@ impl RedisStore {
             Some(coalescer) => match coalescer.submit(encoded) {
                 Submitted::Queued(reply) => return Ok(Call::Queued(reply)),
                 Submitted::Refused(error) => return Err(error),
-                Submitted::NoRuntime(encoded) => encoded,
+                Submitted::NoRuntime(encoded) => *encoded,
             },
             None => encoded,
         };
@@ -613,10 +606,66 @@ const LIMIT_FIELDS: usize = 5;
 /// The key that holds a limit's block ([`Limit::with_lockout`]) next to the limit's key
 /// `limit_key`: the same hash tag, and a last part no limit id has (ids end in digits).
 fn lockout_key(limit_key: &str) -> String {
-    let mut out = String::with_capacity(limit_key.len() + 8);
+    let mut out = String::with_capacity(limit_key.len() + LOCKOUT_SUFFIX.len());
     out.push_str(limit_key);
-    out.push_str(":lockout");
+    out.push_str(LOCKOUT_SUFFIX);
     out
+}
+
+/// What [`lockout_key`] appends.
+const LOCKOUT_SUFFIX: &str = ":lockout";
+
+/// A request's Redis keys, end to end in one buffer: the keys of a request with one limit
+/// (or two short ones) need no allocation of their own, which one `String` each did, and
+/// which the batching task then freed on another thread.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Keys {
+    text: SmallVec<[u8; 96]>,
+    ends: SmallVec<[u32; 2]>,
+}
+
+impl Keys {
+    /// The keys a request for `key` under `limits` touches: each limit's (what
+    /// [`RedisStore::redis_key`] makes), then the block key ([`lockout_key`]) of each limit
+    /// with a lockout.
+    fn new(prefix: &str, key: &Key, limits: &[Limit]) -> Self {
+        let mut keys = Self::default();
+        let key = key.as_str();
+        for limit in limits {
+            keys.push(&[prefix, ":{", key, "}:", limit.id()]);
+        }
+        for limit in limits.iter().filter(|l| l.lockout_ms() > 0) {
+            keys.push(&[prefix, ":{", key, "}:", limit.id(), LOCKOUT_SUFFIX]);
+        }
+        keys
+    }
+
+    /// Appends a key made of `parts`.
+    fn push(&mut self, parts: &[&str]) {
+        // Sized once, then copied into: `extend_from_slice` per part cost twice as much.
+        let mut at = self.text.len();
+        self.text
+            .resize(at + parts.iter().map(|p| p.len()).sum::<usize>(), 0);
+        for part in parts {
+            self.text[at..at + part.len()].copy_from_slice(part.as_bytes());
+            at += part.len();
+        }
+        self.ends.push(u32::try_from(at).unwrap_or(u32::MAX));
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// The keys, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let mut start = 0;
+        self.ends.iter().map(move |&end| {
+            let key = &self.text[start..end as usize];
+            start = end as usize;
+            key
+        })
+    }
 }
 
 impl RedisStore {
@@ -671,7 +720,7 @@ impl Call {
 /// One request, ready to join a script call.
 #[derive(Debug, Clone)]
 pub(crate) struct Encoded {
-    keys: SmallVec<[String; 2]>,
+    keys: Keys,
     cost: u32,
     /// An adjustment of `cost` units rather than a request: the script's `at` argument.
     at: Option<i64>,
@@ -712,12 +761,12 @@ pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&
     let group_args: usize = groups.iter().map(|g| 1 + g.len()).sum();
     let adjustments = requests.iter().filter(|r| r.at.is_some()).count();
     let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
-    let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
+    let key_bytes: usize = requests.iter().map(|r| r.keys.text.len()).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
     mode.head(&mut cmd, keys);
     for request in requests {
-        for key in &request.keys {
-            cmd.arg(key.as_str());
+        for key in request.keys.iter() {
+            cmd.arg(key);
         }
     }
     match now {
@@ -760,8 +809,7 @@ pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&
 
 /// The Redis Cluster hash slot of `key`: CRC16 of its hash tag, modulo 16384.
 #[cfg(feature = "cluster")]
-fn slot_of(key: &str) -> u16 {
-    let key = key.as_bytes();
+fn slot_of(key: &[u8]) -> u16 {
     let tag = key
         .iter()
         .position(|&b| b == b'{')
@@ -777,7 +825,7 @@ fn slot_of(key: &str) -> u16 {
 }
 
 #[cfg(not(feature = "cluster"))]
-fn slot_of(_key: &str) -> u16 {
+fn slot_of(_key: &[u8]) -> u16 {
     0
 }
 
@@ -908,4 +956,43 @@ fn store_error(error: RedisError) -> StoreError {
         StoreErrorKind::Response
     };
     StoreError::new(kind, error)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A request's keys, built in one buffer, are the keys `redis_key` and `lockout_key`
+    /// name, in the order the script reads them: with and without lockouts, and past
+    /// the buffer's inline size.
+    #[test]
+    fn a_requests_keys_are_its_limits_keys_then_their_block_keys() {
+        let minute = Limit::fixed_window(10, Duration::from_secs(60)).unwrap();
+        let locked = Limit::per_second(5)
+            .unwrap()
+            .with_lockout(Duration::from_secs(600))
+            .unwrap();
+        let long = "k".repeat(200);
+        for key in [Key::new("client-1"), Key::new(&long)] {
+            for limits in [
+                vec![minute.clone()],
+                vec![minute.clone(), locked.clone()],
+                vec![locked.clone(), minute.clone()],
+            ] {
+                let limit_key =
+                    |limit: &Limit| format!("tollgate:{{{}}}:{}", key.as_str(), limit.id());
+                let mut expected: Vec<String> = limits.iter().map(limit_key).collect();
+                for limit in limits.iter().filter(|l| l.lockout_ms() > 0) {
+                    expected.push(lockout_key(&limit_key(limit)));
+                }
+                let keys = Keys::new(DEFAULT_PREFIX, &key, &limits);
+                let got: Vec<&[u8]> = keys.iter().collect();
+                let expected: Vec<&[u8]> = expected.iter().map(|k| k.as_bytes()).collect();
+                assert_eq!(got, expected);
+                assert_eq!(keys.len(), expected.len());
+            }
+        }
+    }
 }
