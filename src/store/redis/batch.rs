@@ -1,14 +1,6 @@
 //! Coalescing: the decisions waiting at the same moment go to Redis as one script call.
 
-use std::{
-    future::{Future, poll_fn},
-    mem,
-    pin::pin,
-    sync::Arc,
-    task::Poll,
-};
-
-use futures_util::{StreamExt, stream::FuturesUnordered};
+use std::{mem, sync::Arc};
 
 use parking_lot::RwLock;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -164,15 +156,11 @@ async fn run(
         }
     }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
-    // The calls this task sends itself, driven while it waits for more work: a task
-    // spawned per call cost about as much as the call's share of its requests (an
-    // aligned allocation, a schedule and a wakeup per call).
-    let mut sending = FuturesUnordered::new();
     let mut waiting = Vec::new();
-    while let Some(first) = drive(&mut sending, receiver.recv()).await {
+    while let Some(first) = receiver.recv().await {
         waiting.push(first);
         // Wait for a free slot on the wire; whatever arrives meanwhile joins the batch.
-        let Ok(permit) = drive(&mut sending, permits.clone().acquire_owned()).await else {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
             return;
         };
         while waiting.len() < config.max_batch {
@@ -190,25 +178,9 @@ async fn run(
             continue;
         }
         for batch in calls {
-            sending.push(send(batch, connection.clone(), now, permit.clone()));
+            tokio::spawn(send(batch, connection.clone(), now, permit.clone()));
         }
     }
-    // Every store clone is gone: the calls on the wire still answer their requests.
-    while sending.next().await.is_some() {}
-}
-
-/// Waits for `future` while the calls in `sending` make progress (each answers its
-/// requests as it ends).
-async fn drive<F: Future>(
-    sending: &mut FuturesUnordered<impl Future<Output = ()>>,
-    future: F,
-) -> F::Output {
-    let mut future = pin!(future);
-    poll_fn(|cx| {
-        while let Poll::Ready(Some(())) = sending.poll_next_unpin(cx) {}
-        future.as_mut().poll(cx)
-    })
-    .await
 }
 
 /// Splits a batch by hash slot (a script's keys must share one slot in a cluster).
