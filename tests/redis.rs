@@ -429,6 +429,31 @@ async fn a_batch_of_cold_keys_counts_each_with_one_incrby() {
     support::assert_every_key_expires(&server);
 }
 
+/// Decisions still queued or on the wire when the last clone of the store goes get
+/// their answers: the batching task sends what waits and finishes its calls before it
+/// ends.
+#[tokio::test]
+async fn decisions_in_flight_when_the_store_goes_are_answered() {
+    let server = RedisServer::start();
+    let store = uncached(&server).await;
+    let limit = hourly(1_000);
+    // More than two calls' worth (128 decisions each, two on the wire at once), on keys
+    // of their own; none has run yet on this single-threaded runtime.
+    let checks: Vec<_> = (0..600)
+        .map(|i| store.check(&Key::new(format!("client-{i}")), &limit, 1))
+        .collect();
+    drop(store);
+    for (i, decision) in futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let decision = decision.unwrap_or_else(|e| panic!("decision {i}: {e}"));
+        assert!(decision.is_allowed(), "decision {i}");
+    }
+    assert_eq!(server.script_calls(), 5);
+}
+
 #[cfg(feature = "bb8")]
 #[tokio::test]
 async fn a_bb8_pool_works_too() {

@@ -41,7 +41,7 @@ pub(crate) enum Submitted {
     /// Not queued: the queue is full (or the task is gone).
     Refused(StoreError),
     /// No runtime to run the task on: the caller calls Redis itself.
-    NoRuntime(Encoded),
+    NoRuntime(Box<Encoded>),
 }
 
 type Queue = mpsc::Sender<(Encoded, Reply)>;
@@ -96,7 +96,7 @@ impl Coalescer {
             }
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Submitted::NoRuntime(item.0);
+            return Submitted::NoRuntime(Box::new(item.0));
         };
         let mut sender = self.sender.write();
         // Another decision may have started a task meanwhile; else start one.

@@ -58,6 +58,10 @@ pub(crate) struct BlockCache {
     listener: Mutex<Listener>,
     /// Whether the listening task runs (it clears this when it ends).
     listening: Arc<AtomicBool>,
+    /// The latest `until` of any denial remembered: from then on none stands, and a
+    /// lookup would find nothing (the common case of a store that denies nothing). One
+    /// atomic load instead of a hash and a shard lock per request.
+    standing_until: AtomicU64,
 }
 
 impl BlockCache {
@@ -67,6 +71,7 @@ impl BlockCache {
             generation: AtomicU64::new(0),
             listener: Mutex::new(Listener::default()),
             listening: Arc::new(AtomicBool::new(false)),
+            standing_until: AtomicU64::new(0),
         }
     }
 
@@ -105,6 +110,9 @@ impl BlockCache {
 
     /// The denial still standing for `key` at `now`, if any, for a request of `cost`.
     pub(crate) fn get(&self, key: &Key, limits: u64, cost: u32, now: u64) -> Option<Decision> {
+        if !self.may_stand(now) {
+            return None;
+        }
         let lookup = CacheKeyRef { key, limits };
         let blocked = self.entries.get(&lookup)?;
         // A cheaper request may fit earlier than the one that was denied, a dearer one
@@ -129,10 +137,17 @@ impl BlockCache {
         Some(Decision::from_limits(limits).blocked_for(blocked.blocked_ms.saturating_sub(elapsed)))
     }
 
-    /// Forgets a denial of `key`: a cheaper request fit, so the denial's `retry_after` may
-    /// be later now than it was.
-    pub(crate) fn forget(&self, key: &Key, limits: u64) {
-        if !self.entries.is_empty() {
+    /// Whether a denial remembered may still stand at `now`. When not, every entry has
+    /// expired (each `until` is at most the latest), and lookups and removals are moot.
+    #[inline]
+    fn may_stand(&self, now: u64) -> bool {
+        now < self.standing_until.load(Ordering::Relaxed)
+    }
+
+    /// Forgets a denial of `key` (the store's clock reads `now`): a cheaper request fit,
+    /// so the denial's `retry_after` may be later now than it was.
+    pub(crate) fn forget(&self, key: &Key, limits: u64, now: u64) {
+        if self.may_stand(now) {
             self.entries.remove(&CacheKeyRef { key, limits });
         }
     }
@@ -166,9 +181,12 @@ impl BlockCache {
         if self.generation() != generation {
             return;
         }
+        let until = now + valid;
+        // Raised before the entry goes in: a lookup ordered after this insert sees both.
+        self.standing_until.fetch_max(until, Ordering::Relaxed);
         let blocked = Blocked {
             at: now,
-            until: now + valid,
+            until,
             cost,
             blocked_ms: decision.blocked_ms(),
             limits: decision.limits().into(),
@@ -218,5 +236,74 @@ mod tests {
         assert!(cache.get(&key, fingerprint, 1, 1).is_some());
         cache.reset(key.as_str());
         assert!(cache.get(&key, fingerprint, 1, 1).is_none());
+    }
+
+    /// Lookups skip the cache once every denial in it has expired, and only then: a
+    /// denial that stands is found however many others have expired, and a new denial
+    /// stands again.
+    #[test]
+    fn lookups_skip_only_a_cache_whose_denials_have_all_expired() {
+        let cache = Arc::new(BlockCache::new(100));
+        let limits =
+            BlockCache::fingerprint(&[Limit::fixed_window(1, Duration::from_secs(60)).unwrap()]);
+        let (short, long) = (Key::new("short"), Key::new("long"));
+        let denial_for = |ms: u64| {
+            Decision::new(vec![LimitDecision {
+                allowed: false,
+                limit: 1,
+                remaining: 0,
+                reset_after_ms: ms,
+                retry_after_ms: ms,
+            }])
+        };
+        assert!(!cache.may_stand(0));
+        cache.insert(
+            long.clone(),
+            limits,
+            1,
+            0,
+            &denial_for(60_000),
+            cache.generation(),
+        );
+        cache.insert(
+            short.clone(),
+            limits,
+            1,
+            0,
+            &denial_for(1_000),
+            cache.generation(),
+        );
+        assert!(cache.get(&short, limits, 1, 999).is_some());
+        // The short denial expired, the long one stands (and is found after the short
+        // one's time, and after a forget of the other key).
+        assert!(cache.get(&short, limits, 1, 1_000).is_none());
+        cache.forget(&short, limits, 1_000);
+        assert!(cache.get(&long, limits, 1, 59_999).is_some());
+        // Both expired: nothing is found, nothing is looked up.
+        assert!(!cache.may_stand(60_000));
+        assert!(cache.get(&long, limits, 1, 60_000).is_none());
+        // A new denial stands until its own end.
+        cache.insert(
+            short.clone(),
+            limits,
+            1,
+            70_000,
+            &denial_for(500),
+            cache.generation(),
+        );
+        assert!(cache.get(&short, limits, 1, 70_499).is_some());
+        assert!(cache.get(&long, limits, 1, 70_499).is_none());
+        assert!(cache.get(&short, limits, 1, 70_500).is_none());
+        // A forget while it stands still drops it.
+        cache.insert(
+            long.clone(),
+            limits,
+            1,
+            80_000,
+            &denial_for(500),
+            cache.generation(),
+        );
+        cache.forget(&long, limits, 80_001);
+        assert!(cache.get(&long, limits, 1, 80_002).is_none());
     }
 }

@@ -18,7 +18,9 @@ use std::sync::{
     atomic::{AtomicBool, Ordering},
 };
 
-use redis::{Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, aio::ConnectionLike};
+use redis::{
+    Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value, aio::ConnectionLike,
+};
 
 use redis::Script;
 
@@ -135,11 +137,11 @@ impl Mode {
         let evalsha;
         let mut call = call;
         if is_fcall(call) {
-            match call.query_async(connection).await {
+            match query(call, connection).await {
                 Err(error) if missing(&error) => {
                     self.load(connection).await?;
                     if self.functions() {
-                        return call.query_async(connection).await;
+                        return query(call, connection).await;
                     }
                 }
                 Err(error) if unavailable(&error) => self.script_only(),
@@ -148,10 +150,10 @@ impl Mode {
             evalsha = as_evalsha(call);
             call = &evalsha;
         }
-        match call.query_async(connection).await {
+        match query(call, connection).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 SCRIPT.load_async(connection).await?;
-                call.query_async(connection).await
+                query(call, connection).await
             }
             result => result,
         }
@@ -175,7 +177,7 @@ impl Mode {
 /// it into the general script's form if they turn out unavailable.
 pub(crate) fn fixed_window_call(
     now: Option<u64>,
-    key: &str,
+    key: &[u8],
     limit: u64,
     window_ms: u64,
     cost: u32,
@@ -191,6 +193,30 @@ pub(crate) fn fixed_window_call(
     };
     cmd.arg(limit).arg(window_ms).arg(cost);
     cmd
+}
+
+/// Sends a script call and reads its reply: [`Cmd::query_async`] into a `Vec<i64>`, in
+/// one pass over the reply.
+async fn query<C: ConnectionLike>(call: &Cmd, connection: &mut C) -> RedisResult<Vec<i64>> {
+    integers(connection.req_packed_command(call).await?)
+}
+
+/// The script's reply, a list of integers, as `from_redis_value::<Vec<i64>>` after
+/// `extract_error` reads it (what `query_async` does), in one pass: those walk the reply
+/// twice, each into a new `Vec`, which cost a request about as much as its share of the
+/// call's building. Anything but an integer takes their way.
+pub(crate) fn integers(reply: Value) -> RedisResult<Vec<i64>> {
+    let Value::Array(values) = reply else {
+        return Ok(redis::from_redis_value(reply.extract_error()?)?);
+    };
+    let mut out = Vec::with_capacity(values.len());
+    for value in values {
+        out.push(match value {
+            Value::Int(n) => n,
+            other => redis::from_redis_value(other.extract_error()?)?,
+        });
+    }
+    Ok(out)
 }
 
 /// Whether `call` is an `FCALL` (else an `EVALSHA`).
@@ -282,11 +308,13 @@ mod tests {
 
     fn request(group: &[u64], cost: u32) -> super::super::Encoded {
         super::super::Encoded {
-            keys: group
-                .chunks(5)
-                .enumerate()
-                .map(|(i, _)| format!("app:{{k}}:{i}"))
-                .collect(),
+            keys: {
+                let mut keys = super::super::Keys::default();
+                for i in 0..group.len() / 5 {
+                    keys.push(&["app:{k}:", &i.to_string()]);
+                }
+                keys
+            },
             cost,
             at: None,
             group: group.iter().copied().collect(),
@@ -377,5 +405,37 @@ mod tests {
             ServerErrorKind::ResponseError,
             "Function not found"
         )));
+    }
+
+    /// [`integers`] reads every reply as `query_async::<Vec<i64>>` does: the script's
+    /// lists of integers, and the odd shapes and errors alike.
+    #[test]
+    fn integers_read_a_reply_as_query_async_does() {
+        let parse = |resp: &str| redis::parse_redis_value(resp.as_bytes()).unwrap();
+        let general = |reply: Value| -> RedisResult<Vec<i64>> {
+            Ok(redis::from_redis_value(reply.extract_error()?)?)
+        };
+        for resp in [
+            "*5\r\n:1\r\n:99\r\n:1000\r\n:0\r\n:1764460800000\r\n",
+            "*0\r\n",
+            "*2\r\n:-3\r\n$2\r\n17\r\n",
+            "*2\r\n:1\r\n$3\r\nabc\r\n",
+            "*2\r\n:1\r\n-ERR inside\r\n",
+            "*2\r\n:1\r\n*1\r\n:2\r\n",
+            "-NOSCRIPT No matching script\r\n",
+            "$-1\r\n",
+            ":7\r\n",
+            "+OK\r\n",
+        ] {
+            let (ours, theirs) = (integers(parse(resp)), general(parse(resp)));
+            match (&ours, &theirs) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b, "{resp:?}"),
+                (Err(a), Err(b)) => {
+                    assert_eq!(a.kind(), b.kind(), "{resp:?}");
+                    assert_eq!(a.to_string(), b.to_string(), "{resp:?}");
+                }
+                _ => panic!("{resp:?}: {ours:?} against {theirs:?}"),
+            }
+        }
     }
 }

@@ -317,7 +317,7 @@ impl Lease {
 
 /// A lease's keys and limits, as a request encodes them.
 pub(crate) struct Target {
-    keys: SmallVec<[String; 2]>,
+    keys: super::Keys,
     group: SmallVec<[u64; LIMIT_FIELDS]>,
     slot: u16,
 }
@@ -808,8 +808,8 @@ fn return_call(mode: &super::function::Mode, now: Option<u64>, returns: &[Return
     let mut cmd = Cmd::new();
     mode.head(&mut cmd, keys);
     for r in returns {
-        for key in &r.target.keys {
-            cmd.arg(key.as_str());
+        for key in r.target.keys.iter() {
+            cmd.arg(key);
         }
     }
     match now {

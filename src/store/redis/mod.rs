@@ -27,6 +27,7 @@ pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
 
+use futures_util::future::BoxFuture;
 use redis::{Cmd, RedisError, RedisResult, Script, aio::ConnectionManager};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
@@ -413,16 +414,9 @@ impl RedisStore {
     /// [`encode`](Self::encode), for a request (`at` = None) or an adjustment of `cost`
     /// units (`at`: the refund's decision time, or -1 for a top-up).
     fn encode_as(&self, key: &Key, limits: &[Limit], cost: u32, at: Option<i64>) -> Encoded {
-        let mut keys: SmallVec<[String; 2]> =
-            limits.iter().map(|l| self.redis_key(key, l)).collect();
-        // After the limits' keys, the block key of each limit with a lockout.
-        for (i, limit) in limits.iter().enumerate() {
-            if limit.lockout_ms() > 0 {
-                keys.push(lockout_key(&keys[i]));
-            }
-        }
+        let keys = Keys::new(&self.prefix, key, limits);
         let slot = if self.connection.is_cluster() {
-            slot_of(&keys[0])
+            slot_of(keys.iter().next().unwrap_or_default())
         } else {
             0
         };
@@ -543,62 +537,66 @@ impl RedisStore {
                 Err(decision) => return Check::ready(Ok(decision)),
             }
         }
-        // Queued for the batching task, or (no runtime to run it on) sent directly.
-        let call = match self.coalescer() {
-            Some(coalescer) => match coalescer.submit(encoded) {
-                Submitted::Queued(reply) => Call::Queued(reply),
-                Submitted::Refused(error) => return Check::ready(Err(error)),
-                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
-            },
-            None => Call::Direct(encoded),
+        let call = match self.send(encoded) {
+            Ok(call) => call,
+            Err(error) => return Check::ready(Err(error)),
         };
-        let connection = self.connection.clone();
         let clock = self.clock.clone();
         Check::pending(async move {
-            let decision = match call {
-                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
-                    Err(StoreError::new(
-                        StoreErrorKind::Unavailable,
-                        "the batch task stopped",
-                    ))
-                })?,
-                Call::Direct(encoded) => {
-                    let now = clock.as_ref().map(|c| c.now_ms());
-                    let call = script_call(&connection.mode, now, &[&encoded]);
-                    let reply = invoke(connection, call).await;
-                    let len = encoded.quotas.len() * 4;
-                    // The request's results, its ask's (when it asked), then `now`.
-                    let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
-                    let (decision, grant) = match &reply {
-                        Ok(reply) => {
-                            let (values, at) = split_now(reply, len + asked);
-                            let (own, grant) = values.split_at(len.min(values.len()));
-                            (parse(own, &encoded.quotas, at), Some(grant))
-                        }
-                        Err(error) => (Err(error.clone()), None),
-                    };
-                    match &encoded.lease {
-                        Some(attach) => attach.settle(&encoded, decision, grant)?,
-                        None => decision?,
-                    }
-                }
-            };
+            let decision = call.decision().await?;
             if let Some((cache, key, fingerprint, generation)) = block_cache {
+                let now = local_now_ms(clock.as_ref());
                 if !fits_at_all {
                     // Not cached, but a lockout it ran into may have started a block
                     // (its only write), which a cached denial of the key would not show.
                     if decision.blocked_ms() > 0 {
-                        cache.forget(&key, fingerprint);
+                        cache.forget(&key, fingerprint, now);
                     }
                 } else if decision.is_allowed() {
-                    cache.forget(&key, fingerprint);
+                    cache.forget(&key, fingerprint, now);
                 } else {
-                    let now = local_now_ms(clock.as_ref());
                     cache.insert(key, fingerprint, cost, now, &decision, generation);
                 }
             }
             Ok(decision)
         })
+    }
+
+    /// Queues `encoded` for the batching task, or (coalescing off, or no runtime to run
+    /// the task on) starts its own script call.
+    fn send(&self, encoded: Encoded) -> Result<Call, StoreError> {
+        let encoded = match self.coalescer() {
+            Some(coalescer) => match coalescer.submit(encoded) {
+                Submitted::Queued(reply) => return Ok(Call::Queued(reply)),
+                Submitted::Refused(error) => return Err(error),
+                Submitted::NoRuntime(encoded) => *encoded,
+            },
+            None => encoded,
+        };
+        let connection = self.connection.clone();
+        let clock = self.clock.clone();
+        // Boxed on its own: the call's futures would otherwise size every decision's
+        // future, queued ones included, for this rarer path.
+        Ok(Call::Direct(Box::pin(async move {
+            let now = clock.as_ref().map(|c| c.now_ms());
+            let call = script_call(&connection.mode, now, &[&encoded]);
+            let reply = invoke(connection, call).await;
+            let len = encoded.quotas.len() * 4;
+            // The request's results, its ask's (when it asked), then `now`.
+            let asked = encoded.lease.as_ref().map_or(0, |a| a.reply_len(&encoded));
+            let (decision, grant) = match &reply {
+                Ok(reply) => {
+                    let (values, at) = split_now(reply, len + asked);
+                    let (own, grant) = values.split_at(len.min(values.len()));
+                    (parse(own, &encoded.quotas, at), Some(grant))
+                }
+                Err(error) => (Err(error.clone()), None),
+            };
+            match &encoded.lease {
+                Some(attach) => attach.settle(&encoded, decision, grant),
+                None => decision,
+            }
+        })))
     }
 }
 
@@ -608,10 +606,66 @@ const LIMIT_FIELDS: usize = 5;
 /// The key that holds a limit's block ([`Limit::with_lockout`]) next to the limit's key
 /// `limit_key`: the same hash tag, and a last part no limit id has (ids end in digits).
 fn lockout_key(limit_key: &str) -> String {
-    let mut out = String::with_capacity(limit_key.len() + 8);
+    let mut out = String::with_capacity(limit_key.len() + LOCKOUT_SUFFIX.len());
     out.push_str(limit_key);
-    out.push_str(":lockout");
+    out.push_str(LOCKOUT_SUFFIX);
     out
+}
+
+/// What [`lockout_key`] appends.
+const LOCKOUT_SUFFIX: &str = ":lockout";
+
+/// A request's Redis keys, end to end in one buffer: the keys of a request with one limit
+/// (or two short ones) need no allocation of their own, which one `String` each did, and
+/// which the batching task then freed on another thread.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Keys {
+    text: SmallVec<[u8; 96]>,
+    ends: SmallVec<[u32; 2]>,
+}
+
+impl Keys {
+    /// The keys a request for `key` under `limits` touches: each limit's (what
+    /// [`RedisStore::redis_key`] makes), then the block key ([`lockout_key`]) of each limit
+    /// with a lockout.
+    fn new(prefix: &str, key: &Key, limits: &[Limit]) -> Self {
+        let mut keys = Self::default();
+        let key = key.as_str();
+        for limit in limits {
+            keys.push(&[prefix, ":{", key, "}:", limit.id()]);
+        }
+        for limit in limits.iter().filter(|l| l.lockout_ms() > 0) {
+            keys.push(&[prefix, ":{", key, "}:", limit.id(), LOCKOUT_SUFFIX]);
+        }
+        keys
+    }
+
+    /// Appends a key made of `parts`.
+    fn push(&mut self, parts: &[&str]) {
+        // Sized once, then copied into: `extend_from_slice` per part cost twice as much.
+        let mut at = self.text.len();
+        self.text
+            .resize(at + parts.iter().map(|p| p.len()).sum::<usize>(), 0);
+        for part in parts {
+            self.text[at..at + part.len()].copy_from_slice(part.as_bytes());
+            at += part.len();
+        }
+        self.ends.push(u32::try_from(at).unwrap_or(u32::MAX));
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// The keys, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let mut start = 0;
+        self.ends.iter().map(move |&end| {
+            let key = &self.text[start..end as usize];
+            start = end as usize;
+            key
+        })
+    }
 }
 
 impl RedisStore {
@@ -632,49 +686,41 @@ impl RedisStore {
             return Check::ready(Ok(Decision::unlimited()));
         }
         if let (Some(cache), Adjustment::Refund { .. }) = (&self.block_cache, adjustment) {
-            cache.forget(key, BlockCache::fingerprint(limits));
+            let now = local_now_ms(self.clock.as_ref());
+            cache.forget(key, BlockCache::fingerprint(limits), now);
         }
         let encoded = self.encode_as(key, limits, units, Some(at));
-        let call = match self.coalescer() {
-            Some(coalescer) => match coalescer.submit(encoded) {
-                Submitted::Queued(reply) => Call::Queued(reply),
-                Submitted::Refused(error) => return Check::ready(Err(error)),
-                Submitted::NoRuntime(encoded) => Call::Direct(encoded),
-            },
-            None => Call::Direct(encoded),
-        };
-        let connection = self.connection.clone();
-        let clock = self.clock.clone();
-        Check::pending(async move {
-            match call {
-                Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
-                    Err(StoreError::new(
-                        StoreErrorKind::Unavailable,
-                        "the batch task stopped",
-                    ))
-                }),
-                Call::Direct(encoded) => {
-                    let now = clock.as_ref().map(|c| c.now_ms());
-                    let call = script_call(&connection.mode, now, &[&encoded]);
-                    let reply = invoke(connection, call).await?;
-                    let (values, at) = split_now(&reply, encoded.quotas.len() * 4);
-                    parse(values, &encoded.quotas, at)
-                }
-            }
-        })
+        match self.send(encoded) {
+            Ok(call) => Check::pending(call.decision()),
+            Err(error) => Check::ready(Err(error)),
+        }
     }
 }
 
-/// How a decision reaches Redis.
+/// How a decision reaches Redis: queued for the batching task, or its own script call.
 enum Call {
     Queued(oneshot::Receiver<Result<Decision, StoreError>>),
-    Direct(Encoded),
+    Direct(BoxFuture<'static, Result<Decision, StoreError>>),
+}
+
+impl Call {
+    async fn decision(self) -> Result<Decision, StoreError> {
+        match self {
+            Call::Queued(reply) => reply.await.unwrap_or_else(|_| {
+                Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the batch task stopped",
+                ))
+            }),
+            Call::Direct(call) => call.await,
+        }
+    }
 }
 
 /// One request, ready to join a script call.
 #[derive(Debug, Clone)]
 pub(crate) struct Encoded {
-    keys: SmallVec<[String; 2]>,
+    keys: Keys,
     cost: u32,
     /// An adjustment of `cost` units rather than a request: the script's `at` argument.
     at: Option<i64>,
@@ -727,7 +773,8 @@ pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&
         && mode.functions()
         && let Some((limit, window_ms)) = request.one_fixed_window()
     {
-        return function::fixed_window_call(now, &request.keys[0], limit, window_ms, request.cost);
+        let key = request.keys.iter().next().unwrap_or_default();
+        return function::fixed_window_call(now, key, limit, window_ms, request.cost);
     }
     let mut groups: SmallVec<[&[u64]; 4]> = SmallVec::new();
     let mut group_of: SmallVec<[usize; 32]> = SmallVec::with_capacity(requests.len());
@@ -745,12 +792,12 @@ pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&
     let group_args: usize = groups.iter().map(|g| 1 + g.len()).sum();
     let adjustments = requests.iter().filter(|r| r.at.is_some()).count();
     let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
-    let key_bytes: usize = requests.iter().flat_map(|r| &r.keys).map(String::len).sum();
+    let key_bytes: usize = requests.iter().map(|r| r.keys.text.len()).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
     mode.head(&mut cmd, keys);
     for request in requests {
-        for key in &request.keys {
-            cmd.arg(key.as_str());
+        for key in request.keys.iter() {
+            cmd.arg(key);
         }
     }
     match now {
@@ -793,8 +840,7 @@ pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&
 
 /// The Redis Cluster hash slot of `key`: CRC16 of its hash tag, modulo 16384.
 #[cfg(feature = "cluster")]
-fn slot_of(key: &str) -> u16 {
-    let key = key.as_bytes();
+fn slot_of(key: &[u8]) -> u16 {
     let tag = key
         .iter()
         .position(|&b| b == b'{')
@@ -810,7 +856,7 @@ fn slot_of(key: &str) -> u16 {
 }
 
 #[cfg(not(feature = "cluster"))]
-fn slot_of(_key: &str) -> u16 {
+fn slot_of(_key: &[u8]) -> u16 {
     0
 }
 
@@ -941,4 +987,43 @@ fn store_error(error: RedisError) -> StoreError {
         StoreErrorKind::Response
     };
     StoreError::new(kind, error)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A request's keys, built in one buffer, are the keys `redis_key` and `lockout_key`
+    /// name, in the order the script reads them: with and without lockouts, and past
+    /// the buffer's inline size.
+    #[test]
+    fn a_requests_keys_are_its_limits_keys_then_their_block_keys() {
+        let minute = Limit::fixed_window(10, Duration::from_secs(60)).unwrap();
+        let locked = Limit::per_second(5)
+            .unwrap()
+            .with_lockout(Duration::from_secs(600))
+            .unwrap();
+        let long = "k".repeat(200);
+        for key in [Key::new("client-1"), Key::new(&long)] {
+            for limits in [
+                vec![minute.clone()],
+                vec![minute.clone(), locked.clone()],
+                vec![locked.clone(), minute.clone()],
+            ] {
+                let limit_key =
+                    |limit: &Limit| format!("tollgate:{{{}}}:{}", key.as_str(), limit.id());
+                let mut expected: Vec<String> = limits.iter().map(limit_key).collect();
+                for limit in limits.iter().filter(|l| l.lockout_ms() > 0) {
+                    expected.push(lockout_key(&limit_key(limit)));
+                }
+                let keys = Keys::new(DEFAULT_PREFIX, &key, &limits);
+                let got: Vec<&[u8]> = keys.iter().collect();
+                let expected: Vec<&[u8]> = expected.iter().map(|k| k.as_bytes()).collect();
+                assert_eq!(got, expected);
+                assert_eq!(keys.len(), expected.len());
+            }
+        }
+    }
 }

@@ -436,8 +436,7 @@ async fn pipelined(
                 }
                 Err(store_error(error.into()))
             }
-            Some(value) => redis::from_redis_value::<Vec<i64>>(value)
-                .map_err(|error| store_error(error.into())),
+            Some(value) => super::function::integers(value).map_err(store_error),
             None => Err(StoreError::new(
                 StoreErrorKind::Response,
                 "a pipeline's answers ran short",
