@@ -451,6 +451,59 @@ async fn a_master_without_the_library_loads_it_on_demand() {
     assert!(!stats.contains("cmdstat_evalsha:"), "{stats}");
 }
 
+/// On a cluster nearly every call holds one request (a call holds one slot's keys): one
+/// against one fixed window goes to the library's function for that shape
+/// (`<library>_fw`) on every master, pipelined with the calls of other slots; a master
+/// that lost the library loads it again; every key counts exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
+    let cluster = RedisCluster::start();
+    let store = connect(&cluster).await.with_block_cache(0);
+    let limits = [Limit::fixed_window(3, HOUR).unwrap()];
+    let functions = support::redis_server_major_version() >= 7;
+    for master in cluster.masters() {
+        let set = ["CONFIG", "SET", "slowlog-log-slower-than", "0"];
+        cluster.cli(master, &set).unwrap();
+        cluster
+            .cli(master, &["CONFIG", "SET", "slowlog-max-len", "100000"])
+            .unwrap();
+        cluster.cli(master, &["SLOWLOG", "RESET"]).unwrap();
+    }
+    let keys: Vec<Key> = (0..300).map(|i| Key::new(format!("client-{i}"))).collect();
+    let mut allowed = vec![0; keys.len()];
+    for round in 0..4 {
+        if round == 2 && functions {
+            let flushed = cluster.masters()[0];
+            let flush = cluster.cli(flushed, &["FUNCTION", "FLUSH"]).unwrap();
+            assert_eq!(flush.trim(), "OK");
+        }
+        // One check per key, all submitted at once: calls of many slots per pipeline.
+        for (total, got) in allowed
+            .iter_mut()
+            .zip(burst(&store, &keys, &limits, 1).await)
+        {
+            *total += got;
+        }
+    }
+    assert!(allowed.iter().all(|&a| a == 3), "{allowed:?}");
+    for master in cluster.masters() {
+        let log = cluster.cli(master, &["SLOWLOG", "GET", "100000"]).unwrap();
+        let lean = log.lines().filter(|l| l.trim().ends_with("_fw")).count();
+        if functions {
+            assert!(lean > 0, "node {master}: no call of <library>_fw");
+        } else {
+            assert_eq!(lean, 0, "node {master}");
+        }
+    }
+    for key in keys.iter().step_by(7) {
+        let name = store.redis_key(key, &limits[0]);
+        let state = cluster
+            .cli(cluster.node_for_key(&name), &["GET", &name])
+            .unwrap();
+        assert_eq!(support::fixed_window_count(&state), 3, "{name}");
+    }
+}
+
 /// `checks` concurrent checks of each of `keys` under `limits`, all submitted before any
 /// is awaited, so coalesced batches hold the calls of many slots (several per master,
 /// which go to it in one pipeline). Returns each key's allowed count.
