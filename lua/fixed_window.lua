@@ -30,13 +30,19 @@ local function fw_units(n)
   return text
 end
 
+-- How many windows the window tagged `tag` (not 0) starts after the one tagged `current`:
+-- negative for an earlier one, within +-2^19.
+local function fw_ahead(tag, current)
+  local ahead = (tag - current) % 1048575
+  if ahead >= 524288 then return ahead - 1048575 end
+  return ahead
+end
+
 -- The window start and count a stored value `v` (a number) holds, read at `now`.
 local function fw_decode(v, now, W)
   local tag = v % 1048576
   local current = now - now % W
-  local ahead = (tag - fw_tag(current, W)) % 1048575
-  if ahead >= 524288 then ahead = ahead - 1048575 end
-  return current + ahead * W, (v - tag) / 1048576
+  return current + fw_ahead(tag, fw_tag(current, W)) * W, (v - tag) / 1048576
 end
 
 -- The one-limit path (main.lua, and the library's function for one request, lua/one.lua):
@@ -51,19 +57,19 @@ local function fw_count(key, now, L, W, cost, window)
   local v = redis.call('INCRBY', key, fw_units(cost))
   local tag = v % 1048576
   local count = (v - tag) / 1048576
-  if tag ~= window.tag then
-    local ahead = (tag - window.tag) % 1048575
-    if tag == 0 then
-      -- No key: the INCRBY made it, without a tag or a TTL.
-      local opened = window.opened
-      if not opened then
-        opened = { int(window.tag), int(start + W - now + ttl_margin) }
-        window.opened = opened
-      end
-      redis.call('INCRBY', key, opened[1])
-      redis.call('PEXPIRE', key, opened[2])
-      count = cost
-    elseif ahead >= 524288 then
+  if tag == 0 then
+    -- No key: the INCRBY made it, without a tag or a TTL.
+    local opened = window.opened
+    if not opened then
+      opened = { int(window.tag), int(start + W - now + ttl_margin) }
+      window.opened = opened
+    end
+    redis.call('INCRBY', key, opened[1])
+    redis.call('PEXPIRE', key, opened[2])
+    count = cost
+  elseif tag ~= window.tag then
+    local ahead = fw_ahead(tag, window.tag)
+    if ahead < 0 then
       -- An earlier window (its key outlives it by the clock margin): this one opens.
       set_expiring(key, cost * 1048576 + window.tag, start + W - now)
       count = cost

@@ -19,10 +19,9 @@ use std::sync::{
 };
 
 use redis::{
-    Arg, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value, aio::ConnectionLike,
+    Arg, Cmd, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, Value,
+    aio::ConnectionLike,
 };
-
-use redis::Script;
 
 use super::{SCRIPT, SCRIPT_SOURCE};
 
@@ -46,7 +45,12 @@ pub(crate) static NAME: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// The name of the function for one request against one fixed window: `<NAME>_fw`.
-static FIXED_WINDOW_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_fw", *NAME));
+static FIXED_WINDOW_NAME: LazyLock<String> = LazyLock::new(|| fixed_window_name(&NAME));
+
+/// The name of library `library`'s function for one request against one fixed window.
+fn fixed_window_name(library: &str) -> String {
+    format!("{library}_fw")
+}
 
 /// The library's source, for `FUNCTION LOAD`.
 pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| library(SCRIPT_SOURCE, &NAME));
@@ -65,10 +69,11 @@ fn library(source: &str, name: &str) -> String {
             "local function decide(keys, args) KEYS, ARGV = keys, args\n",
             1,
         );
+    let fixed_window = fixed_window_name(name);
     format!(
         "#!lua name={name}\n{body}end\n{FIXED_WINDOW_SOURCE}\
          redis.register_function('{name}', decide)\n\
-         redis.register_function('{name}_fw', decide_fixed_window)\n"
+         redis.register_function('{fixed_window}', decide_fixed_window)\n"
     )
 }
 
