@@ -52,9 +52,13 @@ end
 -- key with no state gets its tag and TTL (INCRBY, PEXPIRE), a denial its units back.
 -- `window` holds the current window's `start` and `tag`, and keeps the strings of a
 -- window that opens (`opened`: printed once for all keys of a group in a call).
-local function fw_count(key, now, L, W, cost, window)
+-- `first`: how the first command is called, redis.call, or redis.pcall where the key may
+-- not be this node's (lua/one.lua's decide_fixed_windows): a command that fails has
+-- written nothing, and the request's result is then -1, 0, 0, 0 (not decided).
+local function fw_count(key, now, L, W, cost, window, first)
   local start = window.start
-  local v = redis.call('INCRBY', key, fw_units(cost))
+  local v = first('INCRBY', key, fw_units(cost))
+  if type(v) ~= 'number' then return -1, 0, 0, 0 end
   local tag = v % 1048576
   local count = (v - tag) / 1048576
   if tag == 0 then

@@ -172,7 +172,7 @@ for r = 1, ARGV[a] + 0 do
     -- counted here, to be read again by a later request.)
     states[key] = false
     out[n + 1], out[n + 2], out[n + 3], out[n + 4] =
-      fw_count(key, now, limit.L, limit.W, cost, group)
+      fw_count(key, now, limit.L, limit.W, cost, group, redis.call)
     n = n + 4
     m = 0 -- decided (k moves past the request's key below)
   end

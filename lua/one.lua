@@ -12,6 +12,38 @@ local function decide_fixed_window(keys, args)
   local start = now - now % W
   local window = { start = start, tag = fw_tag(start, W), opened = false }
   local allowed, remaining, reset_after, retry_after =
-    fw_count(keys[1], now, L, W, args[4] + 0, window)
+    fw_count(keys[1], now, L, W, args[4] + 0, window, redis.call)
   return { allowed, remaining, reset_after, retry_after, now }
+end
+
+-- The library's third function (registered with the flag allow-cross-slot-keys): many
+-- such requests, of any hash slots, whose keys live on the cluster master called, in one
+-- call (src/store/redis/nodes.rs). A call may declare keys of one slot only, so the keys
+-- come in ARGV and none is declared. Redis checks every key a command of the script
+-- touches: a key of a slot this node does not serve (moved, or migrating and the key
+-- already gone, or the cluster is down) fails its command, which then writes nothing.
+-- Each request's first command is a pcall, and such a request answers -1, 0, 0, 0: not
+-- decided, to be sent again on its own slot's path, which follows the redirection. A key
+-- that passed its first command stays on this node for the rest of the call (a script is
+-- atomic), so every request counts once, here or there.
+-- ARGV: now in ms, or "" to read Redis TIME; then per request its key, limit, window ms
+-- and cost (1 to limit). Returns four values per request, as decide_fixed_window, then
+-- the `now` it decided at.
+local function decide_fixed_windows(keys, args)
+  local now = clock(args[1])
+  local reply, windows, n = {}, {}, 0
+  for i = 2, #args - 3, 4 do
+    local L, W = args[i + 1] + 0, args[i + 2] + 0
+    local window = windows[W]
+    if window == nil then
+      local start = now - now % W
+      window = { start = start, tag = fw_tag(start, W), opened = false }
+      windows[W] = window
+    end
+    reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] =
+      fw_count(args[i], now, L, W, args[i + 3] + 0, window, redis.pcall)
+    n = n + 4
+  end
+  reply[n + 1] = now
+  return reply
 end

@@ -694,6 +694,139 @@ async fn moving_a_slot_under_pipelined_traffic_counts_each_request_once() {
     );
 }
 
+/// The hash slot of `key`'s Redis keys (the store wraps a key in a hash tag).
+fn slot_of(key: &Key) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(key.as_str().as_bytes()) % 16384
+}
+
+/// `count` keys named `<prefix><n>` in hash slot `slot`.
+fn keys_in_slot(slot: u16, prefix: &str, count: usize) -> Vec<Key> {
+    (0..)
+        .map(|i| Key::new(format!("{prefix}{i}")))
+        .filter(|key| slot_of(key) == slot)
+        .take(count)
+        .collect()
+}
+
+/// One request against one fixed window per key, of many slots on one master, goes in one
+/// call of `<library>_fwn`, which touches keys of any slots on its node; a key the node
+/// does not serve fails its command there, writes nothing and is sent again on its slot's
+/// path. Through a slot's migration (`MIGRATING`: keys still on the source count there,
+/// the others go to the target after `ASK`; then the slot moved, and the store's slot map
+/// stale: `MOVED`), every key counts each request exactly once, and no check fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_of_many_slots_share_one_function_call_and_count_once_through_a_migration() {
+    let cluster = RedisCluster::start();
+    if support::redis_server_major_version() < 7 {
+        return; // no functions: each slot its own script call (tests above)
+    }
+    let store = connect(&cluster).await.with_block_cache(0);
+    let limit = [Limit::fixed_window(1_000, HOUR).unwrap()];
+    let from = cluster.masters()[0];
+    let to = cluster.masters()[1];
+    let neighbours = keys_on(&cluster, &store, &limit[0], from, "neighbour-", 40);
+    let slot = slot_of(&neighbours[0]);
+    let moving = keys_in_slot(slot, "moving-", 4);
+    let others: Vec<Key> = neighbours[1..]
+        .iter()
+        .filter(|key| slot_of(key) != slot)
+        .cloned()
+        .collect();
+    let mut allowed: std::collections::HashMap<Key, u64> = Default::default();
+    let mut burst_of = async |keys: Vec<Key>| {
+        for (key, got) in keys.iter().zip(burst(&store, &keys, &limit, 1).await) {
+            *allowed.entry(key.clone()).or_default() += u64::from(got);
+        }
+    };
+    // Until the store pipelines to the masters (it reads the slot map on first use).
+    let start = Instant::now();
+    for master in cluster.masters() {
+        cluster.cli(master, &["CONFIG", "RESETSTAT"]).unwrap();
+    }
+    loop {
+        burst_of(others.clone()).await;
+        let stats = cluster.cli(from, &["INFO", "commandstats"]).unwrap();
+        let fcalls = field(&stats, "cmdstat_fcall:", "calls=");
+        if fcalls > 0 && fcalls < others.len() as u64 {
+            break;
+        }
+        assert!(start.elapsed() < RESUME, "no shared calls: {stats}");
+        cluster.cli(from, &["CONFIG", "RESETSTAT"]).unwrap();
+    }
+    // Two of the slot's keys exist on the source before the migration starts.
+    for key in &moving[..2] {
+        burst_of(vec![key.clone()]).await;
+    }
+    let (slot_arg, from_id, to_id) = (slot.to_string(), cluster.id(from), cluster.id(to));
+    let ok = |index: usize, args: &[&str]| {
+        assert_eq!(cluster.cli(index, args).unwrap().trim(), "OK", "{args:?}");
+    };
+    ok(
+        to,
+        &["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &from_id],
+    );
+    ok(
+        from,
+        &["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &to_id],
+    );
+    cluster.cli(from, &["SLOWLOG", "RESET"]).unwrap();
+    ok(from, &["CONFIG", "SET", "slowlog-log-slower-than", "0"]);
+    // Migrating: each of the slot's keys with the others in one call (one key of the
+    // slot per burst, or the slot's keys would share a call of their own).
+    for round in 0..3 {
+        for key in &moving {
+            let mut keys = others.clone();
+            keys.push(key.clone());
+            burst_of(keys).await;
+        }
+        if round == 1 {
+            // Half-way: the first of the existing keys goes to the target.
+            let name = store.redis_key(&moving[0], &limit[0]);
+            let port = cluster.node(to).port().to_string();
+            let args = ["MIGRATE", "127.0.0.1", &port, &name, "0", "5000"];
+            ok(from, &args);
+        }
+    }
+    let log = cluster.cli(from, &["SLOWLOG", "GET", "100000"]).unwrap();
+    assert!(
+        log.lines().any(|l| l.trim().ends_with("_fwn")),
+        "no call of <library>_fwn: {log}"
+    );
+    // Moved: the store's slot map still names the source.
+    let moved = cluster.move_slot(slot, to);
+    assert_eq!(moved, 1, "the one key left on the source");
+    for _ in 0..3 {
+        for key in &moving {
+            let mut keys = others.clone();
+            keys.push(key.clone());
+            burst_of(keys).await;
+        }
+    }
+    for (key, &count) in &allowed {
+        let name = store.redis_key(key, &limit[0]);
+        let state = cluster
+            .cli(cluster.node_for_key(&name), &["GET", &name])
+            .unwrap();
+        assert_eq!(
+            u64::from(support::fixed_window_count(&state)),
+            count,
+            "{name}"
+        );
+    }
+    assert_eq!(allowed[&moving[0]], 1 + 6, "{allowed:?}");
+    assert_eq!(allowed[&moving[3]], 6, "{allowed:?}");
+}
+
+/// The number after `name` on the line of `info` that starts with `line`; 0 if none.
+fn field(info: &str, line: &str, name: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(line))
+        .and_then(|l| l.split(name).nth(1))
+        .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Kill the master of many keys while they are checked at once: once its replica is
 /// promoted, limiting comes back, and bursts of cold keys on the new master (pipelined to
 /// its address, read from the refreshed slot map) decide exactly.

@@ -812,9 +812,16 @@ async fn decisions_call_the_library_from_redis_7_on_and_the_script_before() {
     if support::redis_server_major_version() >= 7 {
         assert_eq!((fcalls, evalshas), (3, 0));
         let libraries = server.cli(&["FUNCTION", "LIST"]).unwrap();
-        // The library's name, its function's, and its function for one fixed window's.
-        assert_eq!(libraries.matches("tollgate_").count(), 3, "{libraries}");
+        // The library's name, its function's, and its functions for one fixed window and
+        // for many (the last with the flag allow-cross-slot-keys).
+        assert_eq!(libraries.matches("tollgate_").count(), 4, "{libraries}");
         assert_eq!(libraries.matches("_fw\n").count(), 1, "{libraries}");
+        assert_eq!(libraries.matches("_fwn\n").count(), 1, "{libraries}");
+        assert_eq!(
+            libraries.matches("allow-cross-slot-keys").count(),
+            1,
+            "{libraries}"
+        );
     } else {
         assert_eq!((fcalls, evalshas), (0, 3));
     }

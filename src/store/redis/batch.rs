@@ -214,6 +214,15 @@ pub(crate) async fn send(
     deliver(batch, &result);
 }
 
+/// Gives the requests of `batch` (no lease rides on them) the decision in `share`, four
+/// values per limit, decided at `now`.
+#[cfg(feature = "cluster")]
+pub(crate) fn deliver_share(batch: Batch, share: &[i64], now: Option<i64>) {
+    for (request, reply_to) in batch {
+        let _ = reply_to.send(parse(share, &request.quotas, now));
+    }
+}
+
 /// Gives every request of `batch` its share of the script's reply (or the error).
 pub(crate) fn deliver(batch: Batch, result: &Result<Vec<i64>, StoreError>) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();

@@ -52,11 +52,17 @@ fn fixed_window_name(library: &str) -> String {
     format!("{library}_fw")
 }
 
+/// The name of the function for many such requests of any slots on one cluster master:
+/// `<NAME>_fwn`.
+static FIXED_WINDOWS_NAME: LazyLock<String> =
+    LazyLock::new(|| format!("{}n", fixed_window_name(&NAME)));
+
 /// The library's source, for `FUNCTION LOAD`.
 pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| library(SCRIPT_SOURCE, &NAME));
 
-/// `source` (the script) as a library named `name`, with a function of that name and one
-/// named `<name>_fw` (lua/one.lua).
+/// `source` (the script) as a library named `name`, with a function of that name, one
+/// named `<name>_fw` and one named `<name>_fwn` (lua/one.lua; the last may touch keys of
+/// any slots on its node).
 fn library(source: &str, name: &str) -> String {
     assert!(
         source.matches(KEYS_LINE).count() == 1 && source.matches(PER_CALL_LINE).count() == 1,
@@ -73,7 +79,9 @@ fn library(source: &str, name: &str) -> String {
     format!(
         "#!lua name={name}\n{body}end\n{FIXED_WINDOW_SOURCE}\
          redis.register_function('{name}', decide)\n\
-         redis.register_function('{fixed_window}', decide_fixed_window)\n"
+         redis.register_function('{fixed_window}', decide_fixed_window)\n\
+         redis.register_function{{function_name = '{fixed_window}n', \
+         callback = decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}\n"
     )
 }
 
@@ -197,6 +205,25 @@ pub(crate) fn fixed_window_call(
         None => cmd.arg(""),
     };
     cmd.arg(limit).arg(window_ms).arg(cost);
+    cmd
+}
+
+/// The call of the library's function for many requests like [`fixed_window_call`]'s,
+/// each given as its key, limit, window ms and cost, whose keys live on the cluster
+/// master it goes to, of any slots (lua/one.lua's `decide_fixed_windows`; no key is
+/// declared). Its reply holds four values per request, -1 first for a request whose key
+/// the node did not serve (never counted), then the `now` it decided at.
+pub(crate) fn fixed_windows_call(now: Option<u64>, requests: &[(&[u8], u64, u64, u32)]) -> Cmd {
+    let count = requests.len();
+    let mut cmd = Cmd::with_capacity(4 + 4 * count, 48 + 64 * count);
+    cmd.arg("FCALL").arg(FIXED_WINDOWS_NAME.as_str()).arg(0);
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+    for &(key, limit, window_ms, cost) in requests {
+        cmd.arg(key).arg(limit).arg(window_ms).arg(cost);
+    }
     cmd
 }
 
@@ -376,6 +403,41 @@ mod tests {
         let one = request(&fixed_window, 1);
         let call = script_call(&functions, None, &[&one, &one]);
         assert_eq!(words(&call)[1], NAME.as_str());
+    }
+
+    /// Many one-fixed-window requests of any slots go to `<name>_fwn`, which the library
+    /// registers with `allow-cross-slot-keys`: no key declared, each request's key, limit,
+    /// window and cost in turn after `now`.
+    #[test]
+    fn many_fixed_windows_go_in_one_call_of_a_cross_slot_function() {
+        let call = fixed_windows_call(
+            Some(7),
+            &[(b"a:{1}:fw2", 10, 1000, 1), (b"a:{2}:fw2", 5, 60_000, 2)],
+        );
+        let name = FIXED_WINDOWS_NAME.as_str();
+        assert_eq!(
+            words(&call),
+            [
+                "FCALL",
+                name,
+                "0",
+                "7",
+                "a:{1}:fw2",
+                "10",
+                "1000",
+                "1",
+                "a:{2}:fw2",
+                "5",
+                "60000",
+                "2"
+            ]
+        );
+        assert_eq!(words(&fixed_windows_call(None, &[]))[3], "");
+        let registered = format!(
+            "redis.register_function{{function_name = '{name}', callback = \
+             decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}"
+        );
+        assert!(LIBRARY.contains(&registered), "{}", &*LIBRARY);
     }
 
     #[test]

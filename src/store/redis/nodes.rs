@@ -42,9 +42,9 @@ use tokio::sync::{OnceCell, OwnedSemaphorePermit};
 
 use super::{
     Connection, Encoded,
-    batch::{Batch, deliver, send},
+    batch::{Batch, deliver, deliver_share, send},
     connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, TlsConfig},
-    invoke, script_call, store_error,
+    function, invoke, script_call, store_error,
 };
 use crate::{StoreError, StoreErrorKind};
 
@@ -390,7 +390,24 @@ async fn pipelined(
             return Vec::new();
         }
     };
+    let (lean, calls) = if asking {
+        (Vec::new(), calls)
+    } else {
+        lean_calls(&connection.mode, calls)
+    };
     let mut pipeline = redis::pipe();
+    if !lean.is_empty() {
+        let requests: Vec<_> = lean
+            .iter()
+            .filter_map(|batch| {
+                let (request, _) = batch.first()?;
+                let (limit, window_ms) = request.one_fixed_window()?;
+                let key = request.keys.iter().next()?;
+                Some((key, limit, window_ms, request.cost))
+            })
+            .collect();
+        pipeline.add_command(function::fixed_windows_call(now, &requests));
+    }
     for batch in &calls {
         if asking {
             pipeline.add_command(redis::cmd("ASKING"));
@@ -398,7 +415,7 @@ async fn pipelined(
         let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
         pipeline.add_command(script_call(&connection.mode, now, &requests));
     }
-    let count = calls.len() * if asking { 2 } else { 1 };
+    let count = calls.len() * if asking { 2 } else { 1 } + usize::from(!lean.is_empty());
     let values = match node.req_packed_commands(&pipeline, 0, count).await {
         Ok(values) => values,
         Err(error) => {
@@ -408,7 +425,7 @@ async fn pipelined(
             }
             nodes.refresh();
             let error = store_error(error);
-            for batch in calls {
+            for batch in calls.into_iter().chain(lean) {
                 deliver(batch, &Err(error.clone()));
             }
             return Vec::new();
@@ -418,6 +435,9 @@ async fn pipelined(
     let mut again = Vec::new();
     let mut asked = Vec::new();
     let mut stale = false;
+    if !lean.is_empty() {
+        stale |= deliver_lean(lean, values.next(), &mut again);
+    }
     for batch in calls {
         if asking {
             // ASKING's OK (were it refused, the call is answered MOVED).
@@ -449,6 +469,72 @@ async fn pipelined(
     }
     per_slot(again, connection, now).await;
     asked
+}
+
+/// The calls that go together in one call of the library's function for many requests
+/// against one fixed window each (`<library>_fwn`, lua/one.lua), and the others: calls of
+/// one such request, two or more of them, on a connection that calls functions. A call of
+/// several requests of one slot stays as it is (a hot key's requests are coalesced).
+fn lean_calls(mode: &function::Mode, calls: Vec<Batch>) -> (Vec<Batch>, Vec<Batch>) {
+    if !mode.functions() {
+        return (Vec::new(), calls);
+    }
+    let (lean, others): (Vec<Batch>, Vec<Batch>) = calls
+        .into_iter()
+        .partition(|batch| batch.len() == 1 && batch[0].0.one_fixed_window().is_some());
+    match lean.len() {
+        0 | 1 => (Vec::new(), others.into_iter().chain(lean).collect()),
+        _ => (lean, others),
+    }
+}
+
+/// Gives each of the `lean` calls (see [`lean_calls`]) its share of their function call's
+/// reply: four values each, then the `now` it decided at. A call whose key the node did
+/// not serve (-1: never counted), or all of them when the function call never ran, go to
+/// `again`, for the per-slot path; any other error is theirs. Returns whether the slot
+/// map is stale.
+fn deliver_lean(lean: Vec<Batch>, reply: Option<Value>, again: &mut Vec<Batch>) -> bool {
+    let reply = match reply {
+        Some(Value::ServerError(error)) => {
+            let (retry, moved) = never_ran(&error);
+            if retry {
+                again.extend(lean);
+                return moved;
+            }
+            Err(store_error(error.into()))
+        }
+        Some(value) => super::function::integers(value).map_err(store_error),
+        None => Err(StoreError::new(
+            StoreErrorKind::Response,
+            "a pipeline's answers ran short",
+        )),
+    };
+    let values = match reply {
+        Ok(values) if values.len() == lean.len() * 4 + 1 => values,
+        other => {
+            let error = other.err().unwrap_or_else(|| {
+                StoreError::new(
+                    StoreErrorKind::Response,
+                    format!("the function's reply does not fit {} requests", lean.len()),
+                )
+            });
+            for batch in lean {
+                deliver(batch, &Err(error.clone()));
+            }
+            return false;
+        }
+    };
+    let now = values.last().copied();
+    let mut stale = false;
+    for (batch, share) in lean.into_iter().zip(values.chunks_exact(4)) {
+        if share[0] == -1 {
+            stale = true;
+            again.push(batch);
+        } else {
+            deliver_share(batch, share, now);
+        }
+    }
+    stale
 }
 
 /// The node an `ASK` answer names (`ASK <slot> <host>:<port>`).
