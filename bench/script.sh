@@ -34,6 +34,9 @@
 #   fw x13 new keys the same on 13 keys never seen before (each request opens a window)
 #   fw x1 one.lua   one request against one fixed window by the library's own function
 #                   for it (FCALL <library>_fw, what the store sends for that shape)
+#   fwn x13 keys    13 such requests on 13 keys in one call of the function for many
+#                   (FCALL <library>_fwn: a cluster master's share of a batch)
+#   fwn x13 new keys the same on 13 keys never seen before
 #   incr (ref)      the hand-written INCR + PEXPIRE script of bench_server, for scale
 # It starts its own redis-server on a free port (never 6379) and stops it on exit.
 set -euo pipefail
@@ -119,6 +122,8 @@ library_of() {
   [[ -f lua/one.lua ]] && cat lua/one.lua
   echo "redis.register_function('tollgate_bench', decide)"
   [[ -f lua/one.lua ]] && echo "redis.register_function('tollgate_bench_fw', decide_fixed_window)"
+  grep -qs decide_fixed_windows lua/one.lua &&
+    echo "redis.register_function('tollgate_bench_fwn', decide_fixed_windows)"
   true
 }
 
@@ -237,6 +242,18 @@ if [[ ${SHA[fcall]:-} && -f lua/one.lua && ( -z ${ONLY:-} || "fw x1 one.lua" =~ 
   value=$(measure FCALL tollgate_bench_fw 1 "bench:{one}:fw" "" 1000000000 1000 1)
   printf '%-16s%14s   (FCALL of the library'"'"'s function for one fixed window, lua/one.lua)\n' \
     "fw x1 one.lua" "$value"
+fi
+if [[ ${SHA[fcall]:-} ]] && grep -qs decide_fixed_windows lua/one.lua &&
+  [[ -z ${ONLY:-} || "fwn x13 keys" =~ $ONLY || "fwn x13 new keys" =~ $ONLY ]]; then
+  fwn_args=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw 1000000000 1000 1"; done)
+  # shellcheck disable=SC2086 # the function's arguments
+  value=$(measure FCALL tollgate_bench_fwn 0 "" $fwn_args)
+  printf '%-16s%14s   (FCALL of the function for many, lua/one.lua: 13 keys)\n' \
+    "fwn x13 keys" "$value"
+  fwn_args=$(for i in $(seq 13); do echo -n " bench:{new$i-__rand_int__}:fw 1000000000 1000 1"; done)
+  # shellcheck disable=SC2086 # as above
+  value=$(BENCH_FLAGS="-r 1000000000" measure FCALL tollgate_bench_fwn 0 "" $fwn_args)
+  printf '%-16s%14s   (the same on 13 new keys)\n' "fwn x13 new keys" "$value"
 fi
 [[ -z ${ONLY:-} || "incr (ref)" =~ $ONLY ]] || exit 0
 value=$(measure EVALSHA "$INCR" 1 bench:{ref}:incr 1000000000 1000)
