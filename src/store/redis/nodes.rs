@@ -21,6 +21,15 @@
 //!   answers it;
 //! - a master that cannot be reached (nothing sent) gets its calls on the per-slot path,
 //!   and none for a second while the slot map is asked for again.
+//!
+//! On Redis 7+ the commonest call, one request against one fixed window, need not be a
+//! call of its own: those of one pipeline go together in one call of `<library>_fwn`
+//! (lua/one.lua), which may touch keys of any slots on its node (`allow-cross-slot-keys`)
+//! and so gets them in `ARGV`, none declared. Its requests are the exception to "keys only
+//! through `KEYS`" (shared/DESIGN.md): this module routes them by its own slot map, and
+//! Redis still checks each key against the slots the node serves when a command touches
+//! it. A key the node does not serve fails its request's first command (a `pcall`), which
+//! writes nothing; that request answers -1 and takes the per-slot path, so it counts once.
 
 use std::{
     collections::HashMap,
