@@ -501,11 +501,11 @@ async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
         }
     }
     for key in keys.iter().step_by(7) {
-        let name = store.redis_key(key, &limits[0]);
-        let state = cluster
-            .cli(cluster.node_for_key(&name), &["GET", &name])
-            .unwrap();
-        assert_eq!(support::fixed_window_count(&state), 3, "{name}");
+        assert_eq!(
+            stored_count(&cluster, &store, key, &limits[0]),
+            3,
+            "{key:?}"
+        );
     }
 }
 
@@ -608,11 +608,11 @@ async fn calls_of_many_slots_go_to_their_master_together_and_decide_exactly() {
     }
     // Every key holds exactly its count.
     for key in keys.iter().chain(&flushed).step_by(17) {
-        let name = store.redis_key(key, &limits[0]);
-        let state = cluster
-            .cli(cluster.node_for_key(&name), &["GET", &name])
-            .unwrap();
-        assert_eq!(support::fixed_window_count(&state), 3, "{name}");
+        assert_eq!(
+            stored_count(&cluster, &store, key, &limits[0]),
+            3,
+            "{key:?}"
+        );
     }
 }
 
@@ -681,15 +681,8 @@ async fn moving_a_slot_under_pipelined_traffic_counts_each_request_once() {
     for (key, tally) in keys.iter().zip(&tallies) {
         let [allowed, denied, errors] = tally.get();
         assert_eq!((denied, errors), (0, 0), "{key:?}: {:?}", tally.samples());
-        let name = store.redis_key(key, &limit[0]);
-        let state = cluster
-            .cli(cluster.node_for_key(&name), &["GET", &name])
-            .unwrap();
-        assert_eq!(
-            u64::from(support::fixed_window_count(&state)),
-            allowed,
-            "{name}"
-        );
+        let count = stored_count(&cluster, &store, key, &limit[0]);
+        assert_eq!(count, allowed, "{key:?}");
     }
     // The old owner redirected pipelined calls.
     let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
@@ -762,18 +755,10 @@ async fn calls_of_many_slots_share_one_function_call_and_count_once_through_a_mi
     for key in &moving[..2] {
         burst_of(vec![key.clone()]).await;
     }
-    let (slot_arg, from_id, to_id) = (slot.to_string(), cluster.id(from), cluster.id(to));
     let ok = |index: usize, args: &[&str]| {
         assert_eq!(cluster.cli(index, args).unwrap().trim(), "OK", "{args:?}");
     };
-    ok(
-        to,
-        &["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &from_id],
-    );
-    ok(
-        from,
-        &["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &to_id],
-    );
+    assert_eq!(cluster.begin_move(slot, to), from);
     cluster.cli(from, &["SLOWLOG", "RESET"]).unwrap();
     ok(from, &["CONFIG", "SET", "slowlog-log-slower-than", "0"]);
     // Migrating: each of the slot's keys with the others in one call (one key of the
@@ -808,18 +793,23 @@ async fn calls_of_many_slots_share_one_function_call_and_count_once_through_a_mi
         }
     }
     for (key, &count) in &allowed {
-        let name = store.redis_key(key, &limit[0]);
-        let state = cluster
-            .cli(cluster.node_for_key(&name), &["GET", &name])
-            .unwrap();
         assert_eq!(
-            u64::from(support::fixed_window_count(&state)),
+            stored_count(&cluster, &store, key, &limit[0]),
             count,
-            "{name}"
+            "{key:?}"
         );
     }
     assert_eq!(allowed[&moving[0]], 1 + 6, "{allowed:?}");
     assert_eq!(allowed[&moving[3]], 6, "{allowed:?}");
+}
+
+/// The count `key`'s fixed window `limit` holds in the cluster.
+fn stored_count(cluster: &RedisCluster, store: &RedisStore, key: &Key, limit: &Limit) -> u64 {
+    let name = store.redis_key(key, limit);
+    let state = cluster
+        .cli(cluster.node_for_key(&name), &["GET", &name])
+        .unwrap();
+    u64::from(support::fixed_window_count(&state))
 }
 
 /// The number after `name` on the line of `info` that starts with `line`; 0 if none.

@@ -354,27 +354,36 @@ impl RedisCluster {
         self.nodes[index].kill();
     }
 
+    /// Starts moving `slot` to master `to` (`SETSLOT IMPORTING` on the target, then
+    /// `MIGRATING` on its owner), moving no key; returns the owner. Idempotent, so
+    /// [`move_slot`](Self::move_slot) can finish a move begun here.
+    pub fn begin_move(&self, slot: u16, to: usize) -> usize {
+        let from = self.master_of_slot(slot);
+        assert_ne!(from, to, "slot {slot} is already on node {to}");
+        let (from_id, to_id, slot) = (self.id(from), self.id(to), slot.to_string());
+        for (index, state, id) in [(to, "IMPORTING", &from_id), (from, "MIGRATING", &to_id)] {
+            let reply = self.cli(index, &["CLUSTER", "SETSLOT", &slot, state, id]);
+            assert_eq!(
+                reply.unwrap_or_default().trim(),
+                "OK",
+                "node {index}: {state}"
+            );
+        }
+        from
+    }
+
     /// Moves `slot` with its keys to master `to` the way `redis-cli --cluster reshard`
     /// does: `SETSLOT IMPORTING` on the target, `MIGRATING` on the source, `MIGRATE` the
     /// keys in batches, then `SETSLOT NODE` on every master, and waits until every running
     /// node agrees. Returns the number of keys moved.
     pub fn move_slot(&self, slot: u16, to: usize) -> usize {
-        let from = self.master_of_slot(slot);
-        assert_ne!(from, to, "slot {slot} is already on node {to}");
-        let (from_id, to_id) = (self.id(from), self.id(to));
+        let from = self.begin_move(slot, to);
+        let to_id = self.id(to);
         let slot_arg = slot.to_string();
         let ok = |index: usize, args: &[&str]| {
             let reply = self.cli(index, args).unwrap_or_default();
             assert_eq!(reply.trim(), "OK", "node {index}: {args:?}");
         };
-        ok(
-            to,
-            &["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &from_id],
-        );
-        ok(
-            from,
-            &["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &to_id],
-        );
         let to_port = self.nodes[to].port().to_string();
         let mut moved = 0;
         // Bounded: while MIGRATING, new keys of the slot go to the target (ASK), so the
