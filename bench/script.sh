@@ -247,12 +247,12 @@ if [[ ${SHA[fcall]:-} ]] && grep -qs decide_fixed_windows lua/one.lua &&
   [[ -z ${ONLY:-} || "fwn x13 keys" =~ $ONLY || "fwn x13 new keys" =~ $ONLY ]]; then
   fwn_args=$(for i in $(seq 13); do echo -n " bench:{client$i}:fw 1000000000 1000 1"; done)
   # shellcheck disable=SC2086 # the function's arguments
-  value=$(measure FCALL tollgate_bench_fwn 0 "" $fwn_args)
+  value=$(measure FCALL tollgate_bench_fwn 0 "" 0 $fwn_args)
   printf '%-16s%14s   (FCALL of the function for many, lua/one.lua: 13 keys)\n' \
     "fwn x13 keys" "$value"
   fwn_args=$(for i in $(seq 13); do echo -n " bench:{new$i-__rand_int__}:fw 1000000000 1000 1"; done)
   # shellcheck disable=SC2086 # as above
-  value=$(BENCH_FLAGS="-r 1000000000" measure FCALL tollgate_bench_fwn 0 "" $fwn_args)
+  value=$(BENCH_FLAGS="-r 1000000000" measure FCALL tollgate_bench_fwn 0 "" 0 $fwn_args)
   printf '%-16s%14s   (the same on 13 new keys)\n' "fwn x13 new keys" "$value"
 fi
 [[ -z ${ONLY:-} || "incr (ref)" =~ $ONLY ]] || exit 0

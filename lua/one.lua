@@ -17,22 +17,27 @@ local function decide_fixed_window(keys, args)
 end
 
 -- The library's third function (registered with the flag allow-cross-slot-keys): many
--- such requests, of any hash slots, whose keys live on the cluster master called, in one
--- call (src/store/redis/nodes.rs). A call may declare keys of one slot only, so the keys
--- come in ARGV and none is declared. Redis checks every key a command of the script
--- touches: a key of a slot this node does not serve (moved, or migrating and the key
--- already gone, or the cluster is down) fails its command, which then writes nothing.
--- Each request's first command is a pcall, and such a request answers -1, 0, 0, 0: not
--- decided, to be sent again on its own slot's path, which follows the redirection. A key
--- that passed its first command stays on this node for the rest of the call (a script is
--- atomic), so every request counts once, here or there.
--- ARGV: now in ms, or "" to read Redis TIME; then per request its key, limit, window ms
--- and cost (1 to limit). Returns four values per request, as decide_fixed_window, then
--- the `now` it decided at.
+-- such requests in one call, of any hash slots, keys in ARGV. Sent where a call of one
+-- slot's keys would not do: a batch of distinct cold keys on one Redis (it skips the
+-- general function's groups), or on a cluster those of a batch whose slots live on the
+-- master called (src/store/redis/nodes.rs; a call may declare one slot's keys only, so
+-- none is declared). Redis checks every key a command of the script touches: a key of
+-- a slot this node does not serve (moved, or migrating and the key already gone, or the
+-- cluster is down) fails its command, which then writes nothing. On a cluster
+-- (`elsewhere` "1") each request's first command is a pcall, and such a request answers
+-- -1, 0, 0, 0: not decided, to be sent again on its own slot's path, which follows the
+-- redirection. A key that passed its first command stays on this node for the rest of
+-- the call (a script is atomic), so every request counts once, here or there. On one
+-- Redis ("0") an error stops the call, as in the general function.
+-- ARGV: now in ms, or "" to read Redis TIME; `elsewhere`; then per request its key,
+-- limit, window ms and cost (1 to limit). Returns four values per request, as
+-- decide_fixed_window, then the `now` it decided at.
 local function decide_fixed_windows(keys, args)
   local now = clock(args[1])
+  local first = redis.call
+  if args[2] == '1' then first = redis.pcall end
   local reply, windows, n = {}, {}, 0
-  for i = 2, #args - 3, 4 do
+  for i = 3, #args - 3, 4 do
     local L, W = args[i + 1] + 0, args[i + 2] + 0
     local window = windows[W]
     if window == nil then
@@ -41,7 +46,7 @@ local function decide_fixed_windows(keys, args)
       windows[W] = window
     end
     reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] =
-      fw_count(args[i], now, L, W, args[i + 3] + 0, window, redis.pcall)
+      fw_count(args[i], now, L, W, args[i + 3] + 0, window, first)
     n = n + 4
   end
   reply[n + 1] = now

@@ -97,6 +97,23 @@ async fn an_acl_user_without_functions_falls_back_to_the_script() {
         // At most the first call tried FCALL.
         assert!(server.calls("fcall") <= 1, "{user}");
     }
+    // A first call that is a batch of cold keys (one call of the function for many where
+    // functions are allowed) becomes the script's call of the same batch: exact.
+    let store = RedisStore::connect(&acl::url_for(&server, "no-fcall"))
+        .await
+        .unwrap()
+        .with_block_cache(0);
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let limit = [Limit::fixed_window(2, HOUR).unwrap()];
+    let keys: Vec<Key> = (0..20).map(|i| Key::new(format!("cold-{i}"))).collect();
+    for expected in [true, true, false] {
+        let checks = keys.iter().map(|key| store.check(key, &limit, 1));
+        for decision in futures_util::future::join_all(checks).await {
+            assert_eq!(decision.unwrap().is_allowed(), expected);
+        }
+    }
+    assert!(server.calls("fcall") <= 1);
+    assert!(server.calls("evalsha") >= 3);
 }
 
 #[tokio::test]

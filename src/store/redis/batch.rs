@@ -7,7 +7,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 #[cfg(feature = "cluster")]
 pub(crate) use super::nodes::Nodes;
-use super::{Connection, Encoded, invoke, parse, ping, script_call, split_now};
+use super::{Connection, Encoded, invoke, parse, ping, script_call, split_now, standalone_call};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
 /// How the batching task behaves.
@@ -208,7 +208,12 @@ pub(crate) async fn send(
     _permit: Arc<OwnedSemaphorePermit>,
 ) {
     let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-    let call = script_call(&connection.mode, now, &requests);
+    // A call without declared keys would go to any node of a cluster.
+    let call = if connection.is_cluster() {
+        script_call(&connection.mode, now, &requests)
+    } else {
+        standalone_call(&connection.mode, now, &requests)
+    };
     let result = invoke(connection, call).await;
     drop(requests);
     deliver(batch, &result);

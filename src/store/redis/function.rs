@@ -208,19 +208,28 @@ pub(crate) fn fixed_window_call(
     cmd
 }
 
+/// One request for [`fixed_windows_call`]: its key, limit, window ms and cost.
+pub(crate) type FixedWindowRequest<'a> = (&'a [u8], u64, u64, u32);
+
 /// The call of the library's function for many requests like [`fixed_window_call`]'s,
-/// each given as its key, limit, window ms and cost, whose keys live on the cluster
-/// master it goes to, of any slots (lua/one.lua's `decide_fixed_windows`; no key is
-/// declared). Its reply holds four values per request, -1 first for a request whose key
-/// the node did not serve (never counted), then the `now` it decided at.
-pub(crate) fn fixed_windows_call(now: Option<u64>, requests: &[(&[u8], u64, u64, u32)]) -> Cmd {
+/// each given as its key, limit, window ms and cost (lua/one.lua's
+/// `decide_fixed_windows`; no key is declared). `elsewhere`: on a cluster master, whose
+/// keys may be of any slots and some not its own; a request whose key the node did not
+/// serve then answers -1 first (never counted). Its reply holds four values per request,
+/// then the `now` it decided at, as the general function's does for such requests.
+pub(crate) fn fixed_windows_call(
+    now: Option<u64>,
+    elsewhere: bool,
+    requests: &[FixedWindowRequest<'_>],
+) -> Cmd {
     let count = requests.len();
-    let mut cmd = Cmd::with_capacity(4 + 4 * count, 48 + 64 * count);
+    let mut cmd = Cmd::with_capacity(5 + 4 * count, 48 + 64 * count);
     cmd.arg("FCALL").arg(FIXED_WINDOWS_NAME.as_str()).arg(0);
     match now {
         Some(now) => cmd.arg(now),
         None => cmd.arg(""),
     };
+    cmd.arg(u8::from(elsewhere));
     for &(key, limit, window_ms, cost) in requests {
         cmd.arg(key).arg(limit).arg(window_ms).arg(cost);
     }
@@ -258,7 +267,9 @@ fn is_fcall(call: &Cmd) -> bool {
 
 /// `call` (`FCALL <function> ...`) as `EVALSHA <sha> ...`: the same arguments, or for
 /// [`fixed_window_call`] the general script's form of its one request (lua/main.lua: one
-/// group of one limit, code 1, capacity = limit, no lockout; one request of group 1).
+/// group of one limit, code 1, capacity = limit, no lockout; one request of group 1), and
+/// for [`fixed_windows_call`] that of its requests (one Redis only: on a cluster a call
+/// without declared keys never takes this way, see `nodes`).
 fn as_evalsha(call: &Cmd) -> Cmd {
     let mut args = call.args_iter().filter_map(|arg| match arg {
         Arg::Simple(bytes) => Some(bytes),
@@ -267,7 +278,43 @@ fn as_evalsha(call: &Cmd) -> Cmd {
     let function = args.nth(1);
     let mut cmd = Cmd::with_capacity(call.args_iter().len() + 7, 0);
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash());
-    if function == Some(FIXED_WINDOW_NAME.as_bytes()) {
+    if function == Some(FIXED_WINDOWS_NAME.as_bytes()) {
+        // Keys, now; one group per distinct limit and window, in order of first use; each
+        // request's cost and group (lua/main.lua), as `script_call` lays them out.
+        let (_keys, now, _elsewhere) = (args.next(), args.next(), args.next());
+        let rest: Vec<&[u8]> = args.collect();
+        let requests: Vec<&[&[u8]]> = rest.chunks_exact(4).collect();
+        let mut groups: Vec<(&[u8], &[u8])> = Vec::new();
+        let mut group_of = Vec::with_capacity(requests.len());
+        for request in &requests {
+            let limit = (request[1], request[2]);
+            let index = match groups.iter().position(|&g| g == limit) {
+                Some(index) => index,
+                None => {
+                    groups.push(limit);
+                    groups.len() - 1
+                }
+            };
+            group_of.push(index + 1);
+        }
+        cmd.arg(requests.len());
+        for request in &requests {
+            cmd.arg(request[0]);
+        }
+        cmd.arg(now.unwrap_or(b"")).arg(groups.len());
+        for (limit, window) in &groups {
+            cmd.arg(1)
+                .arg(1)
+                .arg(*limit)
+                .arg(*window)
+                .arg(*limit)
+                .arg(0);
+        }
+        cmd.arg(requests.len());
+        for (request, group) in requests.iter().zip(group_of) {
+            cmd.arg(request[3]).arg(group);
+        }
+    } else if function == Some(FIXED_WINDOW_NAME.as_bytes()) {
         let [keys, key, now, limit, window, cost] = [(); 6].map(|()| args.next().unwrap_or(b""));
         cmd.arg(keys).arg(key).arg(now);
         cmd.arg(1)
@@ -405,39 +452,80 @@ mod tests {
         assert_eq!(words(&call)[1], NAME.as_str());
     }
 
-    /// Many one-fixed-window requests of any slots go to `<name>_fwn`, which the library
-    /// registers with `allow-cross-slot-keys`: no key declared, each request's key, limit,
-    /// window and cost in turn after `now`.
+    /// Many one-fixed-window requests go to `<name>_fwn`, which the library registers
+    /// with `allow-cross-slot-keys`: no key declared; `now`, whether the keys may be
+    /// another node's (a cluster master's call), then each request's key, limit, window
+    /// and cost in turn.
     #[test]
     fn many_fixed_windows_go_in_one_call_of_a_cross_slot_function() {
         let call = fixed_windows_call(
             Some(7),
+            true,
             &[(b"a:{1}:fw2", 10, 1000, 1), (b"a:{2}:fw2", 5, 60_000, 2)],
         );
         let name = FIXED_WINDOWS_NAME.as_str();
-        assert_eq!(
-            words(&call),
-            [
-                "FCALL",
-                name,
-                "0",
-                "7",
-                "a:{1}:fw2",
-                "10",
-                "1000",
-                "1",
-                "a:{2}:fw2",
-                "5",
-                "60000",
-                "2"
-            ]
-        );
-        assert_eq!(words(&fixed_windows_call(None, &[]))[3], "");
+        let expected = "FCALL _ 0 7 1 a:{1}:fw2 10 1000 1 a:{2}:fw2 5 60000 2";
+        let expected: Vec<&str> = expected
+            .split(' ')
+            .map(|w| if w == "_" { name } else { w })
+            .collect();
+        assert_eq!(words(&call), expected);
+        assert_eq!(words(&fixed_windows_call(None, false, &[]))[3..], ["", "0"]);
         let registered = format!(
             "redis.register_function{{function_name = '{name}', callback = \
              decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}"
         );
         assert!(LIBRARY.contains(&registered), "{}", &*LIBRARY);
+    }
+
+    /// On one Redis a batch of distinct keys, each against one fixed window, goes to
+    /// `<name>_fwn`; where functions turn out unavailable, that call becomes exactly the
+    /// general script's call of the same batch. A repeated key, or any other shape in the
+    /// batch, keeps the whole batch on the general function.
+    #[test]
+    fn a_batch_of_cold_fixed_windows_has_its_function_and_the_scripts_form_as_fallback() {
+        use super::super::{Encoded, Keys, standalone_call};
+        let functions = Mode::default();
+        let script = Mode::default();
+        script.script_only();
+        let on = |key: &str, group: &[u64], cost: u32| {
+            let mut one = request(group, cost);
+            one.keys = Keys::default();
+            one.keys.push(&["app:{", key, "}:fw2"]);
+            one
+        };
+        let (minute, hour) = ([1, 10, 60_000, 10, 0], [1, 5, 3_600_000, 5, 0]);
+        let batch = [
+            on("a", &minute, 1),
+            on("b", &hour, 2),
+            on("c", &minute, 10),
+            on("d", &hour, 1),
+        ];
+        let batch: Vec<&Encoded> = batch.iter().collect();
+        for now in [None, Some(1_700_000_000_000_u64)] {
+            let lean = standalone_call(&functions, now, &batch);
+            let now_word = now.map_or(String::new(), |n| n.to_string());
+            assert_eq!(
+                words(&lean)[..5],
+                ["FCALL", FIXED_WINDOWS_NAME.as_str(), "0", &now_word, "0"]
+            );
+            assert_eq!(
+                words(&as_evalsha(&lean)),
+                words(&standalone_call(&script, now, &batch))
+            );
+        }
+        let repeated = [
+            on("a", &minute, 1),
+            on("b", &minute, 1),
+            on("a", &minute, 1),
+        ];
+        let lockout = [on("a", &minute, 1), on("b", &[1, 10, 60_000, 10, 5_000], 1)];
+        let alone = [on("a", &minute, 1)];
+        for general in [&repeated[..], &lockout[..], &alone[..]] {
+            let general: Vec<&Encoded> = general.iter().collect();
+            let call = standalone_call(&functions, None, &general);
+            assert_ne!(words(&call)[1], FIXED_WINDOWS_NAME.as_str());
+        }
     }
 
     #[test]

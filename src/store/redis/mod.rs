@@ -838,6 +838,40 @@ pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&
     cmd
 }
 
+/// The call for a coalesced batch on one Redis (not a cluster): two or more requests
+/// against one fixed window each, on distinct keys, go in one call of the library's
+/// function for many (`<library>_fwn`, lua/one.lua), which skips the general function's
+/// groups; every other batch is [`script_call`]'s. (A key repeated in the batch, a hot
+/// key, is cheaper on the general path, which reads and writes it once.)
+pub(crate) fn standalone_call(
+    mode: &function::Mode,
+    now: Option<u64>,
+    requests: &[&Encoded],
+) -> Cmd {
+    if requests.len() >= 2
+        && mode.functions()
+        && let Some(lean) = fixed_windows(requests)
+    {
+        return function::fixed_windows_call(now, false, &lean);
+    }
+    script_call(mode, now, requests)
+}
+
+/// Each request's key, limit, window ms and cost, when every one of `requests` is one
+/// against one fixed window ([`Encoded::one_fixed_window`]) and no key repeats.
+fn fixed_windows<'a>(requests: &[&'a Encoded]) -> Option<Vec<function::FixedWindowRequest<'a>>> {
+    let mut lean: Vec<function::FixedWindowRequest<'a>> = Vec::with_capacity(requests.len());
+    for request in requests {
+        let (limit, window_ms) = request.one_fixed_window()?;
+        let key = request.keys.iter().next()?;
+        if lean.iter().any(|&(seen, ..)| seen == key) {
+            return None;
+        }
+        lean.push((key, limit, window_ms, request.cost));
+    }
+    Some(lean)
+}
+
 /// The Redis Cluster hash slot of `key`: CRC16 of its hash tag, modulo 16384.
 #[cfg(feature = "cluster")]
 fn slot_of(key: &[u8]) -> u16 {

@@ -415,7 +415,7 @@ async fn pipelined(
                 Some((key, limit, window_ms, request.cost))
             })
             .collect();
-        pipeline.add_command(function::fixed_windows_call(now, &requests));
+        pipeline.add_command(function::fixed_windows_call(now, true, &requests));
     }
     for batch in &calls {
         if asking {
