@@ -760,6 +760,13 @@ impl Encoded {
             _ => None,
         }
     }
+
+    /// This request as the function for many fixed windows takes it (key, limit, window
+    /// ms, cost), when it is one against one fixed window ([`Self::one_fixed_window`]).
+    fn as_fixed_window(&self) -> Option<function::FixedWindowRequest<'_>> {
+        let (limit, window_ms) = self.one_fixed_window()?;
+        Some((self.keys.iter().next()?, limit, window_ms, self.cost))
+    }
 }
 
 /// The script call (`FCALL`, or `EVALSHA` where Redis has no functions: see
@@ -862,12 +869,11 @@ pub(crate) fn standalone_call(
 fn fixed_windows<'a>(requests: &[&'a Encoded]) -> Option<Vec<function::FixedWindowRequest<'a>>> {
     let mut lean: Vec<function::FixedWindowRequest<'a>> = Vec::with_capacity(requests.len());
     for request in requests {
-        let (limit, window_ms) = request.one_fixed_window()?;
-        let key = request.keys.iter().next()?;
-        if lean.iter().any(|&(seen, ..)| seen == key) {
+        let one = request.as_fixed_window()?;
+        if lean.iter().any(|&(seen, ..)| seen == one.0) {
             return None;
         }
-        lean.push((key, limit, window_ms, request.cost));
+        lean.push(one);
     }
     Some(lean)
 }

@@ -408,12 +408,7 @@ async fn pipelined(
     if !lean.is_empty() {
         let requests: Vec<_> = lean
             .iter()
-            .filter_map(|batch| {
-                let (request, _) = batch.first()?;
-                let (limit, window_ms) = request.one_fixed_window()?;
-                let key = request.keys.iter().next()?;
-                Some((key, limit, window_ms, request.cost))
-            })
+            .filter_map(|batch| batch.first()?.0.as_fixed_window())
             .collect();
         pipeline.add_command(function::fixed_windows_call(now, true, &requests));
     }
@@ -465,7 +460,7 @@ async fn pipelined(
                 }
                 Err(store_error(error.into()))
             }
-            Some(value) => super::function::integers(value).map_err(store_error),
+            Some(value) => function::integers(value).map_err(store_error),
             None => Err(StoreError::new(
                 StoreErrorKind::Response,
                 "a pipeline's answers ran short",
@@ -490,7 +485,7 @@ fn lean_calls(mode: &function::Mode, calls: Vec<Batch>) -> (Vec<Batch>, Vec<Batc
     }
     let (lean, others): (Vec<Batch>, Vec<Batch>) = calls
         .into_iter()
-        .partition(|batch| batch.len() == 1 && batch[0].0.one_fixed_window().is_some());
+        .partition(|batch| batch.len() == 1 && batch[0].0.as_fixed_window().is_some());
     match lean.len() {
         0 | 1 => (Vec::new(), others.into_iter().chain(lean).collect()),
         _ => (lean, others),
@@ -512,7 +507,7 @@ fn deliver_lean(lean: Vec<Batch>, reply: Option<Value>, again: &mut Vec<Batch>) 
             }
             Err(store_error(error.into()))
         }
-        Some(value) => super::function::integers(value).map_err(store_error),
+        Some(value) => function::integers(value).map_err(store_error),
         None => Err(StoreError::new(
             StoreErrorKind::Response,
             "a pipeline's answers ran short",
