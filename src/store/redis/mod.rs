@@ -778,10 +778,9 @@ impl Encoded {
 pub(crate) fn script_call(mode: &function::Mode, now: Option<u64>, requests: &[&Encoded]) -> Cmd {
     if let [request] = requests
         && mode.functions()
-        && let Some((limit, window_ms)) = request.one_fixed_window()
+        && let Some((key, limit, window_ms, cost)) = request.as_fixed_window()
     {
-        let key = request.keys.iter().next().unwrap_or_default();
-        return function::fixed_window_call(now, key, limit, window_ms, request.cost);
+        return function::fixed_window_call(now, key, limit, window_ms, cost);
     }
     let mut groups: SmallVec<[&[u64]; 4]> = SmallVec::new();
     let mut group_of: SmallVec<[usize; 32]> = SmallVec::with_capacity(requests.len());
@@ -868,9 +867,11 @@ pub(crate) fn standalone_call(
 /// against one fixed window ([`Encoded::one_fixed_window`]) and no key repeats.
 fn fixed_windows<'a>(requests: &[&'a Encoded]) -> Option<Vec<function::FixedWindowRequest<'a>>> {
     let mut lean: Vec<function::FixedWindowRequest<'a>> = Vec::with_capacity(requests.len());
+    // Linear in the batch (up to `max_batch` requests), where comparing pairs is not.
+    let mut seen = std::collections::HashSet::with_capacity(requests.len());
     for request in requests {
         let one = request.as_fixed_window()?;
-        if lean.iter().any(|&(seen, ..)| seen == one.0) {
+        if !seen.insert(one.0) {
             return None;
         }
         lean.push(one);
