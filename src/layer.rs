@@ -261,8 +261,8 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     ///   beyond that the answer is 429 at once, so waiting never holds unbounded memory.
     ///   A client that hangs up gives its place back at once, and a reserved one its
     ///   units too ([`Adjustment::Refund`](crate::Adjustment::Refund)) when no
-    ///   reservation of its key in this layer's line was made after it (see
-    ///   [`wait`](crate::wait) for why, and for the limit of that with several replicas).
+    ///   reservation of its key in this layer's line was made after it (the README's
+    ///   "Hanging up", under `max_wait`, says why, and what that means with replicas).
     /// - A request that can never fit (costlier than a limit's capacity) does not wait.
     /// - Waiting uses Tokio's timer: the service must run on a Tokio runtime.
     ///

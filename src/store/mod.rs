@@ -76,7 +76,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// (`remaining` as that request would leave it; cost 0 reads what is left), with
     /// nothing written: no key created, no expiry moved. For admin tools and handlers
     /// that show a client its budget. The default answers
-    /// [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
+    /// [`StoreErrorKind::Unsupported`].
     fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         let _ = (key, limits, cost);
         Check::ready(Err(StoreError::unsupported("peek")))
@@ -85,7 +85,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Clears the state of `key` under `limits` in one atomic step: its next request
     /// finds a full budget. A store that answers some requests without asking where the
     /// state lives (the Redis store's block cache) forgets them too, on every replica.
-    /// The default answers [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
+    /// The default answers [`StoreErrorKind::Unsupported`].
     fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
         let _ = (key, limits);
         Box::pin(std::future::ready(Err(StoreError::unsupported("reset"))))

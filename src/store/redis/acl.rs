@@ -1,5 +1,5 @@
 //! Naming what a Redis ACL user lacks. Redis 7 reports a command the script may not run as
-//! "can't run this command ... @user_script:<line>" (`@user_function:<line>` in the
+//! "can't run this command ... `@user_script:<line>`" (`@user_function:<line>` in the
 //! library, one line further down) without naming it; the line of the script names it.
 
 use redis::{ErrorKind, RedisError, ServerErrorKind};

@@ -30,7 +30,7 @@ use crate::{StoreError, StoreErrorKind, key::Key};
 
 /// The in-flight script that takes a permit ([`Leases::acquire`](crate::algorithm::Leases::acquire)).
 ///
-/// KEYS[1]: the permits of one key. ARGV: now in ms ("" reads Redis
+/// `KEYS[1]`: the permits of one key. ARGV: now in ms ("" reads Redis
 /// `TIME`), lease ms, max permits, the permit id. Returns `{1, held}` when taken,
 /// `{0, held}` when all `max` are held.
 pub const ACQUIRE: &str = r"
@@ -53,7 +53,7 @@ return {1, held + 1}
 
 /// The in-flight script that renews a permit ([`Leases::renew`](crate::algorithm::Leases::renew)).
 ///
-/// KEYS[1]: the permits of one key. ARGV: now ("" reads `TIME`), lease
+/// `KEYS[1]`: the permits of one key. ARGV: now ("" reads `TIME`), lease
 /// ms, the permit id. Returns 1 when the permit was held, 0 when it was gone (Redis lost
 /// it in a restart or a failover, or its lease ended while Redis was out of reach) and
 /// is added back: the request still runs, so it counts, even if that makes more than
