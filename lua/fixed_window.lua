@@ -16,6 +16,13 @@ local function fw_tag(start, W)
   return (start / W) % 1048575 + 1
 end
 
+-- The window `now` falls in, of W ms, as fw_count takes it: its start and tag, and no
+-- strings of an opening printed yet.
+local function fw_window(now, W)
+  local start = now - now % W
+  return { start = start, tag = fw_tag(start, W), opened = false }
+end
+
 -- `n` units as an INCRBY argument, n * 2^20, as a decimal string. Redis before 7.2 prints
 -- every number a script passes to a command with "%.17g", some 2 000 instructions each,
 -- while a string goes as it is: so the strings of small counts are kept (in a library,

@@ -9,10 +9,8 @@
 local function decide_fixed_window(keys, args)
   local now = clock(args[1])
   local L, W = args[2] + 0, args[3] + 0
-  local start = now - now % W
-  local window = { start = start, tag = fw_tag(start, W), opened = false }
   local allowed, remaining, reset_after, retry_after =
-    fw_count(keys[1], now, L, W, args[4] + 0, window, redis.call)
+    fw_count(keys[1], now, L, W, args[4] + 0, fw_window(now, W), redis.call)
   return { allowed, remaining, reset_after, retry_after, now }
 end
 
@@ -41,8 +39,7 @@ local function decide_fixed_windows(keys, args)
     local L, W = args[i + 1] + 0, args[i + 2] + 0
     local window = windows[W]
     if window == nil then
-      local start = now - now % W
-      window = { start = start, tag = fw_tag(start, W), opened = false }
+      window = fw_window(now, W)
       windows[W] = window
     end
     reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] =

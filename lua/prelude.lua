@@ -8,8 +8,9 @@
 -- 0.1 us, a redis.call 0.3-1 us. So numbers go to redis.call as Lua numbers (Redis prints
 -- them itself, exactly below 2^53: "%.17g", or an integer printer since 7.2), never
 -- through string.format, unless the string can be kept and reused (that print costs
--- about 2 000 instructions before 7.2: fixed_window.lua's fw_units); ARGV strings become numbers by arithmetic (`s + 0`, done in the
--- VM, about twice as fast as tonumber); and a state table is built with all its fields.
+-- about 2 000 instructions before 7.2: fixed_window.lua's fw_units); ARGV strings become
+-- numbers by arithmetic (`s + 0`, done in the VM, about twice as fast as tonumber); and a
+-- state table is built with all its fields.
 --
 -- The same text is also a Redis Functions library (Redis 7+, src/store/redis/function.rs
 -- builds it): everything before main.lua's "Per call" line then runs once, when the

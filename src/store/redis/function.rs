@@ -279,58 +279,57 @@ fn as_evalsha(call: &Cmd) -> Cmd {
     let mut cmd = Cmd::with_capacity(call.args_iter().len() + 7, 0);
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash());
     if function == Some(FIXED_WINDOWS_NAME.as_bytes()) {
-        // Keys, now; one group per distinct limit and window, in order of first use; each
-        // request's cost and group (lua/main.lua), as `script_call` lays them out.
         let (_keys, now, _elsewhere) = (args.next(), args.next(), args.next());
         let rest: Vec<&[u8]> = args.collect();
         let requests: Vec<&[&[u8]]> = rest.chunks_exact(4).collect();
-        let mut groups: Vec<(&[u8], &[u8])> = Vec::new();
-        let mut group_of = Vec::with_capacity(requests.len());
-        for request in &requests {
-            let limit = (request[1], request[2]);
-            let index = match groups.iter().position(|&g| g == limit) {
-                Some(index) => index,
-                None => {
-                    groups.push(limit);
-                    groups.len() - 1
-                }
-            };
-            group_of.push(index + 1);
-        }
-        cmd.arg(requests.len());
-        for request in &requests {
-            cmd.arg(request[0]);
-        }
-        cmd.arg(now.unwrap_or(b"")).arg(groups.len());
-        for (limit, window) in &groups {
-            cmd.arg(1)
-                .arg(1)
-                .arg(*limit)
-                .arg(*window)
-                .arg(*limit)
-                .arg(0);
-        }
-        cmd.arg(requests.len());
-        for (request, group) in requests.iter().zip(group_of) {
-            cmd.arg(request[3]).arg(group);
-        }
+        fixed_windows_as_script(&mut cmd, now.unwrap_or(b""), &requests);
     } else if function == Some(FIXED_WINDOW_NAME.as_bytes()) {
-        let [keys, key, now, limit, window, cost] = [(); 6].map(|()| args.next().unwrap_or(b""));
-        cmd.arg(keys).arg(key).arg(now);
-        cmd.arg(1)
-            .arg(1)
-            .arg(1)
-            .arg(limit)
-            .arg(window)
-            .arg(limit)
-            .arg(0);
-        cmd.arg(1).arg(cost).arg(1);
+        let [_keys, key, now, limit, window, cost] = [(); 6].map(|()| args.next().unwrap_or(b""));
+        fixed_windows_as_script(&mut cmd, now, &[&[key, limit, window, cost]]);
     } else {
         for arg in args {
             cmd.arg(arg);
         }
     }
     cmd
+}
+
+/// Appends to `cmd` (`EVALSHA <sha>`) the general script's arguments for `requests`, each
+/// one against one fixed window, given as its key, limit, window ms and cost: the keys,
+/// `now`, one group per distinct limit and window in order of first use (one limit of
+/// code 1, capacity = limit, no lockout), then each request's cost and group
+/// (lua/main.lua), as `script_call` lays them out.
+fn fixed_windows_as_script(cmd: &mut Cmd, now: &[u8], requests: &[&[&[u8]]]) {
+    let mut groups: Vec<(&[u8], &[u8])> = Vec::new();
+    let mut group_of = Vec::with_capacity(requests.len());
+    for request in requests {
+        let limit = (request[1], request[2]);
+        let index = match groups.iter().position(|&g| g == limit) {
+            Some(index) => index,
+            None => {
+                groups.push(limit);
+                groups.len() - 1
+            }
+        };
+        group_of.push(index + 1);
+    }
+    cmd.arg(requests.len());
+    for request in requests {
+        cmd.arg(request[0]);
+    }
+    cmd.arg(now).arg(groups.len());
+    for (limit, window) in &groups {
+        cmd.arg(1)
+            .arg(1)
+            .arg(*limit)
+            .arg(*window)
+            .arg(*limit)
+            .arg(0);
+    }
+    cmd.arg(requests.len());
+    for (request, group) in requests.iter().zip(group_of) {
+        cmd.arg(request[3]).arg(group);
+    }
 }
 
 /// The function is not on this server (never loaded, flushed, a new node).

@@ -447,26 +447,16 @@ async fn pipelined(
             // ASKING's OK (were it refused, the call is answered MOVED).
             values.next();
         }
-        let result = match values.next() {
-            Some(Value::ServerError(error)) => {
-                let (retry, moved) = never_ran(&error);
-                if retry {
-                    stale |= moved;
-                    match ask_target(&error).filter(|_| !asking) {
-                        Some(target) => asked.push((target, batch)),
-                        None => again.push(batch),
-                    }
-                    continue;
+        match answer(values.next()) {
+            Answer::Ran(result) => deliver(batch, &result),
+            Answer::NeverRan(error, moved) => {
+                stale |= moved;
+                match ask_target(&error).filter(|_| !asking) {
+                    Some(target) => asked.push((target, batch)),
+                    None => again.push(batch),
                 }
-                Err(store_error(error.into()))
             }
-            Some(value) => function::integers(value).map_err(store_error),
-            None => Err(StoreError::new(
-                StoreErrorKind::Response,
-                "a pipeline's answers ran short",
-            )),
-        };
-        deliver(batch, &result);
+        }
     }
     if stale {
         nodes.refresh();
@@ -498,25 +488,14 @@ fn lean_calls(mode: &function::Mode, calls: Vec<Batch>) -> (Vec<Batch>, Vec<Batc
 /// `again`, for the per-slot path; any other error is theirs. Returns whether the slot
 /// map is stale.
 fn deliver_lean(lean: Vec<Batch>, reply: Option<Value>, again: &mut Vec<Batch>) -> bool {
-    let reply = match reply {
-        Some(Value::ServerError(error)) => {
-            let (retry, moved) = never_ran(&error);
-            if retry {
-                again.extend(lean);
-                return moved;
-            }
-            Err(store_error(error.into()))
+    let values = match answer(reply) {
+        Answer::NeverRan(_, moved) => {
+            again.extend(lean);
+            return moved;
         }
-        Some(value) => function::integers(value).map_err(store_error),
-        None => Err(StoreError::new(
-            StoreErrorKind::Response,
-            "a pipeline's answers ran short",
-        )),
-    };
-    let values = match reply {
-        Ok(values) if values.len() == lean.len() * 4 + 1 => values,
-        other => {
-            let error = other.err().unwrap_or_else(|| {
+        Answer::Ran(Ok(values)) if values.len() == lean.len() * 4 + 1 => values,
+        Answer::Ran(result) => {
+            let error = result.err().unwrap_or_else(|| {
                 StoreError::new(
                     StoreErrorKind::Response,
                     format!("the function's reply does not fit {} requests", lean.len()),
@@ -539,6 +518,33 @@ fn deliver_lean(lean: Vec<Batch>, reply: Option<Value>, again: &mut Vec<Batch>) 
         }
     }
     stale
+}
+
+/// A call's answer in a pipeline.
+enum Answer {
+    /// It ran (or may have): its reply, or the error that stands.
+    Ran(Result<Vec<i64>, StoreError>),
+    /// The error proves it never ran, so it may be sent again ([`never_ran`]); `true`
+    /// when the slot map is stale.
+    NeverRan(ServerError, bool),
+}
+
+/// Reads `value`, the next answer of a pipeline (None: the answers ran short).
+fn answer(value: Option<Value>) -> Answer {
+    Answer::Ran(match value {
+        Some(Value::ServerError(error)) => {
+            let (retry, moved) = never_ran(&error);
+            if retry {
+                return Answer::NeverRan(error, moved);
+            }
+            Err(store_error(error.into()))
+        }
+        Some(value) => function::integers(value).map_err(store_error),
+        None => Err(StoreError::new(
+            StoreErrorKind::Response,
+            "a pipeline's answers ran short",
+        )),
+    })
 }
 
 /// The node an `ASK` answer names (`ASK <slot> <host>:<port>`).
