@@ -96,6 +96,8 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 /// let layer = RateLimitLayer::new(Limit::per_minute(100)?).store(store);
 /// # Ok(()) }
 /// ```
+///
+#[doc = include_str!("engines.md")]
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,
