@@ -1378,6 +1378,11 @@ async fn forged_forwarding_headers_never_reach_the_upstream() {
             .header("forwarded", "for=\"[2001:db8::6]\"")
             .header("x-real-ip", "6.6.6.6")
             .header("x-forwarded-for", "6.6.6.6, 203.0.113.9")
+            // CGI and WSGI upstreams read these as X-Real-IP and X-Forwarded-For.
+            .header("x_real_ip", "6.6.6.6")
+            .header("X_Forwarded_For", "6.6.6.6")
+            // Would drop the list the `ip` key reads before X-Real-IP is set from it.
+            .header("connection", "X-Forwarded-For, Forwarded")
             .body(Body::empty())
             .unwrap()
     };
@@ -1393,6 +1398,7 @@ async fn forged_forwarding_headers_never_reach_the_upstream() {
             .collect()
     };
     assert_eq!(all("x-real-ip"), ["127.0.0.1"]);
+    assert!(all("x_real_ip").is_empty() && all("x_forwarded_for").is_empty());
     assert_eq!(all("forwarded"), ["for=127.0.0.1"]);
     assert_eq!(all("x-forwarded-for"), ["127.0.0.1"]);
     gw.stop().await.unwrap();
@@ -1409,6 +1415,7 @@ async fn forged_forwarding_headers_never_reach_the_upstream() {
             .collect()
     };
     assert_eq!(all("x-real-ip"), ["203.0.113.9"]);
+    assert!(all("x_real_ip").is_empty() && all("x_forwarded_for").is_empty());
     assert_eq!(
         all("forwarded"),
         ["for=6.6.6.6;proto=https, for=\"[2001:db8::6]\", for=127.0.0.1"]

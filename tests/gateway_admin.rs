@@ -352,6 +352,7 @@ async fn the_admin_token_is_required_when_configured() {
         vec![],
         vec![("authorization", wrong.as_str())],
         vec![("authorization", token.as_str())],
+        vec![("authorization", format!("Bearer{token}").leak())],
     ] {
         for method in [Method::GET, Method::POST] {
             let reply = send(&client, method, &admin(&gw, path), &headers).await;
@@ -359,14 +360,21 @@ async fn the_admin_token_is_required_when_configured() {
             assert_eq!(reply.headers["www-authenticate"], "Bearer");
         }
     }
-    let ok = send(
-        &client,
-        Method::GET,
-        &admin(&gw, path),
-        &[("authorization", &bearer)],
-    )
-    .await;
-    assert_eq!(ok.status, StatusCode::OK, "{}", ok.text());
+    // The scheme is case-insensitive, and more than one space may follow it (RFC 9110).
+    for spelled in [
+        bearer.clone(),
+        format!("bearer {token}"),
+        format!("BEARER  {token}"),
+    ] {
+        let ok = send(
+            &client,
+            Method::GET,
+            &admin(&gw, path),
+            &[("authorization", &spelled)],
+        )
+        .await;
+        assert_eq!(ok.status, StatusCode::OK, "{spelled}: {}", ok.text());
+    }
     let ok = send(
         &client,
         Method::POST,

@@ -269,10 +269,20 @@ fn authorized(token: Option<&[u8]>, headers: &HeaderMap) -> bool {
     };
     let given = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .and_then(|v| bearer_credentials(v.as_bytes()))
         .unwrap_or_default();
     // Compared in time that depends on the lengths only.
     given.len() == token.len() && given.iter().zip(token).fold(0, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The credentials of a `Bearer` authorization: the scheme is case-insensitive and is
+/// followed by one or more spaces (RFC 9110 section 11.1, 11.4).
+fn bearer_credentials(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii_start())
 }
 
 fn kinds(entries: &[&Entry]) -> String {

@@ -92,6 +92,7 @@ impl Proxy {
         // The client speaks HTTP/1.1 to upstreams whatever the downstream version was.
         parts.version = Version::HTTP_11;
         remove_hop_by_hop(&mut parts.headers);
+        remove_underscore_spellings(&mut parts.headers);
         match peer {
             Some(peer) => self.set_forwarding_headers(&mut parts.headers, peer.ip()),
             None => remove_forwarding_headers(&mut parts.headers),
@@ -212,7 +213,12 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
         .collect();
     for name in named {
-        headers.remove(name);
+        // The forwarding headers are the gateway's own to set (`set_forwarding_headers`):
+        // a `Connection: X-Forwarded-For` would drop the list the `ip` key read, and the
+        // upstream would see the proxy where the limit counted the client.
+        if !FORWARDING.contains(&name) {
+            headers.remove(name);
+        }
     }
     for name in HOP_BY_HOP {
         headers.remove(name);
@@ -223,11 +229,33 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const FORWARDED: HeaderName = header::FORWARDED;
 const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 
+/// The headers through which a client could claim another address.
+const FORWARDING: [HeaderName; 3] = [X_FORWARDED_FOR, FORWARDED, X_REAL_IP];
+
 /// Drops every header through which a client could claim another address.
 fn remove_forwarding_headers(headers: &mut HeaderMap) {
-    headers.remove(X_FORWARDED_FOR);
-    headers.remove(FORWARDED);
-    headers.remove(X_REAL_IP);
+    for name in FORWARDING {
+        headers.remove(name);
+    }
+}
+
+/// Drops the underscore spellings of the forwarding headers (`X_Real_IP`,
+/// `X_Forwarded_For`): CGI and WSGI servers turn both `-` and `_` into `_`, so an upstream
+/// there would read a client's `X_Real_IP` as `X-Real-IP`. No proxy sends them.
+fn remove_underscore_spellings(headers: &mut HeaderMap) {
+    let spelled: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            name.as_str().contains('_')
+                && FORWARDING
+                    .iter()
+                    .any(|f| f.as_str() == name.as_str().replace('_', "-"))
+        })
+        .cloned()
+        .collect();
+    for name in spelled {
+        headers.remove(name);
+    }
 }
 
 /// Appends `item` to the comma-separated list in `name`, joining repeated headers into one
