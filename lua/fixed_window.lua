@@ -11,12 +11,12 @@
 -- stays below 2^53: exact in Lua's doubles. Key tag "fw2" (src/limit.rs): the earlier
 -- "<start>:<count>" strings lived under "fw". Mirrors src/algorithm/fixed_window.rs.
 
--- The tag of the window that starts at `start` (a multiple of W). Every exact division
--- here goes through math.floor: under Lua 5.4 (Dragonfly's) `/` yields a float, which
--- would go to INCRBY as "3.0", and 5.1 has no `//`. (A library cannot keep math.floor in
--- a local: its load runs without the math library.)
+-- The tag of the window that starts at `start` (a multiple of W). (Every exact quotient
+-- here is made whole where Lua has integers: see `floats` in prelude.lua.)
 local function fw_tag(start, W)
-  return math.floor(start / W) % 1048575 + 1
+  local n = start / W
+  if floats then n = math.floor(n) end
+  return n % 1048575 + 1
 end
 
 -- The window `now` falls in, of W ms, as fw_count takes it: its start and tag, and no
@@ -52,7 +52,9 @@ end
 local function fw_decode(v, now, W)
   local tag = v % 1048576
   local current = now - now % W
-  return current + fw_ahead(tag, fw_tag(current, W)) * W, math.floor((v - tag) / 1048576)
+  local count = (v - tag) / 1048576
+  if floats then count = math.floor(count) end
+  return current + fw_ahead(tag, fw_tag(current, W)) * W, count
 end
 
 -- The one-limit path (main.lua, and the library's function for one request, lua/one.lua):
@@ -70,7 +72,8 @@ local function fw_count(key, now, L, W, cost, window, first)
   local v = first('INCRBY', key, fw_units(cost))
   if type(v) ~= 'number' then return -1, 0, 0, 0 end
   local tag = v % 1048576
-  local count = math.floor((v - tag) / 1048576)
+  local count = (v - tag) / 1048576
+  if floats then count = math.floor(count) end
   if tag == 0 then
     -- No key: the INCRBY made it, without a tag or a TTL.
     local opened = window.opened

@@ -38,10 +38,19 @@ end
 -- worthless: `clock` sets a margin (in every call: one library serves both kinds).
 local ttl_margin = 0
 
+-- Whether `/` yields a float even for an exact quotient (Lua 5.3 and later: Dragonfly's
+-- 5.4; Redis and Valkey run 5.1, whose numbers are all doubles). Then an exact quotient
+-- goes through math.floor before it reaches a command (INCRBY takes no "3.0") or the
+-- reply. Set by `clock`, which every call runs first, in a library's first call only
+-- (it loads without the math library; the lookup costs some 700 instructions, math.floor
+-- on every request about 600 each).
+local floats
+
 -- A call's `now` in ms from its first argument: the caller's clock, or "" to read Redis
 -- TIME (one clock for every replica). Sets the call's ttl_margin: 5 s with the caller's
 -- clock, for it to lag Redis's.
 local function clock(arg)
+  if floats == nil then floats = math.type ~= nil end
   if arg ~= '' then
     ttl_margin = 5000
     return arg + 0
