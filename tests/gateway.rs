@@ -1365,6 +1365,52 @@ async fn shutdown_finishes_within_shutdown_timeout_with_a_hung_request() {
     assert!(outcome.is_err(), "{outcome:?}");
 }
 
+/// Two `Host` lines, an invalid `Host` or none in HTTP/1.1 are answered 400 and never
+/// forwarded (RFC 9112 section 3.2): the gateway and the upstream could read different ones.
+#[tokio::test]
+async fn a_request_with_a_bad_host_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::start().await;
+    let gw = gateway(MEMORY, &route("/", Some(&upstream.url()), None)).await;
+    let exchange = |request: &'static str| {
+        let addr = gw.addr();
+        async move {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            stream.write_all(request.as_bytes()).await.unwrap();
+            let mut answer = vec![0; 64];
+            let n = tokio::time::timeout(TIMEOUT, stream.read(&mut answer))
+                .await
+                .expect("no answer in time")
+                .unwrap();
+            String::from_utf8_lossy(&answer[..n]).into_owned()
+        }
+    };
+    for request in [
+        "GET /two HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n\r\n",
+        "GET /bad HTTP/1.1\r\nHost: a b\r\n\r\n",
+        "GET /userinfo HTTP/1.1\r\nHost: me@a.example\r\n\r\n",
+        "GET /none HTTP/1.1\r\n\r\n",
+    ] {
+        let answer = exchange(request).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "{request:?}: {answer:?}"
+        );
+    }
+    assert!(upstream.paths().is_empty(), "{:?}", upstream.paths());
+    // One valid Host, and HTTP/1.0 without one, pass.
+    for request in [
+        "GET /one HTTP/1.1\r\nHost: a.example:8080\r\nConnection: close\r\n\r\n",
+        "GET /old HTTP/1.0\r\n\r\n",
+    ] {
+        let answer = exchange(request).await;
+        assert!(answer.contains(" 200 "), "{request:?}: {answer:?}");
+    }
+    assert_eq!(upstream.paths(), ["/one", "/old"]);
+    gw.stop().await.unwrap();
+}
+
 /// `Forwarded`, `X-Real-IP` and `X-Forwarded-For` written by a client reach the upstream
 /// only through a trusted proxy; `X-Real-IP` is always the address the `ip` key is computed from.
 #[tokio::test]

@@ -12,7 +12,7 @@ use axum::{
     http::{
         HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, Version,
         header::{self, CONNECTION},
-        uri::Scheme,
+        uri::{Authority, Scheme},
     },
 };
 use http_body_util::LengthLimitError;
@@ -77,6 +77,9 @@ impl Proxy {
     /// 413 when the request body turns out larger than `max_body_bytes`. Never fails.
     pub(crate) async fn forward(&self, request: Request<Body>) -> Response<Body> {
         let (mut parts, body) = request.into_parts();
+        if !host_is_valid(&parts.headers, parts.version) {
+            return status(StatusCode::BAD_REQUEST, "bad request: Host\n");
+        }
         let peer = parts
             .extensions
             .get::<ConnectInfo<SocketAddr>>()
@@ -176,6 +179,20 @@ impl Proxy {
             .authority(self.upstream.authority.clone())
             .path_and_query(path_and_query)
             .build()
+    }
+}
+
+/// Whether the request's `Host` may be forwarded: one, a valid authority, and present in
+/// HTTP/1.1 (RFC 9112 section 3.2: otherwise 400). An upstream and the gateway could
+/// otherwise each read a different one of two.
+fn host_is_valid(headers: &HeaderMap, version: Version) -> bool {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (None, _) => version != Version::HTTP_11,
+        (Some(host), None) => host.to_str().is_ok_and(|host| {
+            !host.contains('@') && host.parse::<Authority>().is_ok_and(|a| a.as_str() == host)
+        }),
+        (Some(_), Some(_)) => false,
     }
 }
 
