@@ -90,16 +90,20 @@ pub(crate) const HEADER_LINES: usize = 1;
 
 /// Whether a connection calls the library (`FCALL`) or the script (`EVALSHA`); shared by
 /// the connection's clones. Starts with functions, and turns to the script for good once
-/// the server shows it has none for this user.
+/// the server shows it has none for this user. A store
+/// [connecting in the background](super::RedisConnect::in_background) calls neither until
+/// its first connection is made (and the library loaded).
 #[derive(Debug)]
 pub(crate) struct Mode {
     functions: AtomicBool,
+    connecting: AtomicBool,
 }
 
 impl Default for Mode {
     fn default() -> Self {
         Self {
             functions: AtomicBool::new(true),
+            connecting: AtomicBool::new(false),
         }
     }
 }
@@ -107,6 +111,17 @@ impl Default for Mode {
 impl Mode {
     pub(crate) fn functions(&self) -> bool {
         self.functions.load(Ordering::Relaxed)
+    }
+
+    /// Whether the first connection is still being made in the background.
+    #[inline]
+    pub(crate) fn connecting(&self) -> bool {
+        self.connecting.load(Ordering::Acquire)
+    }
+
+    /// The first connection is being made, or (`false`) was made and the library loaded.
+    pub(crate) fn set_connecting(&self, connecting: bool) {
+        self.connecting.store(connecting, Ordering::Release);
     }
 
     fn script_only(&self) {
