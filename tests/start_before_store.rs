@@ -177,6 +177,27 @@ async fn the_circuit_breaker_lets_redis_in_once_it_is_up() {
     assert_eq!(remaining(&first), Some(LIMIT - 1));
 }
 
+/// A store started on a runtime that shut down since (its connecting task died with it)
+/// still connects once used on another: the next decision starts the task again.
+#[test]
+fn a_store_started_on_a_runtime_that_ended_still_connects() {
+    let port = free_port();
+    let store = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(RedisStore::connect(&loopback_url(port, false)).in_background(true))
+        .unwrap();
+    let _server = RedisServer::start_on(port, &[]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let app = app(store, FailurePolicy::Allow);
+        let first = until_redis_decides(&app).await;
+        assert_eq!(remaining(&first), Some(LIMIT - 1));
+    });
+}
+
 /// The default is unchanged: an unreachable Redis fails the await, quickly.
 #[tokio::test]
 async fn without_in_background_an_unreachable_redis_fails_the_start() {

@@ -201,15 +201,40 @@ impl Connection {
              failure policy answers it"
         );
         self.mode.set_connecting(true);
-        let link = self.link.clone();
-        let mode = Arc::downgrade(&self.mode);
-        tokio::spawn(connect_later(link, mode));
+        self.keep_connecting();
+    }
+
+    /// Starts the task that makes the first connection unless it runs: it dies with the
+    /// runtime it ran on, and a store used on another runtime since must not wait
+    /// forever. Without a runtime here, the next call on one starts it.
+    #[cold]
+    pub(super) fn keep_connecting(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.mode.claim_connector() {
+            return;
+        }
+        let running = Running(Arc::downgrade(&self.mode));
+        runtime.spawn(connect_later(self.link.clone(), running));
     }
 }
 
-/// Tries to make the first connection over `link` until it succeeds or the store is gone
-/// (`mode` dropped).
-async fn connect_later(link: Link, mode: Weak<Mode>) {
+/// Held by the connecting task: frees its place when the task ends, also when its
+/// runtime shuts down.
+struct Running(Weak<Mode>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mode) = self.0.upgrade() {
+            mode.release_connector();
+        }
+    }
+}
+
+/// Tries to make the first connection over `link` until it succeeds or the store is gone.
+async fn connect_later(link: Link, running: Running) {
+    let mode = &running.0;
     let mut delay = FIRST_RETRY;
     loop {
         tokio::time::sleep(delay).await;

@@ -97,6 +97,8 @@ pub(crate) const HEADER_LINES: usize = 1;
 pub(crate) struct Mode {
     functions: AtomicBool,
     connecting: AtomicBool,
+    /// Whether the task that makes the first connection runs (it dies with its runtime).
+    connector: AtomicBool,
 }
 
 impl Default for Mode {
@@ -104,6 +106,7 @@ impl Default for Mode {
         Self {
             functions: AtomicBool::new(true),
             connecting: AtomicBool::new(false),
+            connector: AtomicBool::new(false),
         }
     }
 }
@@ -122,6 +125,16 @@ impl Mode {
     /// The first connection is being made, or (`false`) was made and the library loaded.
     pub(crate) fn set_connecting(&self, connecting: bool) {
         self.connecting.store(connecting, Ordering::Release);
+    }
+
+    /// Claims the right to run the connecting task: `false` when one runs already.
+    pub(crate) fn claim_connector(&self) -> bool {
+        !self.connector.swap(true, Ordering::AcqRel)
+    }
+
+    /// The connecting task ended (connected, or its runtime shut down).
+    pub(crate) fn release_connector(&self) {
+        self.connector.store(false, Ordering::Release);
     }
 
     fn script_only(&self) {

@@ -154,6 +154,7 @@ impl Connection {
     #[inline]
     pub(crate) fn ready(&self) -> Result<(), StoreError> {
         if self.mode.connecting() {
+            self.keep_connecting();
             return Err(StoreError::not_connected());
         }
         Ok(())
@@ -182,6 +183,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("connection", &connection)
             .field("functions", &self.connection.mode.functions())
+            .field("connecting", &self.connection.mode.connecting())
             .field("prefix", &self.prefix)
             .field("clock", &self.clock)
             .field("coalescing", &self.coalescing)
