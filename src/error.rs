@@ -118,6 +118,22 @@ impl StoreError {
         }
     }
 
+    /// The store has not connected yet (it started while its backend was unreachable
+    /// and connects in the background): answered at once, without trying.
+    #[cfg(feature = "redis")]
+    pub(crate) fn not_connected() -> Self {
+        static CAUSE: LazyLock<Arc<dyn StdError + Send + Sync>> = LazyLock::new(|| {
+            Arc::from(Box::from(
+                "not connected yet: unreachable at start, connecting in the background",
+            ))
+        });
+        Self {
+            kind: StoreErrorKind::Unavailable,
+            source: Some(CAUSE.clone()),
+            circuit_open: false,
+        }
+    }
+
     /// Whether an open circuit breaker answered instead of the store.
     pub(crate) fn is_circuit_open(&self) -> bool {
         self.circuit_open

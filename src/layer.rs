@@ -78,8 +78,12 @@ impl Settings {
 impl Settings {
     /// The rules cell of the layer as it is now, made on first use.
     fn cell(&self) -> &Arc<Cell> {
-        self.cell
-            .get_or_init(|| Cell::new(self.rules.clone(), self.store.clone()))
+        self.cell.get_or_init(|| {
+            if self.store.connecting() {
+                warn_connecting(&self.name, self.rules.on_store_error());
+            }
+            Cell::new(self.rules.clone(), self.store.clone())
+        })
     }
 
     /// A builder call: the layer is a new one, with rules of its own.
@@ -90,6 +94,32 @@ impl Settings {
         }
         self.cell = Arc::default();
         self
+    }
+}
+
+/// Says, once per layer when it starts, what its requests get while the store has not
+/// connected yet: only the layer knows its failure policy.
+fn warn_connecting(layer: &str, policy: &FailurePolicy) {
+    let policy_name = policy.as_str();
+    match policy {
+        FailurePolicy::Deny => tracing::warn!(
+            layer,
+            policy = policy_name,
+            "rate limit store not connected yet: this layer fails closed, every request \
+             is refused with 503 until the store connects"
+        ),
+        FailurePolicy::Local(_) => tracing::warn!(
+            layer,
+            policy = policy_name,
+            "rate limit store not connected yet: requests are limited per process, in \
+             memory, until the store connects"
+        ),
+        _ => tracing::warn!(
+            layer,
+            policy = policy_name,
+            "rate limit store not connected yet: requests pass unlimited until the store \
+             connects"
+        ),
     }
 }
 

@@ -2031,6 +2031,82 @@ mod redis {
         // The cause is named, not only "unavailable".
         assert!(error.to_string().contains("refused"), "{error}");
     }
+
+    /// `connect = "background"`: the gateway starts while nothing listens on the Redis
+    /// port, `on_error` answers (here 503, fail closed), and once a redis-server is up on
+    /// that port the limits are decided there: exactly `limit` pass, then 429.
+    #[tokio::test]
+    async fn connect_in_the_background_starts_before_redis_and_limits_once_it_is_up() {
+        let port = support::free_port();
+        let store = format!(
+            "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{port}\"\n\
+             prefix = \"later\"\non_error = \"deny\"\nconnect = \"background\"\n"
+        );
+        let routes = route("/", None, Some(("global", "fixed_window", 3, "1h")));
+        let gw = gateway(&store, &routes).await;
+        let client = client();
+        for _ in 0..10 {
+            let reply = get(&client, &url(&gw, "/")).await;
+            assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(reply.retry_after(), Some(1));
+        }
+        let redis = RedisServer::start_on(port, &[]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let first = loop {
+            let reply = get(&client, &url(&gw, "/")).await;
+            if reply.status != StatusCode::SERVICE_UNAVAILABLE {
+                break reply;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the gateway did not use Redis within 15 s of it coming up"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(first.status, StatusCode::OK);
+        assert_eq!(
+            statuses(&client, &gw, &["/", "/", "/"]).await,
+            [200, 200, 429]
+        );
+        let keys = redis.cli(&["--scan", "--pattern", "later:*"]).unwrap();
+        let key = keys.lines().next().unwrap().trim().to_owned();
+        let value = redis.cli(&["GET", &key]).unwrap();
+        assert_eq!(support::fixed_window_count(&value), 3);
+        gw.stop().await.unwrap();
+    }
+
+    #[test]
+    fn store_connect_is_validated_naming_the_field() {
+        let with = |backend: &str, connect: &str| {
+            format!("listen = \"127.0.0.1:0\"\n[store]\n{backend}\nconnect = {connect:?}\n")
+        };
+        let redis = "backend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"";
+        let default = Config::parse(&format!("listen = \"127.0.0.1:0\"\n[store]\n{redis}\n"));
+        assert!(!default.unwrap().store.background);
+        assert!(
+            !Config::parse(&with(redis, "at_start"))
+                .unwrap()
+                .store
+                .background
+        );
+        assert!(
+            Config::parse(&with(redis, "background"))
+                .unwrap()
+                .store
+                .background
+        );
+        let mut refused = vec![("", "background"), (redis, "later")];
+        let cluster = "backend = \"redis-cluster\"\nnodes = [\"redis://127.0.0.1:7000\"]";
+        if cfg!(feature = "cluster") {
+            refused.push((cluster, "background"));
+        }
+        for (backend, connect) in refused {
+            let error = Config::parse(&with(backend, connect))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("store.connect"), "{connect}: {error}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -362,6 +362,57 @@ on_change = "carry_over"
         server::start(Config::parse(&text).unwrap()).await.unwrap()
     }
 
+    /// `store.connect = "background"` with `[rules] source = "redis"`: a replica starts
+    /// while Redis is down, serving the file's routes (`on_error = "allow"`: unlimited),
+    /// and once Redis is up it follows the rule set published there and limits by it.
+    #[tokio::test]
+    async fn a_replica_started_before_redis_follows_the_rule_set_once_it_is_up() {
+        let port = support::free_port();
+        let url = support::loopback_url(port, false);
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"{url}\"\n\
+             connect = \"background\"\n\
+             [rules]\nsource = \"redis\"\ncheck_interval = \"100ms\"\n{}",
+            rule_set("2")
+        );
+        let a = server::start(Config::parse(&text).unwrap()).await.unwrap();
+        assert_eq!(super::allowed(&client(), &a, "x", 4).await, 4);
+        let _server = support::RedisServer::start_on(port, &[]);
+        let location = rules_source::Location::new(&url, "tollgate");
+        assert_eq!(
+            rules_source::publish(&location, &rule_set("5"))
+                .await
+                .unwrap(),
+            1
+        );
+        let applied = Instant::now();
+        while a.version() < 2 {
+            assert!(applied.elapsed() < PATIENCE, "the rule set was not applied");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // The store connects on its own schedule (within about 2 s of Redis coming up):
+        // until then requests pass unlimited, so wait for the first one Redis counts.
+        let client = client();
+        let connected = Instant::now();
+        while !status_with_fields(&client, &a, "y").await {
+            assert!(connected.elapsed() < PATIENCE, "the store did not connect");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(super::allowed(&client, &a, "z", 6).await, 5);
+        a.stop().await.unwrap();
+    }
+
+    /// Whether a request under key `key` was decided by the store (it has rate-limit
+    /// fields).
+    async fn status_with_fields(client: &HttpClient, gateway: &Running, key: &str) -> bool {
+        let request = http::Request::get(format!("http://{}/api", gateway.addr()))
+            .header("x-key", key)
+            .body(Body::empty())
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        response.headers().contains_key("ratelimit")
+    }
+
     /// What README "Connecting" adds to its least-privilege ACL line for a gateway that
     /// follows a rule set, and for the user that publishes one.
     const FOLLOWER_ACL: &[&str] = &["+mget", "+subscribe", "&tollgate:rules"];

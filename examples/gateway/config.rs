@@ -126,6 +126,8 @@ pub(crate) struct StoreConfig {
     pub(crate) header_keys: HeaderKeys,
     /// Leased quota (`leases`): off when `None`.
     pub(crate) leases: Option<leases::LeasesConfig>,
+    /// `connect = "background"`: start while Redis is unreachable, and connect later.
+    pub(crate) background: bool,
 }
 
 /// How header values (API keys) appear in store keys.
@@ -350,6 +352,8 @@ struct RawStore {
     hash_header_keys: Option<bool>,
     key_secret_env: Option<String>,
     leases: Option<leases::RawLeases>,
+    /// `at_start` (default) or `background`.
+    connect: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -726,6 +730,32 @@ impl RawStore {
             Some(leases) => leases.validate(!matches!(backend, Backend::Memory))?,
             None => None,
         };
+        let background = match self.connect.as_deref().unwrap_or("at_start") {
+            "at_start" => false,
+            "background" => match backend {
+                Backend::Redis { .. } | Backend::RedisSentinel(_) => true,
+                Backend::Memory => {
+                    return Err(ConfigError::new(
+                        "store.connect",
+                        "\"background\" needs a redis backend (the memory store has nothing \
+                         to connect to)",
+                    ));
+                }
+                Backend::RedisCluster { .. } => {
+                    return Err(ConfigError::new(
+                        "store.connect",
+                        "\"background\" is not supported with backend = \"redis-cluster\" \
+                         (a cluster must be reachable at start)",
+                    ));
+                }
+            },
+            other => {
+                return Err(ConfigError::new(
+                    "store.connect",
+                    format!("must be at_start or background (got {other:?})"),
+                ));
+            }
+        };
         Ok(StoreConfig {
             backend,
             tls,
@@ -734,6 +764,7 @@ impl RawStore {
             on_error,
             header_keys,
             leases,
+            background,
         })
     }
 }

@@ -164,6 +164,9 @@ impl Live {
         if new.store.leases != running.store.leases {
             restart("store.leases");
         }
+        if new.store.background != running.store.background {
+            restart("store.connect");
+        }
         if new.rules != running.rules {
             restart("[rules]");
         }
@@ -173,6 +176,7 @@ impl Live {
         new.store.backend = running.store.backend.clone();
         new.store.prefix = running.store.prefix.clone();
         new.store.leases = running.store.leases.clone();
+        new.store.background = running.store.background;
         new.rules = running.rules.clone();
         let gateway = build_gateway(&new, &self.store, &self.local, &self.client);
         // Limits whose state carries over keep their store keys with new parameters: a
@@ -279,7 +283,7 @@ impl Running {
 pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
     let (store, leased) = connect_store(&config.store).await?;
-    let follow = first_rule_set(&mut config).await?;
+    let follow = first_rule_set(&mut config, store.connecting()).await?;
     let client = proxy::client();
     let local = FailurePolicy::local();
     let gateway = build_gateway(&config, &store, &local, &client);
@@ -390,7 +394,10 @@ impl Follow {
 /// With `[rules] source = "redis"`: the rule set stored now replaces the file's routes
 /// (when it is good), so that a new replica starts with the fleet's rules.
 #[cfg(feature = "redis")]
-async fn first_rule_set(config: &mut Config) -> Result<Option<Follow>, Error> {
+async fn first_rule_set(
+    config: &mut Config,
+    store_connecting: bool,
+) -> Result<Option<Follow>, Error> {
     use crate::rules_source::{Location, fetch};
     let Backend::Redis { url } = &config.store.backend else {
         return Ok(None);
@@ -400,15 +407,24 @@ async fn first_rule_set(config: &mut Config) -> Result<Option<Follow>, Error> {
     }
     let location = Location::new(url, &config.store.prefix);
     let client = redis::Client::open(url.as_str())?;
-    let mut connection = redis::aio::ConnectionManager::new(client)
-        .await
-        .map_err(|e| format!("rules.source: cannot read the rule set from {url:?}: {e}"))?;
     let mut follow = Follow {
         location: location.clone(),
         seen: None,
         routes: None,
         interval: config.rules.check_interval,
     };
+    if store_connecting {
+        // `store.connect = "background"` and Redis is not up: the follower reads the rule
+        // set once it is.
+        tracing::warn!(
+            "rules.source: redis is not reachable yet; serving the file's routes until the \
+             rule set can be read"
+        );
+        return Ok(Some(follow));
+    }
+    let mut connection = redis::aio::ConnectionManager::new(client)
+        .await
+        .map_err(|e| format!("rules.source: cannot read the rule set from {url:?}: {e}"))?;
     match fetch(&mut connection, &location).await? {
         None => tracing::info!("no rule set in redis yet; serving the file's routes"),
         Some((version, Ok(routes))) => {
@@ -428,7 +444,10 @@ async fn first_rule_set(config: &mut Config) -> Result<Option<Follow>, Error> {
 }
 
 #[cfg(not(feature = "redis"))]
-async fn first_rule_set(_config: &mut Config) -> Result<Option<Follow>, Error> {
+async fn first_rule_set(
+    _config: &mut Config,
+    _store_connecting: bool,
+) -> Result<Option<Follow>, Error> {
     // `rules.source = "redis"` needs `store.backend = "redis"`, refused without the feature.
     Ok(None)
 }
@@ -808,12 +827,16 @@ async fn connect_redis(url: &str, config: &StoreConfig) -> Result<(Arc<dyn Store
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
-            tollgate::store::RedisStore::connect_tls(url, &tls_config(&config.tls)?).await
+            tollgate::store::RedisStore::connect_tls(url, &tls_config(&config.tls)?)
+                .in_background(config.background)
+                .await
         }
         #[cfg(not(feature = "tls"))]
         return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
     } else {
-        tollgate::store::RedisStore::connect(url).await
+        tollgate::store::RedisStore::connect(url)
+            .in_background(config.background)
+            .await
     };
     let store = connecting.map_err(|e| {
         format!(
@@ -822,11 +845,13 @@ async fn connect_redis(url: &str, config: &StoreConfig) -> Result<(Arc<dyn Store
             cause(&e)
         )
     })?;
-    tracing::info!(
-        url = redact(url),
-        prefix = config.prefix,
-        "connected to redis"
-    );
+    if !store.connecting() {
+        tracing::info!(
+            url = redact(url),
+            prefix = config.prefix,
+            "connected to redis"
+        );
+    }
     with_prefix(store, config)
 }
 
@@ -903,6 +928,7 @@ async fn connect_redis_sentinel(
     }
     let sentinels: Vec<String> = sentinel.sentinels.iter().map(|n| redact(n)).collect();
     let store = tollgate::store::RedisStore::connect_sentinel(&library)
+        .in_background(config.background)
         .await
         .map_err(|e| {
             format!(
@@ -911,12 +937,14 @@ async fn connect_redis_sentinel(
                 cause(&e)
             )
         })?;
-    tracing::info!(
-        ?sentinels,
-        master = sentinel.master_name,
-        prefix = config.prefix,
-        "connected to redis through sentinel"
-    );
+    if !store.connecting() {
+        tracing::info!(
+            ?sentinels,
+            master = sentinel.master_name,
+            prefix = config.prefix,
+            "connected to redis through sentinel"
+        );
+    }
     with_prefix(store, config)
 }
 

@@ -22,7 +22,7 @@ pub use redis::SentinelConfig;
 #[cfg(feature = "tls")]
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
-pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisStore, SCRIPT_SOURCE};
+pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisConnect, RedisStore, SCRIPT_SOURCE};
 #[cfg(feature = "redis")]
 pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 
@@ -109,6 +109,14 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
         None
     }
+
+    /// Whether the store is still making its first connection: it started while its
+    /// backend was unreachable (a `RedisStore` started `in_background`), and every decision fails
+    /// until it connects. A layer on it logs at start what its failure policy answers
+    /// meanwhile. The default: `false` (a store that is always connected).
+    fn connecting(&self) -> bool {
+        false
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -142,5 +150,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
         (**self).in_flight_permits()
+    }
+
+    fn connecting(&self) -> bool {
+        (**self).connecting()
     }
 }

@@ -29,6 +29,11 @@ pub struct SentinelProcess {
 }
 
 impl SentinelProcess {
+    /// One sentinel (quorum 1) watching a master on `master_port` that may not be up yet.
+    pub fn watching(master_port: u16) -> Self {
+        Self::start(master_port, 1, None)
+    }
+
     fn start(master_port: u16, quorum: u32, tls: Option<&Arc<TlsFiles>>) -> Self {
         let port = free_port();
         let dir =

@@ -86,6 +86,7 @@ impl RedisStore {
 
 /// Sends one command on whatever connection the store has.
 pub(super) async fn query(connection: Connection, cmd: &Cmd) -> Result<Value, StoreError> {
+    connection.ready()?;
     let result: RedisResult<Value> = match connection.link {
         super::Link::Manager(mut manager) => cmd.query_async(&mut manager).await,
         #[cfg(feature = "cluster")]

@@ -1,11 +1,21 @@
 //! Connecting to Redis as it is run: one node or a cluster, over TLS (`rediss://`, a
 //! custom CA, client certificates) with feature `tls`, as an ACL user named in the URL.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Weak},
+    task::{Context, Poll, ready},
+    time::Duration,
+};
 
-use redis::aio::ConnectionManagerConfig;
+use futures_util::future::BoxFuture;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use super::{RedisStore, SCRIPT, invalidate::Nodes, store_error};
+#[cfg(feature = "sentinel")]
+use super::SentinelConfig;
+use super::{Connection, Link, RedisStore, SCRIPT, function::Mode, invalidate::Nodes, store_error};
 use crate::{StoreError, StoreErrorKind};
 
 /// How long one connection attempt may take: a Redis that is down fails calls quickly and
@@ -13,6 +23,276 @@ use crate::{StoreError, StoreErrorKind};
 pub(super) const CONNECTION_TIMEOUT: Duration = Duration::from_millis(500);
 /// How long a command may wait for its answer.
 pub(super) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The first wait between attempts to connect in the background, doubled after each
+/// failure up to [`LAST_RETRY`]: a Redis that comes up is used within about two seconds,
+/// and one that stays down costs a connection attempt every two seconds.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+const LAST_RETRY: Duration = Duration::from_secs(2);
+
+/// A connection to Redis about to be made: what [`RedisStore::connect`] and the other
+/// `connect_*` constructors return. Awaiting it connects.
+///
+/// By default a Redis that cannot be reached fails the await, so that a wrong address is
+/// seen at start. [`in_background`](Self::in_background) starts the service anyway.
+#[must_use = "nothing connects until it is awaited"]
+pub struct RedisConnect {
+    /// Taken when first polled.
+    target: Option<Target>,
+    background: bool,
+    running: Option<BoxFuture<'static, Result<RedisStore, StoreError>>>,
+}
+
+/// What to connect to.
+enum Target {
+    Client(Result<redis::Client, StoreError>),
+    #[cfg(feature = "cluster")]
+    Cluster {
+        nodes: Vec<String>,
+        tls: Option<TlsConfig>,
+    },
+    #[cfg(feature = "sentinel")]
+    Sentinel(SentinelConfig),
+}
+
+impl RedisConnect {
+    pub(super) fn client(client: Result<redis::Client, StoreError>) -> Self {
+        Self {
+            target: Some(Target::Client(client)),
+            background: false,
+            running: None,
+        }
+    }
+
+    #[cfg(feature = "cluster")]
+    pub(super) fn cluster<N: AsRef<str>>(nodes: &[N], tls: Option<&TlsConfig>) -> Self {
+        Self {
+            target: Some(Target::Cluster {
+                nodes: nodes.iter().map(|n| n.as_ref().to_owned()).collect(),
+                tls: tls.cloned(),
+            }),
+            background: false,
+            running: None,
+        }
+    }
+
+    #[cfg(feature = "sentinel")]
+    pub(super) fn sentinel(config: &SentinelConfig) -> Self {
+        Self {
+            target: Some(Target::Sentinel(config.clone())),
+            background: false,
+            running: None,
+        }
+    }
+
+    /// Starts without Redis when it cannot be reached yet (`true`; off by default), for
+    /// deployments where Redis may come up after the service (Kubernetes, compose).
+    ///
+    /// The first attempt is made when awaited, as without this: a reachable Redis is
+    /// connected and the library loaded before the store is returned, and a bad URL, a
+    /// wrong password or a refused ACL still fail the await. Only an unreachable Redis
+    /// (refused, timed out, a name that does not resolve yet) returns the store anyway,
+    /// with one warning; it then connects in the background, retrying with backoff (100
+    /// ms, doubling up to 2 s). Until it has connected, every decision fails at once,
+    /// without trying Redis, and the layer's [`FailurePolicy`](crate::FailurePolicy)
+    /// answers it (a fail-closed layer refuses every request meanwhile, and says so at
+    /// start). Once connected the store decides in Redis, with nothing restarted.
+    ///
+    /// Off by default: a service that cannot reach its store is most often misconfigured,
+    /// and is best told at once.
+    ///
+    /// A Redis Cluster cannot start this way (redis-rs's cluster client connects when it
+    /// is built): `connect_cluster(..).in_background(true)` fails the await.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tollgate::store::RedisStore;
+    ///
+    /// let store = RedisStore::connect("redis://redis:6379").in_background(true).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn in_background(mut self, on: bool) -> Self {
+        self.background = on;
+        self
+    }
+}
+
+/// A future (not only `IntoFuture`), so that `block_on(RedisStore::connect(url))` and
+/// `tokio::spawn` take it as they took the `async fn` it replaced.
+impl Future for RedisConnect {
+    type Output = Result<RedisStore, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let running = match &mut this.running {
+            Some(running) => running,
+            None => {
+                let Some(target) = this.target.take() else {
+                    return Poll::Ready(Err(StoreError::new(
+                        StoreErrorKind::Response,
+                        "RedisConnect polled after it finished",
+                    )));
+                };
+                this.running
+                    .insert(Box::pin(connect(target, this.background)))
+            }
+        };
+        let result = ready!(running.as_mut().poll(cx));
+        this.running = None;
+        Poll::Ready(result)
+    }
+}
+
+/// Connects to `target`, starting in the background when asked to.
+async fn connect(target: Target, background: bool) -> Result<RedisStore, StoreError> {
+    match target {
+        Target::Client(client) => RedisStore::connect_client(client?, background).await,
+        #[cfg(feature = "cluster")]
+        Target::Cluster { nodes, tls } => {
+            if background {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unsupported,
+                    "in_background: a Redis Cluster must be reachable at start \
+                     (redis-rs's cluster client connects when it is built)",
+                ));
+            }
+            let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+            RedisStore::connect_cluster_with(&nodes, tls.as_ref()).await
+        }
+        #[cfg(feature = "sentinel")]
+        Target::Sentinel(config) => RedisStore::connect_sentinel_with(&config, background).await,
+    }
+}
+
+impl fmt::Debug for RedisConnect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never a URL: it may hold a password.
+        let target = match &self.target {
+            Some(Target::Client(_)) => "redis",
+            #[cfg(feature = "cluster")]
+            Some(Target::Cluster { .. }) => "cluster",
+            #[cfg(feature = "sentinel")]
+            Some(Target::Sentinel(_)) => "sentinel",
+            None => "connecting",
+        };
+        f.debug_struct("RedisConnect")
+            .field("target", &target)
+            .field("background", &self.background)
+            .finish()
+    }
+}
+
+/// Whether `error` says Redis could not be reached (rather than that it refused us).
+pub(super) fn unreachable(error: &StoreError) -> bool {
+    matches!(
+        error.kind(),
+        StoreErrorKind::Unavailable | StoreErrorKind::Timeout
+    )
+}
+
+impl Connection {
+    /// Marks this connection as not connected yet (every call fails at once, see
+    /// [`Connection::ready`]) and makes the first connection in the background, with
+    /// backoff; `error` is why the attempt at start failed.
+    pub(super) fn connect_in_background(&self, error: &StoreError) {
+        tracing::warn!(
+            error = %error.chain(),
+            "tollgate: Redis is not reachable at start; connecting in the background. \
+             Until it connects, every rate limit decision fails at once and each layer's \
+             failure policy answers it"
+        );
+        self.mode.set_connecting(true);
+        self.keep_connecting();
+    }
+
+    /// Starts the task that makes the first connection unless it runs: it dies with the
+    /// runtime it ran on, and a store used on another runtime since must not wait
+    /// forever. Without a runtime here, the next call on one starts it.
+    #[cold]
+    pub(super) fn keep_connecting(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.mode.claim_connector() {
+            return;
+        }
+        let running = Running(Arc::downgrade(&self.mode));
+        runtime.spawn(connect_later(self.link.clone(), running));
+    }
+}
+
+/// Held by the connecting task: frees its place when the task ends, also when its
+/// runtime shuts down.
+struct Running(Weak<Mode>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mode) = self.0.upgrade() {
+            mode.release_connector();
+        }
+    }
+}
+
+/// Tries to make the first connection over `link` until it succeeds or the store is gone.
+async fn connect_later(link: Link, running: Running) {
+    let mode = &running.0;
+    let mut delay = FIRST_RETRY;
+    loop {
+        tokio::time::sleep(delay).await;
+        let Some(mode) = mode.upgrade() else {
+            return;
+        };
+        match first_connection(&link, &mode).await {
+            Ok(()) => {
+                mode.set_connecting(false);
+                tracing::info!("tollgate: connected to Redis; decisions are made there now");
+                return;
+            }
+            Err(error) if unreachable(&error) => {
+                tracing::debug!(error = %error.chain(), "tollgate: Redis still unreachable");
+            }
+            Err(error) => {
+                // Reachable, but it refused us (a password, an ACL): worth every line.
+                tracing::warn!(error = %error.chain(), "tollgate: Redis refused the store; retrying");
+            }
+        }
+        delay = (delay * 2).min(LAST_RETRY);
+    }
+}
+
+/// Connects `link` and loads what calls need there (the library or the script).
+async fn first_connection(link: &Link, mode: &Mode) -> Result<(), StoreError> {
+    match link {
+        Link::Manager(manager) => load(mode, &mut manager.clone()).await,
+        #[cfg(feature = "sentinel")]
+        Link::Sentinel(sentinel) => sentinel.connect().await,
+        // Never started in the background.
+        #[allow(unreachable_patterns)]
+        _ => Ok(()),
+    }
+}
+
+/// The settings of every connection manager the store makes.
+fn manager_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_number_of_retries(2)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_millis(250))
+        .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+}
+
+/// Loads the library (every master of a cluster), or the script where Redis has no
+/// functions for this user.
+async fn load<C: redis::aio::ConnectionLike>(
+    mode: &Mode,
+    connection: &mut C,
+) -> Result<(), StoreError> {
+    mode.load(connection).await.map_err(store_error)?;
+    if !mode.functions() {
+        SCRIPT.load_async(connection).await.map_err(store_error)?;
+    }
+    Ok(())
+}
 
 /// A client for `url`; `rediss://` without the `tls` feature is refused with a message
 /// that names the feature (redis-rs's own says only "the feature is not enabled").
@@ -52,36 +332,36 @@ fn install_crypto_provider() {
 
 impl RedisStore {
     /// The store over an auto-reconnecting connection manager for `client`, with the
-    /// script loaded.
-    pub(super) async fn connect_client(client: redis::Client) -> Result<Self, StoreError> {
-        let config = ConnectionManagerConfig::new()
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(250))
-            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT));
-        let mut manager = redis::aio::ConnectionManager::new_with_config(client.clone(), config)
-            .await
-            .map_err(store_error)?;
-        let store = Self::from_manager(manager.clone());
-        // Loaded now, the first burst of calls does not all meet a missing function (or
-        // NOSCRIPT) at once.
-        store.load(&mut manager).await?;
-        Ok(store.with_reset_source(Nodes::Fixed(Arc::new([client]))))
-    }
-
-    /// Loads the library (every master of a cluster), or the script where Redis has no
-    /// functions for this user.
-    async fn load<C: redis::aio::ConnectionLike>(
-        &self,
-        connection: &mut C,
-    ) -> Result<(), StoreError> {
-        let mode = &self.connection.mode;
-        mode.load(connection).await.map_err(store_error)?;
-        if !mode.functions() {
-            SCRIPT.load_async(connection).await.map_err(store_error)?;
+    /// script loaded; `background`: see [`RedisConnect::in_background`].
+    pub(super) async fn connect_client(
+        client: redis::Client,
+        background: bool,
+    ) -> Result<Self, StoreError> {
+        let connected = async {
+            let mut manager = ConnectionManager::new_with_config(client.clone(), manager_config())
+                .await
+                .map_err(store_error)?;
+            let store = Self::from_manager(manager.clone());
+            // Loaded now, the first burst of calls does not all meet a missing function
+            // (or NOSCRIPT) at once.
+            load(&store.connection.mode, &mut manager).await?;
+            Ok(store)
         }
-        Ok(())
+        .await;
+        let store = match connected {
+            Ok(store) => store,
+            Err(error) if background && unreachable(&error) => {
+                // Connects on first use, which the background task makes.
+                let manager =
+                    ConnectionManager::new_lazy_with_config(client.clone(), manager_config())
+                        .map_err(store_error)?;
+                let store = Self::from_manager(manager);
+                store.connection.connect_in_background(&error);
+                store
+            }
+            Err(error) => return Err(error),
+        };
+        Ok(store.with_reset_source(Nodes::Fixed(Arc::new([client]))))
     }
 
     /// The store over a cluster client for `nodes`, with the script loaded.
@@ -107,7 +387,7 @@ impl RedisStore {
         let client = builder.build().map_err(store_error)?;
         let mut connection = client.get_async_connection().await.map_err(store_error)?;
         let store = Self::new(super::Link::Cluster(connection.clone()).into());
-        store.load(&mut connection).await?;
+        load(&store.connection.mode, &mut connection).await?;
         // Resets are published cluster-wide: any one node hears them.
         let listen = nodes
             .iter()
@@ -153,10 +433,10 @@ impl RedisStore {
     /// When the URL is not `rediss://`, a PEM does not parse, the server's certificate is
     /// not trusted, or Redis cannot be reached now.
     #[cfg(feature = "tls")]
-    pub async fn connect_tls(url: &str, tls: &TlsConfig) -> Result<Self, StoreError> {
-        check_scheme(url)?;
-        let client = redis::Client::build_with_tls(url, tls.certificates()).map_err(store_error)?;
-        Self::connect_client(client).await
+    pub fn connect_tls(url: &str, tls: &TlsConfig) -> RedisConnect {
+        RedisConnect::client(check_scheme(url).and_then(|()| {
+            redis::Client::build_with_tls(url, tls.certificates()).map_err(store_error)
+        }))
     }
 
     /// Connects to a Redis Cluster through any of its `rediss://` `nodes` over TLS, with
@@ -167,12 +447,8 @@ impl RedisStore {
     ///
     /// When a URL is invalid, a PEM does not parse, or no node can be reached now.
     #[cfg(all(feature = "cluster", feature = "tls"))]
-    pub async fn connect_cluster_tls<N: AsRef<str>>(
-        nodes: &[N],
-        tls: &TlsConfig,
-    ) -> Result<Self, StoreError> {
-        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
-        Self::connect_cluster_with(&nodes, Some(tls)).await
+    pub fn connect_cluster_tls<N: AsRef<str>>(nodes: &[N], tls: &TlsConfig) -> RedisConnect {
+        RedisConnect::cluster(nodes, Some(tls))
     }
 }
 

@@ -90,16 +90,23 @@ pub(crate) const HEADER_LINES: usize = 1;
 
 /// Whether a connection calls the library (`FCALL`) or the script (`EVALSHA`); shared by
 /// the connection's clones. Starts with functions, and turns to the script for good once
-/// the server shows it has none for this user.
+/// the server shows it has none for this user. A store
+/// [connecting in the background](super::RedisConnect::in_background) calls neither until
+/// its first connection is made (and the library loaded).
 #[derive(Debug)]
 pub(crate) struct Mode {
     functions: AtomicBool,
+    connecting: AtomicBool,
+    /// Whether the task that makes the first connection runs (it dies with its runtime).
+    connector: AtomicBool,
 }
 
 impl Default for Mode {
     fn default() -> Self {
         Self {
             functions: AtomicBool::new(true),
+            connecting: AtomicBool::new(false),
+            connector: AtomicBool::new(false),
         }
     }
 }
@@ -107,6 +114,27 @@ impl Default for Mode {
 impl Mode {
     pub(crate) fn functions(&self) -> bool {
         self.functions.load(Ordering::Relaxed)
+    }
+
+    /// Whether the first connection is still being made in the background.
+    #[inline]
+    pub(crate) fn connecting(&self) -> bool {
+        self.connecting.load(Ordering::Acquire)
+    }
+
+    /// The first connection is being made, or (`false`) was made and the library loaded.
+    pub(crate) fn set_connecting(&self, connecting: bool) {
+        self.connecting.store(connecting, Ordering::Release);
+    }
+
+    /// Claims the right to run the connecting task: `false` when one runs already.
+    pub(crate) fn claim_connector(&self) -> bool {
+        !self.connector.swap(true, Ordering::AcqRel)
+    }
+
+    /// The connecting task ended (connected, or its runtime shut down).
+    pub(crate) fn release_connector(&self) {
+        self.connector.store(false, Ordering::Release);
     }
 
     fn script_only(&self) {

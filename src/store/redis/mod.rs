@@ -19,6 +19,7 @@ mod permits;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 
+pub use self::connect::RedisConnect;
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
 pub use self::lease::LeaseConfig;
@@ -150,6 +151,17 @@ pub(crate) enum Link {
 }
 
 impl Connection {
+    /// Fails at once while the first connection is still being made in the background
+    /// ([`RedisConnect::in_background`]): no call waits for a Redis that was never up.
+    #[inline]
+    pub(crate) fn ready(&self) -> Result<(), StoreError> {
+        if self.mode.connecting() {
+            self.keep_connecting();
+            return Err(StoreError::not_connected());
+        }
+        Ok(())
+    }
+
     fn is_cluster(&self) -> bool {
         #[cfg(feature = "cluster")]
         if let Link::Cluster(_) = self.link {
@@ -173,6 +185,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("connection", &connection)
             .field("functions", &self.connection.mode.functions())
+            .field("connecting", &self.connection.mode.connecting())
             .field("prefix", &self.prefix)
             .field("clock", &self.clock)
             .field("coalescing", &self.coalescing)
@@ -194,12 +207,16 @@ impl RedisStore {
     /// about a second, so that a Redis that is down fails calls quickly and the layer's
     /// [`FailurePolicy`](crate::FailurePolicy) answers them.
     ///
+    /// Awaiting the [`RedisConnect`] connects; with
+    /// [`in_background`](RedisConnect::in_background) a Redis that is not up yet does not
+    /// stop the service from starting.
+    ///
     /// # Errors
     ///
     /// When the URL is invalid (also: `rediss://` without the `tls` feature) or Redis
     /// cannot be reached now.
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Self::connect_client(connect::open(url)?).await
+    pub fn connect(url: &str) -> RedisConnect {
+        RedisConnect::client(connect::open(url))
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (feature `cluster`).
@@ -215,9 +232,8 @@ impl RedisStore {
     ///
     /// When a URL is invalid or no node can be reached now.
     #[cfg(feature = "cluster")]
-    pub async fn connect_cluster<N: AsRef<str>>(nodes: &[N]) -> Result<Self, StoreError> {
-        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
-        Self::connect_cluster_with(&nodes, None).await
+    pub fn connect_cluster<N: AsRef<str>>(nodes: &[N]) -> RedisConnect {
+        RedisConnect::cluster(nodes, None)
     }
 
     /// Uses an existing connection manager.
@@ -489,6 +505,10 @@ impl Store for RedisStore {
     fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
         Some(crate::in_flight::SharedPermits::redis(self.clone()))
     }
+
+    fn connecting(&self) -> bool {
+        self.connection.mode.connecting()
+    }
 }
 
 impl RedisStore {
@@ -567,6 +587,7 @@ impl RedisStore {
     /// Queues `encoded` for the batching task, or (coalescing off, or no runtime to run
     /// the task on) starts its own script call.
     fn send(&self, encoded: Encoded) -> Result<Call, StoreError> {
+        self.connection.ready()?;
         let encoded = match self.coalescer() {
             Some(coalescer) => match coalescer.submit(encoded) {
                 Submitted::Queued(reply) => return Ok(Call::Queued(reply)),
@@ -916,6 +937,7 @@ pub(crate) async fn checkout(
 
 /// Sends a [`script_call`].
 pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>, StoreError> {
+    connection.ready()?;
     let mode = &connection.mode;
     match connection.link {
         Link::Manager(mut manager) => mode.run(&mut manager, &call).await,
@@ -934,6 +956,9 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
 
 /// `PING`, for its side effect only: a connection that finds itself broken reconnects.
 pub(crate) async fn ping(connection: Connection) {
+    if connection.ready().is_err() {
+        return;
+    }
     let ping = redis::cmd("PING");
     let _: RedisResult<()> = match connection.link {
         Link::Manager(mut manager) => ping.query_async(&mut manager).await,

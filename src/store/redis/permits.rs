@@ -255,6 +255,7 @@ async fn run(
     key: &str,
     args: &[String],
 ) -> Result<Value, StoreError> {
+    connection.ready()?;
     let mut invocation = script.key(key);
     for arg in args {
         invocation.arg(arg);

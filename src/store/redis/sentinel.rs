@@ -24,8 +24,8 @@ use redis::{
 #[cfg(feature = "tls")]
 use super::connect::TlsConfig;
 use super::{
-    Link, RedisStore, SCRIPT,
-    connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, check_scheme},
+    Link, RedisConnect, RedisStore, SCRIPT,
+    connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, check_scheme, unreachable},
     function::Mode,
     store_error,
 };
@@ -178,16 +178,32 @@ impl RedisStore {
     /// [`FailurePolicy`](crate::FailurePolicy) answers them. Replication is asynchronous,
     /// so counts the old master had not yet sent to its replica are lost at a failover.
     ///
+    /// With [`in_background`](RedisConnect::in_background), sentinels or a master that
+    /// cannot be reached yet do not stop the service from starting.
+    ///
     /// # Errors
     ///
     /// When a URL is invalid, no sentinel answers, or the master cannot be reached now.
-    pub async fn connect_sentinel(config: &SentinelConfig) -> Result<Self, StoreError> {
+    pub fn connect_sentinel(config: &SentinelConfig) -> RedisConnect {
+        RedisConnect::sentinel(config)
+    }
+
+    /// [`connect_sentinel`](Self::connect_sentinel); `background`: see
+    /// [`RedisConnect::in_background`].
+    pub(super) async fn connect_sentinel_with(
+        config: &SentinelConfig,
+        background: bool,
+    ) -> Result<Self, StoreError> {
         let sentinel = SentinelConnection {
             client: tokio::sync::Mutex::new(config.client()?),
             current: Mutex::new(Current::default()),
         };
         // Found now, so that a wrong name or unreachable sentinels fail at startup.
-        sentinel.connection().await?;
+        let unreached = match sentinel.connect().await {
+            Ok(()) => None,
+            Err(error) if background && unreachable(&error) => Some(error),
+            Err(error) => return Err(error),
+        };
         let sentinel = Arc::new(sentinel);
         let watched = Arc::downgrade(&sentinel);
         tokio::spawn(async move {
@@ -205,7 +221,11 @@ impl RedisStore {
         // Resets are heard on whichever master the sentinels name (a PUBLISH on the master
         // also reaches its replicas, so a subscription to a demoted one still hears it).
         let nodes = super::invalidate::Nodes::Sentinel(sentinel.clone());
-        Ok(Self::new(Link::Sentinel(sentinel).into()).with_reset_source(nodes))
+        let store = Self::new(Link::Sentinel(sentinel).into());
+        if let Some(error) = unreached {
+            store.connection.connect_in_background(&error);
+        }
+        Ok(store.with_reset_source(nodes))
     }
 }
 
@@ -244,6 +264,11 @@ impl Current {
 }
 
 impl SentinelConnection {
+    /// Finds the master and connects to it, when not connected.
+    pub(super) async fn connect(&self) -> Result<(), StoreError> {
+        self.connection().await.map(|_| ())
+    }
+
     /// The current master's connection, asking the sentinels when there is none.
     async fn connection(&self) -> Result<(u64, MultiplexedConnection), StoreError> {
         if let Some(ready) = self.current.lock().ready() {
