@@ -1552,6 +1552,60 @@ async fn metrics_count_outcomes_per_route() {
     gw.stop().await.unwrap();
 }
 
+/// A client's broken body (a malformed chunk, a hang-up mid-body) is its own fault: never
+/// a 502, and never counted or logged as an upstream failure (any client could fake
+/// upstream-down alerts).
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_broken_request_body_is_not_an_upstream_failure() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::start().await;
+    let text = format!(
+        "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}",
+        route("/broken", Some(&upstream.url()), None)
+    );
+    let gw = server::start(Config::parse(&text).unwrap()).await.unwrap();
+    let send_raw = |request: &'static [u8], hang_up: bool| {
+        let addr = gw.addr();
+        async move {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            stream.write_all(request).await.unwrap();
+            if hang_up {
+                stream.shutdown().await.unwrap();
+            }
+            let mut answer = Vec::new();
+            let _ = tokio::time::timeout(TIMEOUT, stream.read_to_end(&mut answer)).await;
+            String::from_utf8_lossy(&answer).into_owned()
+        }
+    };
+    let malformed = send_raw(
+        b"POST /broken HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n\
+          5\r\nhello\r\nzz\r\n\r\n",
+        false,
+    )
+    .await;
+    assert!(malformed.starts_with("HTTP/1.1 400"), "{malformed:?}");
+    // Half a body, then the client's side of the connection closes.
+    send_raw(
+        b"POST /broken HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\nhalf",
+        true,
+    )
+    .await;
+    // A whole request still reaches the upstream.
+    let ok = get(&client(), &url(&gw, "/broken")).await;
+    assert_eq!(ok.status, StatusCode::OK);
+
+    let admin = gw.admin_addr().unwrap();
+    let page = get(&client(), &format!("http://{admin}/metrics")).await;
+    let page = page.text();
+    assert!(
+        !page.contains("tollgate_gateway_upstream_errors_total{"),
+        "a client's body counted as an upstream failure:\n{page}"
+    );
+    gw.stop().await.unwrap();
+}
+
 /// `shadow = true` on a limit and on a route: never a 429 from a shadow limit, the
 /// enforced limit next to it counts as without it, and the metrics show `would_reject`.
 #[cfg(feature = "metrics")]

@@ -2,7 +2,10 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -15,7 +18,7 @@ use axum::{
         uri::{Authority, Scheme},
     },
 };
-use http_body_util::LengthLimitError;
+use http_body_util::{BodyExt, LengthLimitError};
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
@@ -74,7 +77,8 @@ impl Proxy {
 
     /// Forwards `request` (its path already normalised) and returns the upstream's answer,
     /// 502 when there is none, 504 when its head takes longer than `upstream_timeout`,
-    /// 413 when the request body turns out larger than `max_body_bytes`. Never fails.
+    /// 413 when the request body turns out larger than `max_body_bytes`, 400 when the
+    /// client's body fails on the way. Never fails.
     pub(crate) async fn forward(&self, request: Request<Body>) -> Response<Body> {
         let (mut parts, body) = request.into_parts();
         if !host_is_valid(&parts.headers, parts.version) {
@@ -102,6 +106,16 @@ impl Proxy {
         }
         // `Host` passes through unchanged (it is end-to-end); the client sets it from the
         // upstream URI only when the request had none.
+        // Whether the client's body failed (a malformed chunk, oversized trailers, a
+        // hang-up mid-body): then a failed request is the client's doing, not the upstream's.
+        let body_failed = Arc::new(AtomicBool::new(false));
+        let body = Body::new(body.map_err({
+            let body_failed = body_failed.clone();
+            move |error| {
+                body_failed.store(true, Ordering::Relaxed);
+                error
+            }
+        }));
         let request = Request::from_parts(parts, body);
         let timeout = self.settings.upstream_timeout;
         let error = match tokio::time::timeout(timeout, self.settings.client.request(request)).await
@@ -129,6 +143,11 @@ impl Proxy {
             // was streamed (a body announced too large never gets here).
             tracing::debug!(route = %self.route, "request body over server.max_body_bytes");
             return status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
+        }
+        if body_failed.load(Ordering::Relaxed) {
+            // Any client can send a broken body: no upstream alert, no warning.
+            tracing::debug!(route = %self.route, error = %ErrorChain(&error), "client's request body failed");
+            return status(StatusCode::BAD_REQUEST, "bad request body\n");
         }
         tracing::warn!(
             route = %self.route,
