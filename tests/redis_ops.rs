@@ -200,6 +200,262 @@ async fn a_prefix_outside_the_acl_key_pattern_is_a_clear_noperm() {
     );
 }
 
+/// Cold keys outside the user's key pattern in one batch: the library's call for many
+/// declares no keys, so the denial comes from inside the script (Redis: "can't access at
+/// least one of the keys", Valkey: "ACL failure in script: No permissions to access a
+/// key"). It names the key pattern, not the command on the script's line.
+#[tokio::test]
+async fn cold_keys_outside_the_acl_key_pattern_are_a_clear_noperm() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&acl::least_privilege_user(&server, "tollgate"))
+        .await
+        .unwrap()
+        .with_prefix("otherapp")
+        .unwrap()
+        .with_block_cache(0);
+    let limit = [Limit::fixed_window(2, HOUR).unwrap()];
+    let keys: Vec<Key> = (0..20).map(|i| Key::new(format!("cold-{i}"))).collect();
+    let checks = keys.iter().map(|key| store.check(key, &limit, 1));
+    for result in futures_util::future::join_all(checks).await {
+        let error = support::chain(&result.unwrap_err());
+        assert!(
+            error.contains("NOPERM") && error.contains("~tollgate:*") && !error.contains("(add +"),
+            "{error}"
+        );
+    }
+    assert_eq!(server.cli(&["DBSIZE"]).unwrap().trim(), "0");
+}
+
+/// The store's key, count and remaining after each of `checks` single checks of `key`
+/// on one fixed window of 5 per hour (a manual clock: no window turns over), with
+/// `between` run before each check.
+async fn counted_one_by_one(
+    store: &RedisStore,
+    server: &RedisServer,
+    checks: usize,
+    mut between: impl FnMut(usize),
+) -> (u32, Vec<u64>) {
+    let limit = [Limit::fixed_window(5, HOUR).unwrap()];
+    let key = Key::new("evicted");
+    let mut remaining = Vec::new();
+    for i in 0..checks {
+        between(i);
+        let decision = store.check(&key, &limit, 1).await.unwrap();
+        remaining.push(decision.limits()[0].remaining);
+    }
+    let value = server
+        .cli(&["GET", &store.redis_key(&key, &limit[0])])
+        .unwrap();
+    (support::fixed_window_count(&value), remaining)
+}
+
+/// The script's path (`EVALSHA`: a user without `+fcall`, or Redis 6) with the script
+/// cache emptied between calls: `SCRIPT FLUSH`, or another client's flood of distinct
+/// `EVAL`s, which engines that evict scripts (Valkey 8+, Redis 7.4+: those cached by
+/// `EVAL`, past 500; neither has a `maxmemory-scripts`) answer by evicting. The script
+/// tollgate loads with `SCRIPT LOAD` is never evicted; a flushed one meets `NOSCRIPT`, is
+/// loaded again and the call sent once more; each request counts exactly once.
+#[tokio::test]
+async fn an_emptied_script_cache_counts_each_request_once() {
+    let server = RedisServer::start();
+    let rules: Vec<String> = acl::documented_rules("no-fcall", "tollgate")
+        .into_iter()
+        .filter(|rule| rule != "+fcall")
+        .collect();
+    acl::set_user(&server, &rules);
+    let store = RedisStore::connect(&acl::url_for(&server, "no-fcall"))
+        .await
+        .unwrap()
+        .with_block_cache(0)
+        .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
+    let sha = redis::Script::new(tollgate::store::SCRIPT_SOURCE)
+        .get_hash()
+        .to_owned();
+    let evicted = || {
+        let stats = server.cli(&["INFO", "stats"]).unwrap();
+        stats.lines().find_map(|l| {
+            l.strip_prefix("evicted_scripts:")
+                .map(|n| n.trim().parse::<u64>().unwrap())
+        })
+    };
+    let evicting = evicted().is_some();
+    let flood = |round: usize| {
+        let script: String = (0..600)
+            .map(|i| format!("EVAL \"return {}\" 0\n", round * 1_000 + i))
+            .collect();
+        let mut cli = std::process::Command::new("redis-cli")
+            .args(server.cli_args())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        cli.stdin
+            .take()
+            .unwrap()
+            .write_all(script.as_bytes())
+            .unwrap();
+        assert!(cli.wait().unwrap().success());
+    };
+
+    // Another client's flood before every call: nothing of ours is evicted.
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let (count, remaining) = counted_one_by_one(&store, &server, 7, flood).await;
+    assert_eq!((count, remaining), (5, vec![4, 3, 2, 1, 0, 0, 0]));
+    let exists = server.cli(&["SCRIPT", "EXISTS", &sha]).unwrap();
+    assert_eq!(exists.trim(), "1", "tollgate's script was evicted");
+    if evicting {
+        // The flood was big enough to evict on this engine.
+        assert!(evicted().unwrap() > 0);
+    }
+    assert!(server.calls("evalsha") >= 7);
+    if support::redis_server_major_version() >= 7 {
+        // Only the first call's: the store loaded the library at connect, and learned
+        // from the denied FCALL that it must use the script.
+        assert_eq!(
+            server.calls("script|load"),
+            1,
+            "reloaded a script never evicted"
+        );
+    }
+
+    // SCRIPT FLUSH (and FUNCTION FLUSH) before every call: reloaded each time, counted once.
+    server
+        .cli(&[
+            "DEL",
+            &store.redis_key(&Key::new("evicted"), &Limit::fixed_window(5, HOUR).unwrap()),
+        ])
+        .unwrap();
+    server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    let (count, remaining) =
+        counted_one_by_one(&store, &server, 7, |_| server.flush_scripts()).await;
+    assert_eq!((count, remaining), (5, vec![4, 3, 2, 1, 0, 0, 0]));
+    assert_eq!(server.calls("fcall"), 0);
+    if support::redis_server_major_version() >= 7 {
+        // One NOSCRIPT, one SCRIPT LOAD and one more EVALSHA per flush.
+        assert_eq!(server.calls("script|load"), 7);
+        assert_eq!(server.calls("evalsha"), 14);
+    }
+}
+
+/// A master demoted to a replica (a failover the store does not follow: one node, no
+/// Sentinel) refuses the store's writes with `READONLY` (on the call, or inside the
+/// script): the failure policy answers, nothing is counted, and the call is not retried.
+#[tokio::test]
+async fn a_demoted_master_is_a_readonly_error_answered_by_the_policy() {
+    let master = RedisServer::start();
+    let demoted = RedisServer::start();
+    let store = RedisStore::connect(&demoted.url())
+        .await
+        .unwrap()
+        .with_block_cache(0);
+    let limit = [Limit::fixed_window(5, HOUR).unwrap()];
+    assert!(
+        store
+            .check(&Key::new("before"), &limit, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let port = master.port().to_string();
+    demoted.cli(&["REPLICAOF", "127.0.0.1", &port]).unwrap();
+    let start = std::time::Instant::now();
+    while !demoted
+        .cli(&["INFO", "replication"])
+        .unwrap()
+        .contains("master_link_status:up")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the replica never synced"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    demoted.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    for key in ["a", "b"] {
+        let error = store.check(&Key::new(key), &limit, 1).await.unwrap_err();
+        assert_eq!(error.kind(), tollgate::StoreErrorKind::Response);
+        assert!(read_only(&error), "{}", support::chain(&error));
+    }
+    let layer = RateLimitLayer::new(Limit::fixed_window(5, HOUR).unwrap())
+        .key(GlobalKey)
+        .store(store.clone())
+        .on_store_error(FailurePolicy::Deny);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let response = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    for server in [&master, &demoted] {
+        assert_eq!(server.cli(&["DBSIZE"]).unwrap().trim(), "0");
+    }
+    // Each of the three decisions: at most one call, and one more only after a reply
+    // that proves the first never ran (the replica lacks the library or the script).
+    assert!(demoted.script_calls() <= 6, "{}", demoted.script_calls());
+}
+
+/// Whether the store error is the server's `READONLY`: its code, or on Redis 6 inside the
+/// script's `ERR Error running script ...: -READONLY ...`.
+fn read_only(error: &StoreError) -> bool {
+    let redis =
+        std::error::Error::source(error).and_then(|e| e.downcast_ref::<redis::RedisError>());
+    redis.is_some_and(|e| {
+        e.code() == Some("READONLY")
+            || e.detail().is_some_and(|d| {
+                d.starts_with("Error running script") && d.contains(": -READONLY ")
+            })
+    })
+}
+
+/// Another client's script runs past the busy threshold: the server answers `BUSY` (on
+/// every engine) and the failure policy has the request; it is not retried, so only the
+/// decision after the script ended counts.
+#[tokio::test]
+async fn a_busy_server_is_an_error_and_nothing_is_retried() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_block_cache(0)
+        .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
+    let limit = [Limit::fixed_window(5, HOUR).unwrap()];
+    let key = Key::new("busy");
+    // `lua-time-limit`: the name on Redis 6.0, an alias of busy-reply-threshold since.
+    server
+        .cli(&["CONFIG", "SET", "lua-time-limit", "50"])
+        .unwrap();
+    let busy = "local t = tonumber(redis.call('TIME')[1]) \
+                while tonumber(redis.call('TIME')[1]) - t < 3 do end return 1";
+    let mut other = std::process::Command::new("redis-cli")
+        .args(server.cli_args())
+        .args(["EVAL", busy, "0"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !server.cli(&["PING"]).unwrap_or_default().contains("BUSY") {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "the server never got busy"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let error = store.check(&key, &limit, 1).await.unwrap_err();
+    let message = support::chain(&error);
+    assert!(message.contains("BUSY"), "{message}");
+    assert_eq!(error.kind(), tollgate::StoreErrorKind::Response);
+    assert!(other.wait().unwrap().success());
+    let decision = store.check(&key, &limit, 1).await.unwrap();
+    assert_eq!(decision.limits()[0].remaining, 4);
+    let value = server
+        .cli(&["GET", &store.redis_key(&key, &limit[0])])
+        .unwrap();
+    assert_eq!(support::fixed_window_count(&value), 1);
+}
+
 #[cfg(feature = "cluster")]
 #[tokio::test]
 async fn the_documented_acl_user_runs_on_a_cluster() {

@@ -23,7 +23,7 @@ use redis::{
     aio::ConnectionLike,
 };
 
-use super::{SCRIPT, SCRIPT_SOURCE};
+use super::{SCRIPT, SCRIPT_SOURCE, reply};
 
 /// The line of lua/prelude.lua that takes EVAL's globals; a library declares the locals
 /// only (its function sets them per call).
@@ -362,30 +362,27 @@ fn fixed_windows_as_script(cmd: &mut Cmd, now: &[u8], requests: &[&[&[u8]]]) {
 
 /// The function is not on this server (never loaded, flushed, a new node).
 fn missing(error: &RedisError) -> bool {
-    error.to_string().contains("Function not found")
+    reply::missing_function(error)
 }
 
 /// The server has no functions, or this user may not use them: `FCALL` or `FUNCTION`
-/// unknown (before Redis 7.0) or denied by the ACL.
+/// unknown (before Redis 7.0) or denied by the ACL (`NOPERM`).
 pub(crate) fn unavailable(error: &RedisError) -> bool {
-    let text = error.to_string();
-    let names_it = |text: &str| {
-        let text = text.to_ascii_lowercase();
-        text.contains("'fcall'")
-            || text.contains("`fcall`")
-            || text.contains("'function")
-            || text.contains("`function")
+    let names_functions = |command: &str| {
+        let command = command.to_ascii_lowercase();
+        command == "fcall" || command == "function" || command.starts_with("function|")
     };
-    (text.contains("unknown command") || text.contains("no permissions to run")) && names_it(&text)
+    let named = if reply::no_perm(error) {
+        error.detail().and_then(reply::quoted_command)
+    } else {
+        reply::unknown_command(error)
+    };
+    named.is_some_and(names_functions)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn server_error(kind: ServerErrorKind, detail: &str) -> RedisError {
-        RedisError::from((ErrorKind::Server(kind), "", detail.to_owned()))
-    }
 
     #[test]
     fn the_library_is_the_script_with_the_same_line_numbers() {
@@ -555,38 +552,37 @@ mod tests {
         }
     }
 
+    /// The replies of Redis 6.0.9, 7.0.15, Valkey 8.1.8 and 9.1.2.
     #[test]
     fn errors_that_mean_no_functions() {
-        assert!(unavailable(&server_error(
-            ServerErrorKind::ResponseError,
-            "unknown command `FCALL`, with args beginning with: `tollgate_0a1b`, `1`, "
-        )));
-        assert!(unavailable(&server_error(
-            ServerErrorKind::ResponseError,
-            "unknown command 'FUNCTION'"
-        )));
-        assert!(unavailable(&server_error(
-            ServerErrorKind::NoPerm,
-            "this user has no permissions to run the 'fcall' command"
-        )));
-        assert!(unavailable(&server_error(
-            ServerErrorKind::NoPerm,
-            "this user has no permissions to run the 'function|load' command"
-        )));
+        use reply::tests::reply;
+        for line in [
+            "ERR unknown command `FCALL`, with args beginning with: `tollgate_0a1b`, `1`, ",
+            "ERR unknown command `FUNCTION`, with args beginning with: `LOAD`, `x`, ",
+            "ERR unknown command 'FUNCTION'",
+            "NOPERM this user has no permissions to run the 'fcall' command",
+            "NOPERM this user has no permissions to run the 'function|load' command",
+            "NOPERM User no-fcall has no permissions to run the 'fcall' command",
+            "NOPERM User no-functions has no permissions to run the 'function|load' command",
+        ] {
+            assert!(unavailable(&reply(line)), "{line}");
+        }
         // Denials that EVALSHA would meet as well are the caller's to see.
-        assert!(!unavailable(&server_error(
-            ServerErrorKind::NoPerm,
-            "this user has no permissions to access one of the keys used as arguments"
-        )));
-        assert!(!unavailable(&server_error(
-            ServerErrorKind::ResponseError,
-            "The user executing the script can't run this command or subcommand script: \
-             tollgate_0a1b, on @user_function:52."
-        )));
-        assert!(missing(&server_error(
-            ServerErrorKind::ResponseError,
-            "Function not found"
-        )));
+        for line in [
+            "NOPERM this user has no permissions to access one of the keys used as arguments",
+            "NOPERM No permissions to access a key",
+            "NOPERM User fcall has no permissions to run the 'zadd' command",
+            "ERR The user executing the script can't run this command or subcommand script: \
+             tollgate_0a1b, on @user_function:52.",
+            "ERR ACL failure in script: User narrow has no permissions to run the 'fcall' \
+             command script: on @user_script:1.",
+            "ERR unknown command 'ZADDX'",
+            "ERR Function not found",
+        ] {
+            assert!(!unavailable(&reply(line)), "{line}");
+        }
+        assert!(missing(&reply("ERR Function not found")));
+        assert!(!missing(&reply("NOSCRIPT No matching script.")));
     }
 
     /// [`integers`] reads every reply as `query_async::<Vec<i64>>` does: the script's

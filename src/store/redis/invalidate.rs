@@ -21,7 +21,6 @@ use std::{
 };
 
 use futures_util::StreamExt;
-use redis::{ErrorKind, ServerErrorKind};
 
 use super::block_cache::BlockCache;
 
@@ -129,8 +128,7 @@ async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
             };
             if let Err(error) = pubsub.subscribe(&*source.channel).await {
                 tracing::debug!(%error, "block cache: cannot subscribe to hear resets");
-                let refused = error.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
-                    || error.to_string().contains("NOPERM");
+                let refused = super::reply::no_perm(&error);
                 if refused && !warned {
                     warned = true;
                     tracing::warn!(

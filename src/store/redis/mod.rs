@@ -16,6 +16,7 @@ mod lease;
 #[cfg(feature = "cluster")]
 mod nodes;
 mod permits;
+mod reply;
 #[cfg(feature = "sentinel")]
 mod sentinel;
 

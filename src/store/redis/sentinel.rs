@@ -15,8 +15,7 @@ use std::{
 
 use parking_lot::Mutex;
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, RedisError,
-    ServerErrorKind,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, IntoConnectionInfo, RedisError,
     aio::MultiplexedConnection,
     sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType},
 };
@@ -387,7 +386,6 @@ fn lost_master(error: &RedisError) -> bool {
         || error.is_connection_refusal()
         || error.is_timeout()
         || error.is_unrecoverable_error()
-        || error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
-        // A write inside the script on a demoted master.
-        || error.to_string().contains("READONLY")
+        // The command or a write inside the script on a demoted master.
+        || super::reply::read_only(error)
 }
