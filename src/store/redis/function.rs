@@ -377,7 +377,20 @@ pub(crate) fn unavailable(error: &RedisError) -> bool {
     } else {
         reply::unknown_command(error)
     };
-    named.is_some_and(names_functions)
+    named.is_some_and(names_functions) || function_without_load(error)
+}
+
+/// Dragonfly has a `FUNCTION` command without `LOAD` (and no `FCALL`): it answers the load
+/// "wrong number of arguments for 'function' command", or "Unknown subcommand ... Try
+/// FUNCTION HELP." (its users' reports; not run here), where Redis before 7.0 says
+/// "unknown command".
+fn function_without_load(error: &RedisError) -> bool {
+    error.code() == Some("ERR")
+        && error.detail().is_some_and(|detail| {
+            let detail = detail.to_ascii_lowercase();
+            detail.starts_with("wrong number of arguments for 'function'")
+                || (detail.starts_with("unknown subcommand") && detail.contains("function help"))
+        })
 }
 
 #[cfg(test)]
@@ -552,7 +565,7 @@ mod tests {
         }
     }
 
-    /// The replies of Redis 6.0.9, 7.0.15, Valkey 8.1.8 and 9.1.2.
+    /// The replies of Redis 6.0.9, 7.0.15, Valkey 8.1.8 and 9.1.2 (and Dragonfly's).
     #[test]
     fn errors_that_mean_no_functions() {
         use reply::tests::reply;
@@ -564,6 +577,9 @@ mod tests {
             "NOPERM this user has no permissions to run the 'function|load' command",
             "NOPERM User no-fcall has no permissions to run the 'fcall' command",
             "NOPERM User no-functions has no permissions to run the 'function|load' command",
+            // Dragonfly (from its users' reports).
+            "ERR wrong number of arguments for 'function' command",
+            "ERR Unknown subcommand or wrong number of arguments for 'LOAD'. Try FUNCTION HELP.",
         ] {
             assert!(unavailable(&reply(line)), "{line}");
         }
@@ -578,6 +594,8 @@ mod tests {
              command script: on @user_script:1.",
             "ERR unknown command 'ZADDX'",
             "ERR Function not found",
+            "ERR wrong number of arguments for 'evalsha' command",
+            "ERR Unknown subcommand or wrong number of arguments for 'LOAD'. Try SCRIPT HELP.",
         ] {
             assert!(!unavailable(&reply(line)), "{line}");
         }
