@@ -386,6 +386,60 @@ async fn the_admin_token_is_required_when_configured() {
     gw.stop().await.unwrap();
 }
 
+/// A header key that is not UTF-8 (obs-text bytes, percent-encoded in the query) resets
+/// exactly that key, not the key of its lossy reading (`U+FFFD`).
+#[tokio::test]
+async fn a_reset_of_a_key_that_is_not_utf8_resets_that_key() {
+    let text = "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[[routes]]\n\
+                path = \"/\"\n[[routes.limits]]\nkey = \"header:x-k\"\n\
+                algorithm = \"fixed_window\"\nlimit = 1\nwindow = \"1h\"\n";
+    let gw = server::start(Config::parse(text).unwrap()).await.unwrap();
+    let client = client();
+    let status = |value: &'static [u8]| {
+        let request = http::Request::get(public(&gw, "/"))
+            .header("x-k", http::HeaderValue::from_bytes(value).unwrap())
+            .body(Body::empty())
+            .unwrap();
+        let response = client.request(request);
+        async move {
+            tokio::time::timeout(TIMEOUT, response)
+                .await
+                .expect("no answer in time")
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    let (raw, lossy): (&[u8], &[u8]) = (b"t\xff", "t\u{fffd}".as_bytes());
+    assert_eq!([status(raw).await, status(raw).await], [200, 429]);
+    assert_eq!([status(lossy).await, status(lossy).await], [200, 429]);
+    let reset = send(
+        &client,
+        Method::POST,
+        &admin(&gw, "/ratelimit/?key=t%FF"),
+        &[],
+    )
+    .await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    assert_eq!(status(raw).await, 200, "the key itself was reset");
+    assert_eq!(status(lossy).await, 429, "another key was reset");
+    // A key no header could carry is refused.
+    let refused = send(
+        &client,
+        Method::POST,
+        &admin(&gw, "/ratelimit/?key=a%0Ab"),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        refused.status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        refused.text()
+    );
+    gw.stop().await.unwrap();
+}
+
 #[test]
 fn admin_token_env_is_checked_when_the_config_loads() {
     let parse = |text: &str| Config::parse(&format!("listen = \"127.0.0.1:0\"\n{text}"));

@@ -70,20 +70,28 @@ impl Entry {
 
     /// The store key a request from this client would be counted against, made by the
     /// layer's own extractor from a request that carries `value` where a client's would.
-    fn key(&self, value: Option<&str>) -> Result<Key, String> {
+    fn key(&self, value: Option<&[u8]>) -> Result<Key, String> {
         let mut request = http::Request::new(());
         let extracted = match (&self.limiter, &self.kind) {
             (AnyLimiter::Ip(limiter), _) => {
                 let value = value.ok_or("missing key (the client's IP address)")?;
-                let ip: std::net::IpAddr = value
-                    .parse()
-                    .map_err(|_| format!("key {value:?} is not an IP address"))?;
+                let ip: std::net::IpAddr = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|value| value.parse().ok())
+                    .ok_or_else(|| {
+                        format!(
+                            "key {:?} is not an IP address",
+                            String::from_utf8_lossy(value)
+                        )
+                    })?;
                 request.extensions_mut().insert(SocketAddr::new(ip, 0));
                 limiter.key_of(&request)
             }
             (AnyLimiter::Header(limiter), KeySpec::Header(name)) => {
                 let value = value.ok_or_else(|| format!("missing key (the {name} value)"))?;
-                let value = http::HeaderValue::from_str(value)
+                // A header value may hold any byte but controls (obs-text): the key is its
+                // bytes, percent-decoded, never a lossy UTF-8 reading of them.
+                let value = http::HeaderValue::from_bytes(value)
                     .map_err(|_| format!("key is not a valid {name} value"))?;
                 request.headers_mut().insert(name.clone(), value);
                 limiter.key_of(&request)
@@ -146,7 +154,15 @@ async fn root(
     Query(query): Query<HashMap<String, String>>,
     request: Request,
 ) -> Response {
-    answer(&live, "/", &query, request.method(), request.headers()).await
+    answer(
+        &live,
+        "/",
+        &query,
+        request.uri(),
+        request.method(),
+        request.headers(),
+    )
+    .await
 }
 
 async fn route(
@@ -156,13 +172,22 @@ async fn route(
     request: Request,
 ) -> Response {
     let route = format!("/{}", route.trim_end_matches('/'));
-    answer(&live, &route, &query, request.method(), request.headers()).await
+    answer(
+        &live,
+        &route,
+        &query,
+        request.uri(),
+        request.method(),
+        request.headers(),
+    )
+    .await
 }
 
 async fn answer(
     live: &Live,
     route: &str,
     query: &HashMap<String, String>,
+    uri: &http::Uri,
     method: &Method,
     headers: &HeaderMap,
 ) -> Response {
@@ -222,7 +247,7 @@ async fn answer(
             );
         }
     };
-    let key = match entry.key(query.get("key").map(String::as_str)) {
+    let key = match entry.key(raw_param(uri.query(), "key").as_deref()) {
         Ok(key) => key,
         Err(message) => return json(StatusCode::BAD_REQUEST, &error_body(&message)),
     };
@@ -273,6 +298,19 @@ fn authorized(token: Option<&[u8]>, headers: &HeaderMap) -> bool {
         .unwrap_or_default();
     // Compared in time that depends on the lengths only.
     given.len() == token.len() && given.iter().zip(token).fold(0, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The bytes of the first `name` parameter in `query`, form-decoded (`+` is a space, `%XX`
+/// a byte): `Query`'s strings would read bytes that are not UTF-8 as U+FFFD, and so reset
+/// another key.
+fn raw_param(query: Option<&str>, name: &str) -> Option<Vec<u8>> {
+    query?.split('&').find_map(|pair| {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        (key == name).then(|| {
+            let value = value.replace('+', " ");
+            percent_encoding::percent_decode_str(&value).collect()
+        })
+    })
 }
 
 /// The credentials of a `Bearer` authorization: the scheme is case-insensitive and is
