@@ -440,6 +440,51 @@ async fn a_reset_of_a_key_that_is_not_utf8_resets_that_key() {
     gw.stop().await.unwrap();
 }
 
+/// Configs that work but expose what they should not start (and reload) with a warning:
+/// a tokenless admin listener beyond loopback, proxies trusted for every address, a
+/// reload that drops the token.
+#[tokio::test]
+async fn exposing_configs_are_warned_about() {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let parse =
+        |head: &str| Config::parse(&format!("listen = \"127.0.0.1:0\"\n{head}\n{ROUTES}")).unwrap();
+    // Listening on every interface: nothing is sent to it, it is stopped at once.
+    let open = server::start(parse(
+        "admin_listen = \"0.0.0.0:0\"\ntrusted_proxies = [\"10.0.0.0/8\", \"::/0\"]",
+    ))
+    .await
+    .unwrap();
+    open.stop().await.unwrap();
+    let text = logs.text();
+    assert!(
+        text.contains("admin_listen is not a loopback address"),
+        "{text}"
+    );
+    assert!(
+        text.contains("trusted_proxies holds every address") && text.contains("::/0"),
+        "{text}"
+    );
+    assert!(!text.contains("10.0.0.0/8"), "{text}");
+
+    // Loopback with a token: no warning; a reload without the token: one.
+    let guarded = server::start(parse(
+        "admin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"PATH\"",
+    ))
+    .await
+    .unwrap();
+    assert!(!logs.text().contains("removed admin_token_env"));
+    guarded
+        .live()
+        .apply(parse("admin_listen = \"127.0.0.1:0\""));
+    let text = logs.text();
+    assert!(
+        text.contains("config reload removed admin_token_env"),
+        "{text}"
+    );
+    assert_eq!(text.matches("WARN").count(), 3, "{text}");
+    guarded.stop().await.unwrap();
+}
+
 #[test]
 fn admin_token_env_is_checked_when_the_config_loads() {
     let parse = |text: &str| Config::parse(&format!("listen = \"127.0.0.1:0\"\n{text}"));

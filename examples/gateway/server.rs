@@ -178,6 +178,7 @@ impl Live {
         new.store.leases = running.store.leases.clone();
         new.store.background = running.store.background;
         new.rules = running.rules.clone();
+        warn_about_exposure(&new, Some(&running));
         let gateway = build_gateway(&new, &self.store, &self.local, &self.client);
         // Limits whose state carries over keep their store keys with new parameters: a
         // store that remembers limits (the memory store's expiry) learns them.
@@ -280,7 +281,42 @@ impl Running {
 }
 
 /// Connects the store, builds every route, binds the listeners and starts serving.
+/// Warns about a config that works but exposes what it should not: admin endpoints that
+/// anyone on a network may use, proxies trusted for every address, or (on a reload,
+/// `previous` the config before it) a token that went away.
+fn warn_about_exposure(config: &Config, previous: Option<&Config>) {
+    if let Some(admin) = config.admin_listen
+        && config.admin_token.is_none()
+    {
+        if previous.is_some_and(|p| p.admin_token.is_some()) {
+            tracing::warn!(
+                %admin,
+                "config reload removed admin_token_env: the admin endpoints now read and reset \
+                 budgets for anyone who reaches admin_listen"
+            );
+        } else if !admin.ip().is_loopback() {
+            tracing::warn!(
+                %admin,
+                "admin_listen is not a loopback address and there is no admin_token_env: \
+                 anyone who reaches it may read and reset budgets"
+            );
+        }
+    }
+    for net in config
+        .trusted_proxies
+        .iter()
+        .filter(|net| net.prefix_len() == 0)
+    {
+        tracing::warn!(
+            %net,
+            "trusted_proxies holds every address: any client may write X-Forwarded-For and so \
+             choose its own `ip` key"
+        );
+    }
+}
+
 pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
+    warn_about_exposure(&config, None);
     let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
     let (store, leased) = connect_store(&config.store).await?;
     let follow = first_rule_set(&mut config, store.connecting()).await?;
