@@ -886,3 +886,69 @@ async fn after_a_failover_pipelined_calls_reach_the_new_master() {
         );
     }
 }
+
+/// A hot key's burst in a slot held `MIGRATING`, the key already on the importing node:
+/// every coalesced call of the key is answered `ASK` by the source, two such calls are on
+/// the wire at once (each its own batch), and each must reach the target right after an
+/// `ASKING` of its own. A store that sends `ASKING` and its call apart on a shared
+/// connection lets one call's `ASKING` be taken by the other: the call is answered
+/// `MOVED` back to the source, which says `ASK` again, until the redirect surfaces as the
+/// caller's error. Every request answers, and the count is exactly the requests allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once() {
+    const BURST: usize = 300;
+    let cluster = RedisCluster::start();
+    let first = connect(&cluster).await.with_block_cache(0);
+    let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
+    let hot = Key::new("hot");
+    let name = first.redis_key(&hot, &limit[0]);
+    let slot = cluster.keyslot(&name);
+    let from = cluster.master_of_slot(slot);
+    let to = *cluster.masters().iter().find(|&&m| m != from).unwrap();
+    let mut allowed = 0;
+    for _ in 0..5 {
+        allowed += u64::from(check(&first, &hot, &limit).await.unwrap().is_allowed());
+    }
+    assert_eq!(cluster.begin_move(slot, to), from);
+    let port = cluster.node(to).port().to_string();
+    let migrate = ["MIGRATE", "127.0.0.1", &port, &name, "0", "5000"];
+    assert_eq!(cluster.cli(from, &migrate).unwrap().trim(), "OK");
+    let mut errors = Vec::new();
+    for round in 0..6 {
+        // A new store the first time (its slot map not read yet: the per-slot path),
+        // then `first` (its own pipelines to the masters).
+        let store = if round == 0 {
+            connect(&cluster).await.with_block_cache(0)
+        } else {
+            first.clone()
+        };
+        let pending: Vec<_> = (0..BURST).map(|_| store.check(&hot, &limit, 1)).collect();
+        for check in pending {
+            match timeout(CHECK_TIMEOUT, check)
+                .await
+                .expect("a check answered in time")
+            {
+                Ok(decision) => allowed += u64::from(decision.is_allowed()),
+                Err(error) => errors.push(format!(
+                    "round {round}: {error}: {}",
+                    std::error::Error::source(&error).map_or(String::new(), |e| e.to_string())
+                )),
+            }
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "{} errors: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(3)]
+    );
+    assert_eq!(allowed, 5 + 6 * BURST as u64);
+    assert_eq!(
+        cluster.move_slot(slot, to),
+        0,
+        "the key was on the target already"
+    );
+    assert_eq!(stored_count(&cluster, &first, &hot, &limit[0]), allowed);
+    let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
+    assert!(errorstats.contains("errorstat_ASK"), "{errorstats}");
+}
