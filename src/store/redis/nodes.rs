@@ -307,31 +307,40 @@ pub(crate) fn never_ran(error: &ServerError) -> (bool, bool) {
 
 /// Sends the per-slot `calls` of one coalesced batch: those of each known master in one
 /// pipeline on its connection ([`send_to_master`]), the others each on the per-slot path.
+/// One future for all (the batching task spawns it): its first poll writes every call it
+/// can, so the calls of consecutive batches reach each node in order (`batch::in_order`).
 pub(crate) fn send_by_master(
     nodes: &Arc<Nodes>,
     calls: Vec<Batch>,
     connection: &Connection,
     now: Option<u64>,
     permit: &Arc<OwnedSemaphorePermit>,
-) {
+) -> impl Future<Output = ()> + Send + 'static {
+    let mut sends: Vec<futures_util::future::BoxFuture<'static, ()>> = Vec::new();
     for (master, calls) in by_master(nodes, calls) {
         match master {
-            Some(address) => {
-                tokio::spawn(send_to_master(
-                    nodes.clone(),
-                    address,
-                    calls,
-                    connection.clone(),
-                    now,
-                    permit.clone(),
-                ));
-            }
+            Some(address) => sends.push(Box::pin(send_to_master(
+                nodes.clone(),
+                address,
+                calls,
+                connection.clone(),
+                now,
+                permit.clone(),
+            ))),
             None => {
                 for batch in calls {
-                    tokio::spawn(send(batch, connection.clone(), now, permit.clone()));
+                    sends.push(Box::pin(send(
+                        batch,
+                        connection.clone(),
+                        now,
+                        permit.clone(),
+                    )));
                 }
             }
         }
+    }
+    async move {
+        futures_util::future::join_all(sends).await;
     }
 }
 
