@@ -480,9 +480,15 @@ async fn a_master_without_the_library_loads_it_on_demand() {
 
 /// On a cluster nearly every call holds one request (a call holds one slot's keys): one
 /// against one fixed window goes to the library's function for that shape
-/// (`<library>_fw`) on every master, or, with others of its master's slots in the same
-/// batch, to the function for many (`<library>_fwn`, one call per master); a master that
-/// lost the library loads it again; every key counts exactly.
+/// (`<library>_fw`) when it is alone in its batch (or alone on its master), and with
+/// others of its master's slots to the function for many (`<library>_fwn`, one call per
+/// master and pipeline); a master that lost the library loads it again; every key counts
+/// exactly.
+///
+/// Which calls of a burst go alone is the batching task's timing (how much of the burst
+/// it found queued, whether the slot map was read yet): the single calls are made here
+/// by checking one key of each master on its own, and bursts go on until each master ran
+/// `_fwn` (bounded), so the functions' use is checked without relying on that timing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
     let cluster = RedisCluster::start();
@@ -497,6 +503,13 @@ async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
             .unwrap();
         cluster.cli(master, &["SLOWLOG", "RESET"]).unwrap();
     }
+    // How many calls of each function a master's slow log (every command) holds.
+    let calls = |master: usize| {
+        let log = cluster.cli(master, &["SLOWLOG", "GET", "100000"]).unwrap();
+        let lean = log.lines().filter(|l| l.trim().ends_with("_fw")).count();
+        let shared = log.lines().filter(|l| l.trim().ends_with("_fwn")).count();
+        (lean, shared)
+    };
     let keys: Vec<Key> = (0..300).map(|i| Key::new(format!("client-{i}"))).collect();
     let mut allowed = vec![0; keys.len()];
     for round in 0..4 {
@@ -514,35 +527,49 @@ async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
         }
     }
     assert!(allowed.iter().all(|&a| a == 3), "{allowed:?}");
-    // One check alone, on a key of each master: its own function's call.
-    for master in cluster.masters() {
-        let alone = (0..)
-            .map(|i| Key::new(format!("alone-{i}")))
-            .find(|key| cluster.node_for_key(&store.redis_key(key, &limits[0])) == master)
-            .unwrap();
-        assert!(check(&store, &alone, &limits).await.unwrap().is_allowed());
-        assert_eq!(stored_count(&cluster, &store, &alone, &limits[0]), 1);
-        let log = cluster.cli(master, &["SLOWLOG", "GET", "100000"]).unwrap();
-        let lean = log.lines().filter(|l| l.trim().ends_with("_fw")).count();
-        if functions {
-            assert!(lean > 0, "node {master}: no call of <library>_fw");
-        } else {
-            assert_eq!(lean, 0, "node {master}");
+    // Until every master ran shared calls: the store reads the slot map on first use, in
+    // the background, and a burst before it knows the map goes call by call.
+    let start = Instant::now();
+    for round in 0.. {
+        if !functions || cluster.masters().into_iter().all(|m| calls(m).1 > 0) {
+            break;
         }
+        let more: Vec<Key> = (0..300)
+            .map(|i| Key::new(format!("more-{round}-{i}")))
+            .collect();
+        let got = burst(&store, &more, &limits, 1).await;
+        assert!(got.iter().all(|&a| a == 1), "{got:?}");
+        let missing: Vec<usize> = cluster
+            .masters()
+            .into_iter()
+            .filter(|&m| calls(m).1 == 0)
+            .collect();
+        assert!(
+            start.elapsed() < RESUME,
+            "nodes {missing:?}: no call of <library>_fwn"
+        );
+    }
+    // One key of each master checked alone: a call of its own.
+    let mut alone = Vec::new();
+    for master in cluster.masters() {
+        let key = keys_on(&cluster, &store, &limits[0], master, "alone-", 1).remove(0);
+        let mut allowed = 0;
+        for _ in 0..4 {
+            allowed += u32::from(check(&store, &key, &limits).await.unwrap().is_allowed());
+        }
+        assert_eq!(allowed, 3, "{key:?}");
+        alone.push(key);
     }
     for master in cluster.masters() {
-        let log = cluster.cli(master, &["SLOWLOG", "GET", "100000"]).unwrap();
-        let lean = log.lines().filter(|l| l.trim().ends_with("_fw")).count();
-        let shared = log.lines().filter(|l| l.trim().ends_with("_fwn")).count();
+        let (lean, shared) = calls(master);
         if functions {
-            // The bursts in shared calls per master (the first one maybe call by call,
-            // if it came before the store knew the slot map).
+            assert!(lean >= 4, "node {master}: {lean} calls of <library>_fw");
             assert!(shared > 0, "node {master}: no call of <library>_fwn");
         } else {
             assert_eq!(lean + shared, 0, "node {master}");
         }
     }
-    for key in keys.iter().step_by(7) {
+    for key in keys.iter().step_by(7).chain(&alone) {
         assert_eq!(
             stored_count(&cluster, &store, key, &limits[0]),
             3,
@@ -927,4 +954,70 @@ async fn after_a_failover_pipelined_calls_reach_the_new_master() {
             "200 checks in {calls} calls: {stats}"
         );
     }
+}
+
+/// A hot key's burst in a slot held `MIGRATING`, the key already on the importing node:
+/// every coalesced call of the key is answered `ASK` by the source, two such calls are on
+/// the wire at once (each its own batch), and each must reach the target right after an
+/// `ASKING` of its own. A store that sends `ASKING` and its call apart on a shared
+/// connection lets one call's `ASKING` be taken by the other: the call is answered
+/// `MOVED` back to the source, which says `ASK` again, until the redirect surfaces as the
+/// caller's error. Every request answers, and the count is exactly the requests allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once() {
+    const BURST: usize = 300;
+    let cluster = RedisCluster::start();
+    let first = connect(&cluster).await.with_block_cache(0);
+    let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
+    let hot = Key::new("hot");
+    let name = first.redis_key(&hot, &limit[0]);
+    let slot = cluster.keyslot(&name);
+    let from = cluster.master_of_slot(slot);
+    let to = *cluster.masters().iter().find(|&&m| m != from).unwrap();
+    let mut allowed = 0;
+    for _ in 0..5 {
+        allowed += u64::from(check(&first, &hot, &limit).await.unwrap().is_allowed());
+    }
+    assert_eq!(cluster.begin_move(slot, to), from);
+    let port = cluster.node(to).port().to_string();
+    let migrate = ["MIGRATE", "127.0.0.1", &port, &name, "0", "5000"];
+    assert_eq!(cluster.cli(from, &migrate).unwrap().trim(), "OK");
+    let mut errors = Vec::new();
+    for round in 0..6 {
+        // A new store the first time (its slot map not read yet: the per-slot path),
+        // then `first` (its own pipelines to the masters).
+        let store = if round == 0 {
+            connect(&cluster).await.with_block_cache(0)
+        } else {
+            first.clone()
+        };
+        let pending: Vec<_> = (0..BURST).map(|_| store.check(&hot, &limit, 1)).collect();
+        for check in pending {
+            match timeout(CHECK_TIMEOUT, check)
+                .await
+                .expect("a check answered in time")
+            {
+                Ok(decision) => allowed += u64::from(decision.is_allowed()),
+                Err(error) => errors.push(format!(
+                    "round {round}: {error}: {}",
+                    std::error::Error::source(&error).map_or(String::new(), |e| e.to_string())
+                )),
+            }
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "{} errors: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(3)]
+    );
+    assert_eq!(allowed, 5 + 6 * BURST as u64);
+    assert_eq!(
+        cluster.move_slot(slot, to),
+        0,
+        "the key was on the target already"
+    );
+    assert_eq!(stored_count(&cluster, &first, &hot, &limit[0]), allowed);
+    let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
+    assert!(errorstats.contains("errorstat_ASK"), "{errorstats}");
 }

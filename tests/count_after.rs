@@ -212,7 +212,11 @@ async fn in_flight_requests_hold_their_units(store: impl Store + Clone) {
                 limited += 1;
             }
             // The allowed ones may still be on their way in (their answer from Redis can
-            // come after the denials': those the block cache answers at once).
+            // come after the denials': those the block cache answers at once). 10 s bounds
+            // what takes milliseconds, so that a missing one fails instead of hanging: it
+            // does not come later. (Seen failing here under load: one check of round 1 sent
+            // to Redis before the last refund of round 0, though made after it; the
+            // store's calls now reach Redis in order, `a_check_sent_after_a_refund_...`.)
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             while inside.load(Ordering::SeqCst) < 6 && std::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -708,4 +712,47 @@ async fn only_failed_grpc_calls_count() {
 #[tokio::test]
 async fn only_successful_grpc_calls_count() {
     grpc_calls_count_by_status(false).await;
+}
+
+/// A refund and the check sent right after it, not awaited in between: the check is
+/// decided after the refund (module docs of `count_after`: an adjustment joins the queue
+/// of coalesced decisions in order), so the unit it gave back is there for the check,
+/// every time. The batching task may send them in one call or in two on the wire at once;
+/// two calls must reach Redis in the order they were made (a spawned task each, the later
+/// one could run first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_sent_after_a_refund_is_decided_after_it_redis() {
+    let server = support::RedisServer::start();
+    let store = redis(&server, "order").await.with_block_cache(0);
+    let limit = [Limit::fixed_window(1, HOUR).unwrap()];
+    let mut late = Vec::new();
+    for round in 0..200 {
+        let keys: Vec<Key> = (0..8).map(|i| Key::new(format!("k-{round}-{i}"))).collect();
+        let mut pending = Vec::new();
+        for key in &keys {
+            let decision = store.check(key, &limit, 1).await.unwrap();
+            assert!(decision.is_allowed(), "{key:?}");
+            let refund = Adjustment::Refund {
+                units: 1,
+                charged_at_ms: decision.decided_at_ms().unwrap(),
+            };
+            pending.push((
+                key,
+                store.adjust(key, &limit, refund),
+                store.check(key, &limit, 1),
+            ));
+        }
+        for (key, refund, next) in pending {
+            refund.await.unwrap();
+            if !next.await.unwrap().is_allowed() {
+                late.push(key.clone());
+            }
+        }
+    }
+    assert!(
+        late.is_empty(),
+        "{} checks decided before their refund: {:?}",
+        late.len(),
+        &late[..late.len().min(3)]
+    );
 }

@@ -157,6 +157,8 @@ async fn run(
     }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let mut waiting = Vec::new();
+    // The last call sent, first polled when this says so (see `in_order`).
+    let mut sent: Option<oneshot::Receiver<()>> = None;
     while let Some(first) = receiver.recv().await {
         waiting.push(first);
         // Wait for a free slot on the wire; whatever arrives meanwhile joins the batch.
@@ -174,13 +176,45 @@ async fn run(
         let calls = by_slot(mem::take(&mut waiting));
         #[cfg(feature = "cluster")]
         if let Some(nodes) = &nodes {
-            super::nodes::send_by_master(nodes, calls, &connection, now, &permit);
+            let (started, next) = oneshot::channel();
+            let previous = sent.replace(next);
+            let sends = super::nodes::send_by_master(nodes, calls, &connection, now, &permit);
+            tokio::spawn(in_order(previous, started, sends));
             continue;
         }
         for batch in calls {
-            tokio::spawn(send(batch, connection.clone(), now, permit.clone()));
+            let (started, next) = oneshot::channel();
+            let previous = sent.replace(next);
+            let send = send(batch, connection.clone(), now, permit.clone());
+            tokio::spawn(in_order(previous, started, send));
         }
     }
+}
+
+/// Runs `call` once the call before it (`previous`) was first polled, and says so on
+/// `started` after its own first poll: a call is written on the connection when first
+/// polled, so calls reach Redis in the order they were made. Spawned one after the other,
+/// a later task can run first (tokio runs the task spawned last first on its worker), and
+/// a refund and the check made right after it would be decided the other way round.
+async fn in_order<F: Future<Output = ()>>(
+    previous: Option<oneshot::Receiver<()>>,
+    started: oneshot::Sender<()>,
+    call: F,
+) {
+    if let Some(previous) = previous {
+        // An error: the call before is done, or its task gone.
+        let _ = previous.await;
+    }
+    let mut call = std::pin::pin!(call);
+    let mut started = Some(started);
+    std::future::poll_fn(|cx| {
+        let poll = call.as_mut().poll(cx);
+        if let Some(started) = started.take() {
+            let _ = started.send(());
+        }
+        poll
+    })
+    .await;
 }
 
 /// Splits a batch by hash slot (a script's keys must share one slot in a cluster).

@@ -943,7 +943,10 @@ pub(crate) async fn invoke(connection: Connection, call: Cmd) -> Result<Vec<i64>
     match connection.link {
         Link::Manager(mut manager) => mode.run(&mut manager, &call).await,
         #[cfg(feature = "cluster")]
-        Link::Cluster(mut cluster) => mode.run(&mut cluster, &call).await,
+        Link::Cluster(mut cluster) => match mode.run(&mut cluster, &call).await {
+            Err(error) => nodes::follow_ask(&mut cluster, mode, &call, error).await,
+            result => result,
+        },
         #[cfg(feature = "bb8")]
         Link::Pool(pool) => {
             let mut connection = checkout(&pool).await?;
