@@ -307,6 +307,7 @@ async fn axum_responses_hold_their_permit_until_the_body_ends() {
 
 #[cfg(feature = "redis")]
 mod redis {
+    #[cfg_attr(not(feature = "cluster"), allow(unused_imports))]
     use tollgate::{Store, clock::ManualClock, store::RedisStore};
 
     use super::{support::RedisServer, *};

@@ -43,6 +43,7 @@ fn is_code(word: &str) -> bool {
 }
 
 /// A write refused by a replica (`READONLY`), by the command itself or inside a script.
+#[cfg_attr(not(feature = "sentinel"), allow(dead_code))]
 pub(crate) fn read_only(error: &RedisError) -> bool {
     inner(error).0 == Some("READONLY")
 }
