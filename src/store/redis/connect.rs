@@ -378,7 +378,11 @@ impl RedisStore {
             .min_retry_wait(50)
             .max_retry_wait(250)
             .connection_timeout(CONNECTION_TIMEOUT)
-            .response_timeout(RESPONSE_TIMEOUT);
+            // The retries follow redirections and reconnect; a call whose answer timed out
+            // may have counted and must not be sent again: the whole call, retries
+            // included, has the time of one answer (redis-rs's default, made explicit).
+            .response_timeout(RESPONSE_TIMEOUT)
+            .overall_response_timeout(Some(RESPONSE_TIMEOUT));
         #[cfg(feature = "tls")]
         let builder = match tls {
             Some(tls) => builder.certs(tls.certificates()),
