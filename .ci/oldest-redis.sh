@@ -22,5 +22,5 @@ fi
 # TLS build, `redis-cli --cluster` of the same age), fault tests (CLIENT PAUSE ... ALL, 6.2)
 # and the TTL tests (they read PEXPIRETIME, 7.0).
 REDIS_SERVER="$bin" cargo test --all-features \
-  --test conformance --test redis --test redis_ops --test redis_versions \
+  --test conformance --test redis --test redis_ops --test redis_versions --test lua54 \
   -- --skip tls --skip cluster --skip every_key_lives_as_long_as_its_state_matters

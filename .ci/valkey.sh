@@ -44,7 +44,7 @@ for bin in "$valkey8" "$valkey9"; do
     --test conformance --test redis --test redis_ops --test redis_versions \
     --test lua_model --test lease --test lockout --test peek_reset --test count_after \
     --test reserve --test in_flight --test rules --test plans --test shadow \
-    --test faults --test sentinel --test cluster \
+    --test faults --test sentinel --test cluster --test lua54 --test start_before_store \
     -- --skip tls
   echo "== $(basename "$bin"): $((SECONDS - start))s"
 done
