@@ -811,6 +811,56 @@ async fn demo_config_denies_the_sixth_request() {
     gw.stop().await.unwrap();
 }
 
+/// The gateway binary prints its addresses on stdout and logs on stderr, without colour
+/// codes when stderr is not a terminal. (The binary is the one `cargo test` builds with
+/// the examples: `cargo test --test gateway` alone may find an older one.)
+#[test]
+fn the_binary_logs_to_stderr_without_colour_codes() {
+    use std::io::{BufRead, BufReader, Read};
+
+    let exe = std::env::current_exe().unwrap();
+    let binary = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/gateway");
+    assert!(binary.exists(), "{} was not built", binary.display());
+    let dir = std::env::temp_dir().join(format!("tollgate-gateway-logs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("gateway.toml");
+    std::fs::write(&config, "listen = \"127.0.0.1:0\"\n").unwrap();
+    let mut child = std::process::Command::new(&binary)
+        .args(["--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(
+        first.starts_with("listening on http://127.0.0.1:"),
+        "{first:?}"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let mut logs = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut logs)
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(rest.is_empty(), "logs on stdout: {rest:?}");
+    assert!(logs.contains("gateway started"), "{logs:?}");
+    assert!(!logs.contains('\u{1b}'), "colour codes: {logs:?}");
+}
+
 #[test]
 fn the_example_config_file_is_valid() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gateway.toml");

@@ -63,10 +63,14 @@ fn main() -> ExitCode {
         },
         None => config::Config::demo(),
     };
+    // Logs go to stderr (stdout carries only the addresses, for scripts), in colour only
+    // when stderr is a terminal: a log file or collector gets no escape codes.
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if config_path.is_none() {
         tracing::info!("no --config: demo config, 5 requests per 10s per client IP on /");
