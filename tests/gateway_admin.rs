@@ -337,6 +337,43 @@ async fn the_public_listener_never_serves_the_admin_endpoints() {
     gw.stop().await.unwrap();
 }
 
+/// A tokenless admin listener on loopback refuses what a browser on that host could send
+/// for a page of another site: a cross-site form post (`Origin`, `Sec-Fetch-Site`) and a
+/// DNS-rebound request (`Host` a name of the attacker's); tools are served as before.
+#[tokio::test]
+async fn a_browser_page_elsewhere_cannot_use_the_admin_endpoints() {
+    let gw = gateway("").await;
+    let client = client();
+    let path = "/ratelimit/api?kind=ip&key=127.0.0.1";
+    let port = gw.admin_addr().unwrap().port();
+    let rebound = format!("evil.example:{port}");
+    for headers in [
+        vec![("origin", "https://evil.example")],
+        vec![("sec-fetch-site", "cross-site")],
+        vec![("host", rebound.as_str())],
+    ] {
+        for method in [Method::GET, Method::POST] {
+            let reply = send(&client, method, &admin(&gw, path), &headers).await;
+            assert_eq!(reply.status, StatusCode::FORBIDDEN, "{headers:?}");
+        }
+    }
+    let local = format!("localhost:{port}");
+    for headers in [
+        vec![],
+        vec![("host", local.as_str())],
+        vec![("host", "[::1]")],
+    ] {
+        let reply = send(&client, Method::POST, &admin(&gw, path), &headers).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "{headers:?}: {}",
+            reply.text()
+        );
+    }
+    gw.stop().await.unwrap();
+}
+
 /// With `admin_token_env`, every admin request needs the bearer token (`/metrics` keeps
 /// its own rules).
 #[tokio::test]

@@ -10,7 +10,8 @@
 //! `header:<name>`, `global`) when the route has limits under several; `key` is the
 //! client's IP address or header value as the client sends it: the gateway makes the
 //! store key from it exactly as for a request (hashed header keys included).
-//! `admin_token_env` set: every request needs `Authorization: Bearer <token>`.
+//! `admin_token_env` set: every request needs `Authorization: Bearer <token>`. A browser's
+//! cross-site request, and a DNS-rebound one on a loopback listener, are refused (403).
 
 use std::{collections::HashMap, fmt::Write as _, net::SocketAddr, sync::Arc};
 
@@ -191,6 +192,15 @@ async fn answer(
     method: &Method,
     headers: &HeaderMap,
 ) -> Response {
+    if from_a_page_elsewhere(headers, live.admin_on_loopback()) {
+        return json(
+            StatusCode::FORBIDDEN,
+            &error_body(
+                "refused: a browser's cross-site request (Origin, Sec-Fetch-Site) or, on a \
+                 loopback listener, a Host that is not an address or localhost",
+            ),
+        );
+    }
     if !authorized(live.admin_token().as_deref(), headers) {
         let mut response = json(
             StatusCode::UNAUTHORIZED,
@@ -298,6 +308,33 @@ fn authorized(token: Option<&[u8]>, headers: &HeaderMap) -> bool {
         .unwrap_or_default();
     // Compared in time that depends on the lengths only.
     given.len() == token.len() && given.iter().zip(token).fold(0, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// Whether a browser sent `headers` for a page of another site: a form posted across
+/// sites carries `Origin` (and `Sec-Fetch-Site`), and DNS rebinding (a name of the
+/// attacker's resolving to 127.0.0.1) shows as a `Host` that is a name, which tools on a
+/// loopback listener never send. The admin endpoints have no page of their own.
+fn from_a_page_elsewhere(headers: &HeaderMap, loopback: bool) -> bool {
+    let cross_site = headers
+        .get("sec-fetch-site")
+        .is_some_and(|site| site != "same-origin" && site != "none");
+    let named = loopback
+        && headers
+            .get(header::HOST)
+            .is_some_and(|host| !host.to_str().is_ok_and(is_address_or_localhost));
+    headers.contains_key(header::ORIGIN) || cross_site || named
+}
+
+/// `host[:port]` where host is an IP address (`[v6]`) or `localhost`.
+fn is_address_or_localhost(authority: &str) -> bool {
+    let host = match authority.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map_or(rest, |(v6, _)| v6),
+        None => authority
+            .rsplit_once(':')
+            .filter(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+            .map_or(authority, |(host, _)| host),
+    };
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok()
 }
 
 /// The bytes of the first `name` parameter in `query`, form-decoded (`+` is a space, `%XX`

@@ -116,6 +116,12 @@ impl Live {
         config.admin_token.as_ref().map(|t| t.0.clone())
     }
 
+    /// Whether `admin_listen` is a loopback address (it never changes on a reload).
+    pub(crate) fn admin_on_loopback(&self) -> bool {
+        let config = self.config.lock().unwrap_or_else(|e| e.into_inner());
+        config.admin_listen.is_some_and(|a| a.ip().is_loopback())
+    }
+
     /// The version of the config in force: 1 as started, one more per applied reload.
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)
