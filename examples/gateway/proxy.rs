@@ -2,10 +2,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::Arc,
     time::Duration,
 };
 
@@ -18,7 +15,7 @@ use axum::{
         uri::{Authority, Scheme},
     },
 };
-use http_body_util::{BodyExt, LengthLimitError};
+use http_body_util::LengthLimitError;
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
@@ -106,16 +103,6 @@ impl Proxy {
         }
         // `Host` passes through unchanged (it is end-to-end); the client sets it from the
         // upstream URI only when the request had none.
-        // Whether the client's body failed (a malformed chunk, oversized trailers, a
-        // hang-up mid-body): then a failed request is the client's doing, not the upstream's.
-        let body_failed = Arc::new(AtomicBool::new(false));
-        let body = Body::new(body.map_err({
-            let body_failed = body_failed.clone();
-            move |error| {
-                body_failed.store(true, Ordering::Relaxed);
-                error
-            }
-        }));
         let request = Request::from_parts(parts, body);
         let timeout = self.settings.upstream_timeout;
         let error = match tokio::time::timeout(timeout, self.settings.client.request(request)).await
@@ -138,13 +125,13 @@ impl Proxy {
                 return status(StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
             }
         };
-        if is_body_too_large(&error) {
+        if in_the_chain::<LengthLimitError>(&error) {
             // Not the upstream's fault: the client's body passed `max_body_bytes` while it
             // was streamed (a body announced too large never gets here).
             tracing::debug!(route = %self.route, "request body over server.max_body_bytes");
             return status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
         }
-        if body_failed.load(Ordering::Relaxed) {
+        if in_the_chain::<axum::Error>(&error) {
             // Any client can send a broken body: no upstream alert, no warning.
             tracing::debug!(route = %self.route, error = %ErrorChain(&error), "client's request body failed");
             return status(StatusCode::BAD_REQUEST, "bad request body\n");
@@ -331,12 +318,15 @@ fn ip_value(ip: IpAddr) -> HeaderValue {
     HeaderValue::try_from(ip.to_string()).unwrap_or(HeaderValue::from_static("unknown"))
 }
 
-/// Whether the request failed because its body passed `server.max_body_bytes`
-/// (tower-http's `RequestBodyLimitLayer` makes the body fail with `LengthLimitError`).
-fn is_body_too_large(error: &(dyn std::error::Error + 'static)) -> bool {
+/// Whether an error of type `E` caused `error`. The request body's own errors show so:
+/// `LengthLimitError` when it passed `server.max_body_bytes` (tower-http's
+/// `RequestBodyLimitLayer`), `axum::Error` when the client's body broke (a malformed
+/// chunk, oversized trailers, a hang-up mid-body); an upstream's failures are hyper's and
+/// I/O errors.
+fn in_the_chain<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut source = Some(error);
     while let Some(error) = source {
-        if error.is::<LengthLimitError>() {
+        if error.is::<E>() {
             return true;
         }
         source = error.source();
