@@ -17,7 +17,7 @@
 #                                   (a lockout on the limit), memory-wait redis-wait
 #                                   (max_wait), memory-inflight redis-inflight (an
 #                                   InFlightLayer instead of the limit); see
-#                                   examples/bench_server.rs
+#                                   bench/src/bin/bench_server.rs
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour); also
 #                                   clients: nothing rejected, a key per client, wrk sending
 #                                   one of 10 000 x-client headers (bench/clients.lua);
@@ -142,14 +142,17 @@ command -v redis-cli >/dev/null || die "redis-cli still missing"
 
 # --- build once -------------------------------------------------------------------------
 note "building the benchmark server (release, features $FEATURES)"
-cargo build --release --quiet --features "$FEATURES" --example bench_server --example bench_chart ||
+# FEATURES names tollgate's features; the bench package has its own `tls` for redis-tls.
+BENCH_FEATURES=$(sed -E 's#(^|,)([^,]+)#\1tollgate/\2#g' <<<"$FEATURES")
+[[ ",$FEATURES," == *",tls,"* ]] && BENCH_FEATURES="$BENCH_FEATURES,tls"
+cargo build --release --quiet -p tollgate-bench --features "$BENCH_FEATURES" ||
   die "cargo build failed"
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps |
   sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 [[ -n $TARGET_DIR ]] || die "could not read the target directory from cargo metadata"
-SERVER_BIN=$TARGET_DIR/release/examples/bench_server
-CHART_BIN=$TARGET_DIR/release/examples/bench_chart
-[[ -x $SERVER_BIN && -x $CHART_BIN ]] || die "built binaries not found in $TARGET_DIR/release/examples"
+SERVER_BIN=$TARGET_DIR/release/bench_server
+CHART_BIN=$TARGET_DIR/release/bench_chart
+[[ -x $SERVER_BIN && -x $CHART_BIN ]] || die "built binaries not found in $TARGET_DIR/release"
 
 # --- Redis ------------------------------------------------------------------------------
 TAKEN=" "

@@ -12,8 +12,7 @@ mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
-#[path = "../tests/support/mod.rs"]
-mod support;
+use tollgate_test_support as support;
 
 #[cfg(feature = "redis")]
 criterion_group!(

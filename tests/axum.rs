@@ -6,7 +6,7 @@
 //! script's explicit `now`), so hour-long windows, which are aligned to the epoch, can
 //! never roll over during a test and every `t` is known exactly.
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     convert::Infallible,

@@ -1,4 +1,4 @@
-//! `RedisStore` on a real Redis Cluster (`tests/support/cluster.rs`: six `redis-server`
+//! `RedisStore` on a real Redis Cluster (`test-support/src/cluster.rs`: six `redis-server`
 //! processes, three masters with one replica each): keys spread over every master,
 //! multi-limit decisions never cross slots, and decisions go on through a failover and a
 //! resharding while requests flow.
@@ -10,7 +10,7 @@
 
 #![cfg(feature = "cluster")]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     convert::Infallible,

@@ -11,7 +11,7 @@
 //! windows never roll over during a test and every wait is exactly 2800 s.
 
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{net::SocketAddr, time::Duration};
 

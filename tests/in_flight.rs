@@ -8,7 +8,7 @@
 //! until the permit is free, within a generous deadline (never a fixed sleep).
 
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     convert::Infallible,

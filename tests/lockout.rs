@@ -5,7 +5,7 @@
 //! into a minute: the login limit below (3 a minute, a 15-minute lockout) has 40 s left in
 //! its window, and every `Retry-After` is known exactly.
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{net::SocketAddr, time::Duration};
 

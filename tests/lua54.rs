@@ -15,7 +15,7 @@
 
 #![cfg(feature = "redis")]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{cell::RefCell, collections::HashMap, rc::Rc, time::Duration};
 

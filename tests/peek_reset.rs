@@ -5,7 +5,7 @@
 //! Windows are an hour long and time is a `ManualClock`, so counts are exact; waiting
 //! for another replica polls with a generous deadline, never a fixed sleep.
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     convert::Infallible,

@@ -9,7 +9,7 @@
 
 #![cfg(all(feature = "redis", feature = "metrics"))]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     collections::HashMap,

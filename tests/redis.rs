@@ -3,7 +3,7 @@
 
 #![cfg(feature = "redis")]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{convert::Infallible, sync::Arc, time::Duration};
 

@@ -9,7 +9,7 @@
 //! margins, and count the store calls to show each request asked exactly once.
 
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     convert::Infallible,

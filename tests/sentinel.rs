@@ -1,4 +1,4 @@
-//! `RedisStore::connect_sentinel` against a real Sentinel setup (`tests/support/sentinel.rs`:
+//! `RedisStore::connect_sentinel` against a real Sentinel setup (`test-support/src/sentinel.rs`:
 //! a master, a replica, three sentinels): it finds the master, and through a failover under
 //! load (the master killed, or `SENTINEL FAILOVER`) every request gets 200 or 429 from a
 //! layer that fails open, the script is loaded on the new master, and limiting resumes
@@ -9,7 +9,7 @@
 
 #![cfg(feature = "sentinel")]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     convert::Infallible,

@@ -4,7 +4,7 @@
 
 #![cfg(all(feature = "redis", feature = "metrics"))]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
 

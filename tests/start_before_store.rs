@@ -7,7 +7,7 @@
 
 #![cfg(feature = "redis")]
 
-mod support;
+use tollgate_test_support as support;
 
 use std::time::{Duration, Instant};
 

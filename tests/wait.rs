@@ -7,7 +7,7 @@
 //! sleeps its `retry_after` finds the store's window rolled exactly then.
 
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{convert::Infallible, time::Duration};
 

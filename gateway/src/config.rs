@@ -2,7 +2,7 @@
 //! completely before anything starts, so that a bad file fails at once with a message
 //! naming the field and the value.
 //!
-//! See `docs/gateway.md` for the reference and `examples/gateway.toml` for an example.
+//! See `README.md` (of this package) for the reference and `gateway.toml` for an example.
 
 use std::{fmt, net::SocketAddr, path::Path, time::Duration};
 
@@ -664,7 +664,7 @@ impl RawStore {
                     return Err(ConfigError::new(
                         "store.backend",
                         "\"redis\" needs the gateway built with the redis feature \
-                         (cargo run --example gateway --features redis -- ...)",
+                         (cargo run -p tollgate-gateway --features redis -- ...)",
                     ));
                 }
                 Backend::Redis { url }
@@ -681,7 +681,7 @@ impl RawStore {
                     return Err(ConfigError::new(
                         "store.backend",
                         "\"redis-cluster\" needs the gateway built with the cluster feature \
-                         (cargo run --example gateway --features cluster -- ...)",
+                         (cargo run -p tollgate-gateway --features cluster -- ...)",
                     ));
                 }
                 Backend::RedisCluster { nodes }
@@ -825,7 +825,7 @@ impl RawStore {
             return Err(ConfigError::new(
                 "store.backend",
                 "\"redis-sentinel\" needs the gateway built with the sentinel feature \
-                 (cargo run --example gateway --features sentinel -- ...)",
+                 (cargo run -p tollgate-gateway --features sentinel -- ...)",
             ));
         }
         Ok(SentinelBackend {
@@ -865,7 +865,7 @@ fn check_tls(backend: &Backend, tls: &StoreTls) -> Result<(), ConfigError> {
                 field.clone(),
                 format!(
                     "{url:?} is rediss:// (TLS): build the gateway with the tls feature \
-                     (cargo run --example gateway --features tls -- ...)"
+                     (cargo run -p tollgate-gateway --features tls -- ...)"
                 ),
             ));
         }

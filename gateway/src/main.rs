@@ -2,16 +2,16 @@
 //! TOML file.
 //!
 //! ```text
-//! cargo run --release --example gateway -- --config examples/gateway.toml
-//! cargo run --release --example gateway            # demo: 5 requests per 10s per IP on /
-//! cargo run --release --example gateway --features redis,metrics -- --config ...
+//! cargo run --release -p tollgate-gateway -- --config gateway/gateway.toml
+//! cargo run --release -p tollgate-gateway       # demo: 5 requests per 10s per IP on /
+//! cargo run --release -p tollgate-gateway --features redis,metrics -- --config ...
 //! ```
 //!
 //! Modules: `config` (the TOML contract and its validation), `path` (path normalisation
 //! and prefix matching), `proxy` (forwarding with hyper-util), `serve` (connections:
 //! header-read timeout, connection cap, bounded shutdown), `server` (routes, layers,
 //! starting and stopping), `reload` (SIGHUP and file changes). `tests/gateway.rs` includes the same modules to start
-//! gateways in-process. The reference is `docs/gateway.md`.
+//! gateways in-process. The reference is `README.md` (of this package).
 
 mod admin;
 mod config;
@@ -36,7 +36,7 @@ Rate-limiting HTTP gateway (tollgate example). Without --config it listens on
 per client IP). With --config, SIGHUP or an edit of the file reloads it.
 --publish-rules validates RULES (a file of [[routes]]) and publishes it to the Redis
 of the config's [store], for gateways with [rules] source = \"redis\".
-Logs: RUST_LOG (default info). Reference: docs/gateway.md";
+Logs: RUST_LOG (default info). Reference: gateway/README.md";
 
 fn main() -> ExitCode {
     let config_path = match parse_args(std::env::args_os().skip(1)) {

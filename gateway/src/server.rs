@@ -1040,7 +1040,7 @@ fn prometheus() -> Result<PrometheusHandle, Error> {
     if !cfg!(feature = "metrics") {
         tracing::warn!(
             "built without tollgate's `metrics` feature: /metrics has no tollgate_requests_total \
-             or tollgate_decision_seconds (cargo run --example gateway --features metrics)"
+             or tollgate_decision_seconds (cargo run -p tollgate-gateway --features metrics)"
         );
     }
     // Histograms are kept as raw samples until upkeep folds them into buckets.

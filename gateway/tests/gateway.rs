@@ -1,9 +1,8 @@
-//! The example gateway (`examples/gateway/`), end to end over real TCP.
+//! The example gateway, end to end over real TCP.
 //!
-//! The gateway runs **in-process**: this file includes the example's modules with `#[path]`
+//! The gateway runs **in-process**: this file includes the gateway's modules with `#[path]`
 //! and calls `server::start` with `listen = "127.0.0.1:0"`, so every test owns a gateway on
 //! a free port, reads the bound address back, and stops it (or drops it) at the end. That
-//! needs no built example binary (`cargo test --test gateway` does not build examples) and
 //! lets a test start two gateways on one Redis. The binary's own part, `main.rs`, only
 //! parses `--config`, prints the address and waits for a signal.
 //!
@@ -12,11 +11,11 @@
 //! sleeps to wait for a clock.
 //!
 //! The scenarios that depend on the store run on the memory backend, and again on a private
-//! `redis-server` (tests/support) with the `redis` feature.
+//! `redis-server` (tollgate-test-support) with the `redis` feature.
 
-include!("support/gateway_modules.rs");
+include!("common/modules.rs");
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     net::SocketAddr,
@@ -812,19 +811,12 @@ async fn demo_config_denies_the_sixth_request() {
 }
 
 /// The gateway binary prints its addresses on stdout and logs on stderr, without colour
-/// codes when stderr is not a terminal. (The binary is the one `cargo test` builds with
-/// the examples: `cargo test --test gateway` alone may find an older one.)
+/// codes when stderr is not a terminal.
 #[test]
 fn the_binary_logs_to_stderr_without_colour_codes() {
     use std::io::{BufRead, BufReader, Read};
 
-    let exe = std::env::current_exe().unwrap();
-    let binary = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/gateway");
+    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_gateway"));
     assert!(binary.exists(), "{} was not built", binary.display());
     let dir = std::env::temp_dir().join(format!("tollgate-gateway-logs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -863,18 +855,18 @@ fn the_binary_logs_to_stderr_without_colour_codes() {
 
 #[test]
 fn the_example_config_file_is_valid() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gateway.toml");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("gateway.toml");
     let config = Config::load(&path).unwrap();
     assert_eq!(config.routes.len(), 4);
     assert!(config.admin_listen.is_some());
 }
 
-/// The config shapes shown in README.md and docs/gateway.md are valid configs, with the
+/// The config shapes shown in the repository's README.md and the gateway's are valid configs, with the
 /// documented defaults.
 #[test]
 fn the_documented_config_shapes_are_valid() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    for doc in ["README.md", "docs/gateway.md"] {
+    for doc in ["../README.md", "README.md"] {
         let text = std::fs::read_to_string(root.join(doc)).unwrap();
         let shape = text
             .split("```toml\n")
@@ -2216,14 +2208,14 @@ mod redis {
 // ---------------------------------------------------------------------------------------
 // Redis as it is run: TLS, ACL users, Sentinel
 
-/// One example config per kind of Redis (examples/stores/), valid as documented.
+/// One example config per kind of Redis (stores/), valid as documented.
 #[cfg(all(feature = "tls", feature = "sentinel", feature = "cluster"))]
 #[test]
 fn the_example_store_configs_are_valid() {
     use config::Backend;
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/stores");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("stores");
     let load = |name: &str| {
-        Config::load(&root.join(name)).unwrap_or_else(|e| panic!("examples/stores/{name}: {e}"))
+        Config::load(&root.join(name)).unwrap_or_else(|e| panic!("stores/{name}: {e}"))
     };
     let tls = load("tls.toml");
     assert!(matches!(&tls.store.backend, Backend::Redis { url } if url.starts_with("rediss://")));

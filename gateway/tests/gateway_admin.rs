@@ -4,11 +4,10 @@
 //! Windows are an hour long, so counts are exact; the cross-gateway reset polls with a
 //! generous deadline.
 
-include!("support/gateway_modules.rs");
-#[cfg(feature = "redis")]
-mod support;
+include!("common/modules.rs");
+use tollgate_test_support as support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use http::{HeaderMap, Method, StatusCode};
@@ -561,7 +560,7 @@ async fn a_reset_through_one_gateway_reaches_another() {
     let client = client();
     assert_eq!(api(&client, &b, "k", 3).await, [200, 200, 429]);
     // B remembers the denial; its listener subscribes (poll, no fixed sleep).
-    let start = Instant::now();
+    let start = std::time::Instant::now();
     let subscribed = || {
         redis
             .cli(&["PUBSUB", "NUMSUB", "gw:reset"])
@@ -577,7 +576,7 @@ async fn a_reset_through_one_gateway_reaches_another() {
     let ip = "/ratelimit/api?kind=ip&key=127.0.0.1";
     let reset = send(&client, Method::POST, &admin(&a, ip), &[]).await;
     assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
-    let start = Instant::now();
+    let start = std::time::Instant::now();
     while api(&client, &b, "k", 1).await != [200] {
         assert!(
             start.elapsed() < TIMEOUT,

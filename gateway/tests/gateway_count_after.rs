@@ -3,9 +3,9 @@
 //! upstream that answers the status and `x-cost` it is asked for. Memory, and a private
 //! `redis-server` with the `redis` feature. Windows are an hour: counts are exact.
 
-include!("support/gateway_modules.rs");
+include!("common/modules.rs");
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{net::SocketAddr, time::Duration};
 

@@ -5,9 +5,9 @@
 //!
 //! Windows are an hour long, so that counts are exact however slow the machine is.
 
-include!("support/gateway_modules.rs");
+include!("common/modules.rs");
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::time::Duration;
 

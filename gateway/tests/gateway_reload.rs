@@ -1,10 +1,10 @@
 //! The example gateway reloading its config while real HTTP clients keep it busy: by
 //! SIGHUP, by an edit of the file, and refusing a bad file. In-process, as in
-//! `tests/gateway.rs`: the example's modules come from `support/gateway_modules.rs`.
+//! `tests/gateway.rs`: the gateway's modules come from `common/modules.rs`.
 
-include!("support/gateway_modules.rs");
+include!("common/modules.rs");
 #[cfg(feature = "redis")]
-mod support;
+use tollgate_test_support as support;
 
 use std::{
     path::PathBuf,

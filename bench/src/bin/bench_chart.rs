@@ -3,7 +3,7 @@
 //! the chart.
 //!
 //! ```text
-//! cargo run --release --example bench_chart -- [bench/results.csv] [bench/chart.svg]
+//! cargo run --release -p tollgate-bench --bin bench_chart -- [bench/results.csv] [bench/chart.svg]
 //! ```
 //!
 //! The CSV has a header line and the columns `round,scenario,mode,rps,p50_us,p99_us,

@@ -2,7 +2,7 @@
 //! rate limiter, chosen with `--mode`, in one of two scenarios.
 //!
 //! ```text
-//! cargo run --release --example bench_server --features redis,bb8,cluster -- \
+//! cargo run --release -p tollgate-bench --bin bench_server -- \
 //!     --mode redis --scenario allow --redis redis://127.0.0.1:16379 --port 0
 //! ```
 //!

@@ -1,4 +1,4 @@
-//! The example gateway's config parsing and validation (`Config::parse`) on arbitrary
+//! The gateway's config parsing and validation (`Config::parse`) on arbitrary
 //! input: raw text (first byte even), and TOML documents built from the gateway's own field
 //! names with arbitrary, often nearly valid, values (first byte odd), so that validation and
 //! not only the TOML parser is exercised.
@@ -9,10 +9,10 @@
 #![no_main]
 
 #[allow(dead_code)]
-#[path = "../../examples/gateway/config.rs"]
+#[path = "../../src/config.rs"]
 mod config;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/path.rs"]
+#[path = "../../src/path.rs"]
 mod path;
 
 use arbitrary::{Arbitrary, Unstructured};

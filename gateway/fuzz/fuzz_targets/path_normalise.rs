@@ -1,4 +1,4 @@
-//! The example gateway's path normaliser (`path::normalize`) on arbitrary paths.
+//! The gateway's path normaliser (`path::normalize`) on arbitrary paths.
 //!
 //! Never panics; what it returns starts with `/`, is a fixed point
 //! (`normalize(normalize(p)) == normalize(p)`), has no empty, `.` or `..` segment, and no
@@ -7,16 +7,16 @@
 #![no_main]
 
 #[allow(dead_code)]
-#[path = "../../examples/gateway/path.rs"]
+#[path = "../../src/path.rs"]
 mod path;
 
-#[path = "../../tests/oracles/mod.rs"]
-mod oracles;
+#[path = "../../tests/common/normal.rs"]
+mod normal;
 
 use libfuzzer_sys::fuzz_target;
 
 fn check_normal(normal: &str) {
-    oracles::check_normal(normal, path::normalize);
+    normal::check_normal(normal, path::normalize);
 }
 
 fuzz_target!(|data: &[u8]| {

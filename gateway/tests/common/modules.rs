@@ -1,29 +1,30 @@
-// The example gateway's modules, for the test crates that start gateways in-process
-// (`tests/gateway.rs`, `tests/gateway_reload.rs`): `include!` this file at the crate root,
-// where the modules' `crate::` paths expect each other. Not a module of `support`.
+// The gateway's modules, for the test crates that start gateways in-process
+// (`tests/gateway.rs`, `tests/gateway_reload.rs`, ...): `include!` this file at the crate
+// root, where the modules' `crate::` paths expect each other. The modules are crate-private
+// to the binary (no library target to keep stable), so the tests compile them again.
 
 #[allow(dead_code)]
-#[path = "../../examples/gateway/admin.rs"]
+#[path = "../../src/admin.rs"]
 mod admin;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/config.rs"]
+#[path = "../../src/config.rs"]
 mod config;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/path.rs"]
+#[path = "../../src/path.rs"]
 mod path;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/proxy.rs"]
+#[path = "../../src/proxy.rs"]
 mod proxy;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/reload.rs"]
+#[path = "../../src/reload.rs"]
 mod reload;
 #[cfg(feature = "redis")]
 #[allow(dead_code)]
-#[path = "../../examples/gateway/rules_source.rs"]
+#[path = "../../src/rules_source.rs"]
 mod rules_source;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/serve.rs"]
+#[path = "../../src/serve.rs"]
 mod serve;
 #[allow(dead_code)]
-#[path = "../../examples/gateway/server.rs"]
+#[path = "../../src/server.rs"]
 mod server;
