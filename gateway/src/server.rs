@@ -258,7 +258,7 @@ impl Running {
     }
 
     /// Reloads the config from `path` on SIGHUP and whenever its contents change (read
-    /// every `every`), until the gateway stops. See [`reload`](crate::reload).
+    /// every `every`), until the gateway stops. See [`reload`].
     pub(crate) fn watch(&mut self, path: PathBuf, every: Duration) {
         let watcher = Watcher::new(path, self.live.clone());
         let stop = self.shutdown.subscribe();

@@ -822,7 +822,7 @@ fn the_binary_logs_to_stderr_without_colour_codes() {
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("gateway.toml");
     std::fs::write(&config, "listen = \"127.0.0.1:0\"\n").unwrap();
-    let mut child = std::process::Command::new(&binary)
+    let mut child = std::process::Command::new(binary)
         .args(["--config", config.to_str().unwrap()])
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::piped())
