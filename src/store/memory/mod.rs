@@ -42,7 +42,7 @@ use crate::{
 const SHARDS: usize = 64;
 
 /// An in-process [`Store`]: every algorithm with the same semantics as the Redis scripts
-/// (it runs the [reference model](crate::algorithm)), for a single process.
+/// (it runs the reference model the scripts are tested against), for a single process.
 ///
 /// Keys are spread over 64 shards, each behind its own lock; all limits of one key live in
 /// one shard, so a multi-limit decision takes one lock.
