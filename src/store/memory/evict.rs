@@ -1,20 +1,15 @@
 //! What keeps the memory store bounded: the sweep that drops expired state a few buckets
 //! per request, and CLOCK eviction once a shard holds its share of the keys.
 
-use std::sync::atomic::Ordering;
-
 use hashbrown::HashTable;
 
-use super::{
-    Inner, SHARDS,
-    shard::{Entry, Known, Shard},
-};
+use super::shard::{Entry, Known, Shard};
 
 /// How often (in store-clock milliseconds) a sweep round starts.
-const SWEEP_INTERVAL_MS: u64 = 1_000;
+pub(super) const SWEEP_INTERVAL_MS: u64 = 1_000;
 /// Buckets one request sweeps while a round is under way: about 2 µs of work, so that a
 /// round over a full default store (2M buckets) takes about 16 000 requests.
-const SWEEP_BUCKETS: usize = 128;
+pub(super) const SWEEP_BUCKETS: usize = 128;
 /// Entries past the one the eviction hand stopped at that are checked for expired state,
 /// which then goes first (Redis samples 5 keys for its approximated LRU).
 const EVICTION_SAMPLE: usize = 8;
@@ -22,38 +17,10 @@ const EVICTION_SAMPLE: usize = 8;
 /// the last goes.
 const EVICTION_MAX: usize = 64;
 
-impl Inner {
-    /// While a sweep round is under way, sweeps the next [`SWEEP_BUCKETS`] buckets of the
-    /// shard the round is in; the round ends after the last shard.
-    pub(super) fn maybe_sweep(&self, now: u64) {
-        if now < self.next_sweep_ms.load(Ordering::Relaxed) {
-            return;
-        }
-        let cursor = self.sweep_cursor.load(Ordering::Relaxed);
-        // A busy shard is left to the next request: no request waits to sweep, and
-        // concurrent requests do not queue up on the one shard a round is in.
-        let Some(mut shard) = self.shards[cursor].try_lock() else {
-            return;
-        };
-        // Another request finished this shard before this one took the lock.
-        if self.sweep_cursor.load(Ordering::Relaxed) != cursor {
-            return;
-        }
-        if shard.sweep(now, SWEEP_BUCKETS) {
-            let next = (cursor + 1) % SHARDS;
-            if next == 0 {
-                self.next_sweep_ms
-                    .store(now + SWEEP_INTERVAL_MS, Ordering::Relaxed);
-            }
-            self.sweep_cursor.store(next, Ordering::Relaxed);
-        }
-    }
-}
-
 impl Shard {
     /// Drops the expired state in the next `buckets` buckets; true once this pass has
     /// reached the end of the table (the next starts again at its beginning).
-    fn sweep(&mut self, now: u64, buckets: usize) -> bool {
+    pub(super) fn sweep(&mut self, now: u64, buckets: usize) -> bool {
         let total = self.table.num_buckets();
         let end = self.swept_to.saturating_add(buckets).min(total);
         for index in self.swept_to..end {
@@ -157,7 +124,10 @@ mod tests {
 
     use hashbrown::DefaultHashBuilder;
 
-    use super::{super::shard::*, *};
+    use super::{
+        super::{SHARDS, shard::*},
+        *,
+    };
     use crate::{Limit, MemoryStore, algorithm, clock::ManualClock, key::Key};
 
     #[test]

@@ -1,17 +1,13 @@
 //! The memory store's lockouts ([`Limit::with_lockout`]): the blocks, in a table of their
-//! own next to the shard's keys, touched only by requests whose limits have a lockout.
+//! own next to the shard's keys, touched only by requests whose limits have a lockout
+//! (`Inner::decide_with_lockouts` in the module above).
 //!
 //! A block lives apart from the key's algorithm state because it outlives it (a 15-minute
 //! block on a one-minute window), and so that entries stay 56 bytes for everyone else.
 
 use hashbrown::HashTable;
-use smallvec::SmallVec;
 
-use super::{
-    Inner,
-    shard::{Opened, fingerprint},
-};
-use crate::{Decision, Limit, algorithm, key::Key};
+use crate::key::Key;
 
 /// The blocks of one shard: (key, limit) -> when the block ends.
 #[derive(Default)]
@@ -51,7 +47,7 @@ impl Blocks {
     /// (the shard's share of the store's keys), expired blocks go first, then an eighth
     /// of the table, oldest in table order: memory stays bounded, and as with the keys'
     /// state, only a flood of breaching keys can end a block early.
-    fn set(
+    pub(super) fn set(
         &mut self,
         key_hash: u64,
         key: &Key,
@@ -114,55 +110,6 @@ impl Blocks {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.table.len()
-    }
-}
-
-impl Inner {
-    /// Decides a request whose limits have lockouts: the states from the key's slots
-    /// (made when missing) and the blocks from the shard's [`Blocks`], through the
-    /// reference model's [`check_with_lockouts`](algorithm::check_with_lockouts). Apart
-    /// from [`Inner::decide`], so that requests without lockouts pay one test for it.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn decide_with_lockouts(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-        now: u64,
-    ) -> Decision {
-        self.with_entry(
-            key,
-            now,
-            || None,
-            |opened| {
-                let Opened {
-                    slots,
-                    known,
-                    blocks,
-                    hash,
-                    max_keys,
-                } = opened;
-                let (indexes, mut states) = slots.take_states(limits, known);
-                let before: SmallVec<[u64; 2]> = limits
-                    .iter()
-                    .map(|limit| match limit.lockout_ms() {
-                        0 => 0,
-                        _ => blocks.until(hash, key, fingerprint(limit)),
-                    })
-                    .collect();
-                let mut until = before.clone();
-                let decision =
-                    algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
-                slots.put_back(&indexes, states);
-                for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
-                    if new != old {
-                        blocks.set(hash, key, fingerprint(limit), new, now, max_keys);
-                    }
-                }
-                decision
-            },
-        )
     }
 }
 

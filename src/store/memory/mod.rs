@@ -7,20 +7,22 @@
 //! buckets that drops expired state it meets, else the first key not used since the hand
 //! last passed).
 //!
-//! `shard` holds a shard's table, its entries and [`Inner::with_entry`], the one way a
-//! request opens a key's state; `evict` the sweep and the eviction; `lockout` the blocks.
+//! Here: the store, and [`Inner::with_entry`], the one way a request opens a key's state.
+//! `shard` holds a shard's table and entries, `evict` the sweep and the eviction,
+//! `lockout` the blocks; none of them imports this module.
 
 use std::{
     fmt,
+    hash::BuildHasher,
     sync::{
         Arc,
-        atomic::{AtomicU64, AtomicUsize},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
 };
 
 use crossbeam_utils::CachePadded;
 use hashbrown::DefaultHashBuilder;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 mod evict;
@@ -28,8 +30,8 @@ mod lockout;
 mod shard;
 
 use self::{
-    evict::drop_expired,
-    shard::{Opened, REFERENCED, Shard, Slot, fingerprint, lock},
+    evict::{SWEEP_BUCKETS, SWEEP_INTERVAL_MS, drop_expired, evict},
+    shard::{Entry, Known, REFERENCED, SHARDS, Shard, Slot, Slots, fingerprint, lock},
 };
 use super::{Check, Reset, Store};
 use crate::{
@@ -38,8 +40,6 @@ use crate::{
     clock::{Clock, MonotonicClock},
     key::Key,
 };
-
-const SHARDS: usize = 64;
 
 /// An in-process [`Store`]: every algorithm with the same semantics as the Redis scripts
 /// (it runs the reference model the scripts are tested against), for a single process.
@@ -268,6 +268,18 @@ impl Store for MemoryStore {
     }
 }
 
+/// What [`Inner::with_entry`] opens, under the shard's lock.
+struct Opened<'a> {
+    /// The key's slots: one per limit seen for it.
+    slots: &'a mut Slots,
+    known: &'a mut Known,
+    blocks: &'a mut lockout::Blocks,
+    /// The key's hash (the blocks are found by it too).
+    hash: u64,
+    /// The shard's share of the store's bound, which bounds its blocks as well.
+    max_keys: usize,
+}
+
 impl Inner {
     /// Decides, reserving up to `reserve_ms` ahead when it is not 0 (see
     /// [`algorithm::check_reserving`]; a list with a lockout never reserves). Inlined, so
@@ -429,6 +441,135 @@ impl Inner {
             }
             decision
         })
+    }
+
+    fn hash(&self, key: &Key) -> u64 {
+        self.hasher.hash_one(key.as_str())
+    }
+
+    /// Locks the shard of the key hashed `hash`.
+    #[inline(always)]
+    fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
+        // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
+        // top seven as the tag, so within a shard both stay well spread.
+        lock(&self.shards[(hash >> 32) as usize % SHARDS])
+    }
+
+    /// Hashes `key`, locks its shard and runs `f` on its entry, made when missing (after
+    /// an eviction when the shard is full) unless `missing` answers for a missing key
+    /// instead. Inlined with both closures, so that the request path pays nothing for
+    /// them.
+    #[inline(always)]
+    fn with_entry<R>(
+        &self,
+        key: &Key,
+        now: u64,
+        missing: impl FnOnce() -> Option<R>,
+        f: impl FnOnce(Opened<'_>) -> R,
+    ) -> R {
+        let hash = self.hash(key);
+        let mut shard = self.shard(hash);
+        let Shard {
+            table,
+            known,
+            max_keys,
+            hand,
+            blocks,
+            ..
+        } = &mut *shard;
+        let entry = match table.find_entry(hash, |e| e.key == *key) {
+            Ok(occupied) => occupied.into_mut(),
+            Err(absent) => {
+                if let Some(answer) = missing() {
+                    return answer;
+                }
+                let table = absent.into_table();
+                if table.len() >= *max_keys {
+                    evict(table, known, hand, now);
+                }
+                let entry = Entry {
+                    key: key.clone(),
+                    slots: Slots::new(),
+                };
+                table
+                    .insert_unique(hash, entry, |e| self.hash(&e.key))
+                    .into_mut()
+            }
+        };
+        f(Opened {
+            slots: &mut entry.slots,
+            known,
+            blocks,
+            hash,
+            max_keys: *max_keys,
+        })
+    }
+
+    /// While a sweep round is under way, sweeps the next [`SWEEP_BUCKETS`] buckets of the
+    /// shard the round is in; the round ends after the last shard.
+    fn maybe_sweep(&self, now: u64) {
+        if now < self.next_sweep_ms.load(Ordering::Relaxed) {
+            return;
+        }
+        let cursor = self.sweep_cursor.load(Ordering::Relaxed);
+        // A busy shard is left to the next request: no request waits to sweep, and
+        // concurrent requests do not queue up on the one shard a round is in.
+        let Some(mut shard) = self.shards[cursor].try_lock() else {
+            return;
+        };
+        // Another request finished this shard before this one took the lock.
+        if self.sweep_cursor.load(Ordering::Relaxed) != cursor {
+            return;
+        }
+        if shard.sweep(now, SWEEP_BUCKETS) {
+            let next = (cursor + 1) % SHARDS;
+            if next == 0 {
+                self.next_sweep_ms
+                    .store(now + SWEEP_INTERVAL_MS, Ordering::Relaxed);
+            }
+            self.sweep_cursor.store(next, Ordering::Relaxed);
+        }
+    }
+
+    /// Decides a request whose limits have lockouts: the states from the key's slots
+    /// (made when missing) and the blocks from the shard's [`Blocks`], through the
+    /// reference model's [`check_with_lockouts`](algorithm::check_with_lockouts). Apart
+    /// from [`Inner::decide`], so that requests without lockouts pay one test for it.
+    #[cold]
+    #[inline(never)]
+    fn decide_with_lockouts(&self, key: &Key, limits: &[Limit], cost: u32, now: u64) -> Decision {
+        self.with_entry(
+            key,
+            now,
+            || None,
+            |opened| {
+                let Opened {
+                    slots,
+                    known,
+                    blocks,
+                    hash,
+                    max_keys,
+                } = opened;
+                let (indexes, mut states) = slots.take_states(limits, known);
+                let before: SmallVec<[u64; 2]> = limits
+                    .iter()
+                    .map(|limit| match limit.lockout_ms() {
+                        0 => 0,
+                        _ => blocks.until(hash, key, fingerprint(limit)),
+                    })
+                    .collect();
+                let mut until = before.clone();
+                let decision =
+                    algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
+                slots.put_back(&indexes, states);
+                for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
+                    if new != old {
+                        blocks.set(hash, key, fingerprint(limit), new, now, max_keys);
+                    }
+                }
+                decision
+            },
+        )
     }
 }
 

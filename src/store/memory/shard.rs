@@ -1,14 +1,14 @@
-//! A shard's table and what its entries hold, and [`Inner::with_entry`]: the one way a
-//! request opens a key's state (hash, lock, find or make the entry).
-
-use std::hash::BuildHasher;
+//! A shard: its table, what its entries hold, and the limits its slots were made for.
 
 use hashbrown::{HashMap, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
-use super::{Inner, SHARDS, evict::evict, lockout};
+use super::lockout;
 use crate::{Limit, algorithm::State, key::Key};
+
+/// How many shards a store has, each behind its own lock.
+pub(super) const SHARDS: usize = 64;
 
 /// One lock's worth of keys.
 ///
@@ -26,7 +26,7 @@ pub(super) struct Shard {
     /// fingerprint, and the sweep asks its limit when the state expires (an expiry in
     /// every slot would make entries 8 bytes larger).
     pub(super) known: Known,
-    /// Keys this shard holds at most: its share of [`Inner::max_keys`].
+    /// Keys this shard holds at most: its share of the store's bound.
     pub(super) max_keys: usize,
     /// The CLOCK hand: the bucket where the next eviction starts looking.
     pub(super) hand: usize,
@@ -254,82 +254,6 @@ impl Slot {
 
 pub(super) fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard.lock()
-}
-
-/// What [`Inner::with_entry`] opens, under the shard's lock.
-pub(super) struct Opened<'a> {
-    /// The key's slots: one per limit seen for it.
-    pub(super) slots: &'a mut Slots,
-    pub(super) known: &'a mut Known,
-    pub(super) blocks: &'a mut lockout::Blocks,
-    /// The key's hash (the blocks are found by it too).
-    pub(super) hash: u64,
-    /// The shard's share of the store's bound, which bounds its blocks as well.
-    pub(super) max_keys: usize,
-}
-
-impl Inner {
-    pub(super) fn hash(&self, key: &Key) -> u64 {
-        self.hasher.hash_one(key.as_str())
-    }
-
-    /// Locks the shard of the key hashed `hash`.
-    #[inline(always)]
-    pub(super) fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
-        // Bits 32.. pick the shard: hashbrown uses the lowest bits for the bucket and the
-        // top seven as the tag, so within a shard both stay well spread.
-        lock(&self.shards[(hash >> 32) as usize % SHARDS])
-    }
-
-    /// Hashes `key`, locks its shard and runs `f` on its entry, made when missing (after
-    /// an eviction when the shard is full) unless `missing` answers for a missing key
-    /// instead. Inlined with both closures, so that the request path pays nothing for
-    /// them.
-    #[inline(always)]
-    pub(super) fn with_entry<R>(
-        &self,
-        key: &Key,
-        now: u64,
-        missing: impl FnOnce() -> Option<R>,
-        f: impl FnOnce(Opened<'_>) -> R,
-    ) -> R {
-        let hash = self.hash(key);
-        let mut shard = self.shard(hash);
-        let Shard {
-            table,
-            known,
-            max_keys,
-            hand,
-            blocks,
-            ..
-        } = &mut *shard;
-        let entry = match table.find_entry(hash, |e| e.key == *key) {
-            Ok(occupied) => occupied.into_mut(),
-            Err(absent) => {
-                if let Some(answer) = missing() {
-                    return answer;
-                }
-                let table = absent.into_table();
-                if table.len() >= *max_keys {
-                    evict(table, known, hand, now);
-                }
-                let entry = Entry {
-                    key: key.clone(),
-                    slots: Slots::new(),
-                };
-                table
-                    .insert_unique(hash, entry, |e| self.hash(&e.key))
-                    .into_mut()
-            }
-        };
-        f(Opened {
-            slots: &mut entry.slots,
-            known,
-            blocks,
-            hash,
-            max_keys: *max_keys,
-        })
-    }
 }
 
 #[cfg(test)]
