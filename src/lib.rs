@@ -34,7 +34,8 @@
 //! | [`gcra`](Limit::gcra) | the same as the token bucket | one timestamp |
 //!
 //! Denied requests consume nothing. Arithmetic is exact integer arithmetic, in the
-//! [reference model](algorithm) and in the Lua scripts alike.
+//! reference model (`src/algorithm/`, which the memory store runs) and in the Lua scripts
+//! alike.
 //!
 //! # gRPC
 //!
@@ -150,6 +151,10 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adjustment;
+// The reference model is public for the crate's own tests and benches (integration tests
+// cannot turn on a feature of the crate they test without skipping when it is off), not
+// API: hidden, and free to change in any release.
+#[doc(hidden)]
 pub mod algorithm;
 mod breaker;
 pub mod clock;

@@ -11,8 +11,8 @@ use std::{
 use crate::ConfigError;
 
 /// The rate-limit algorithms. Each is implemented twice, with the same integer arithmetic:
-/// as a pure reference model in [`algorithm`](crate::algorithm) (which the in-memory store
-/// runs) and as a Lua function in the Redis script.
+/// as a pure reference model (which the in-memory store runs) and as a Lua function in the
+/// Redis script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Algorithm {

@@ -285,6 +285,54 @@ mod redis {
         assert_eq!(support::assert_every_key_expires(&server), 2);
     }
 
+    /// The block key lives exactly as long as its block: with the script reading Redis
+    /// TIME (no margin for a caller's clock), the key's expiry time (PEXPIRETIME, Redis's
+    /// clock) is the block's end (its value), read on the same clock in the same script.
+    /// The script's TIME and its SET fall in one millisecond, or in the next when a
+    /// millisecond ends between them: so each of 20 blocks expires at its end or 1 ms
+    /// after, and most exactly at it. A TTL 1 ms short (or long) fails both.
+    #[tokio::test]
+    async fn the_block_key_expires_exactly_when_the_block_ends() {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url())
+            .await
+            .unwrap()
+            .with_block_cache(0);
+        let mut conn = support::test_connection(&server.url()).await;
+        let limits = [Limit::gcra(1, Duration::from_secs(3_600))
+            .unwrap()
+            .named("login")
+            .unwrap()
+            .with_lockout(LOCKOUT)
+            .unwrap()];
+        let mut exact = 0;
+        for i in 0..20 {
+            let key = Key::new(format!("k{i}"));
+            assert!(store.check(&key, &limits, 1).await.unwrap().is_allowed());
+            assert!(!store.check(&key, &limits, 1).await.unwrap().is_allowed());
+            let block = format!("{}:lockout", store.redis_key(&key, &limits[0]));
+            let ends: u64 = ::redis::cmd("GET")
+                .arg(&block)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let expires: u64 = ::redis::cmd("PEXPIRETIME")
+                .arg(&block)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert!(
+                expires == ends || expires == ends + 1,
+                "block {i} ends at {ends}, its key expires at {expires}"
+            );
+            exact += usize::from(expires == ends);
+        }
+        assert!(
+            exact >= 10,
+            "{exact} of 20 block keys expire exactly at the block's end"
+        );
+    }
+
     /// A flood from a locked-out key costs Redis about one call: the block cache answers
     /// it, with the time left, until the block ends; then Redis decides again (limiting
     /// comes back: the first requests pass, the fourth locks out again).

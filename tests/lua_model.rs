@@ -241,7 +241,7 @@ proptest! {
             let keys = [Key::new("a"), Key::new("b")];
             for (i, (&(_, cost, key), (now, limit, want))) in steps.iter().zip(&expected).enumerate() {
                 clock.set(*now);
-                let got = store.check(&keys[key], std::slice::from_ref(limit), cost).await.unwrap();
+                let got = store.check(&keys[key], std::slice::from_ref(limit), cost).await.env()?;
                 prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, versions);
             }
             Ok(())
@@ -258,7 +258,7 @@ proptest! {
             let keys = [Key::new("a"), Key::new("b")];
             for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
                 clock.set(*now);
-                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                let got = store.check(&keys[key], &limits, cost).await.env()?;
                 prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
             }
             Ok(())
@@ -277,7 +277,7 @@ proptest! {
             let keys = [Key::new("a"), Key::new("b")];
             for (i, (&(_, cost, key), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
                 clock.set(*now);
-                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                let got = store.check(&keys[key], &limits, cost).await.env()?;
                 prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
             }
             Ok(())
@@ -322,9 +322,9 @@ proptest! {
                 let got = if peeks[i] {
                     let redis_keys: Vec<String> =
                         limits.iter().map(|l| store.redis_key(&keys[key], l)).collect();
-                    let before = dump(&mut redis, &redis_keys).await;
-                    let got = store.peek(&keys[key], &limits, cost).await.unwrap();
-                    let after = dump(&mut redis, &redis_keys).await;
+                    let before = dump(&mut redis, &redis_keys).await?;
+                    let got = store.peek(&keys[key], &limits, cost).await.env()?;
+                    let after = dump(&mut redis, &redis_keys).await?;
                     for ((value, ttl), (value_after, ttl_after)) in before.iter().zip(&after) {
                         prop_assert_eq!(value, value_after, "step {} of {:?}", i, steps);
                         // Redis's own clock runs on: the TTL may only have shrunk.
@@ -332,7 +332,7 @@ proptest! {
                     }
                     got
                 } else {
-                    store.check(&keys[key], &limits, cost).await.unwrap()
+                    store.check(&keys[key], &limits, cost).await.env()?
                 };
                 prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
             }
@@ -405,7 +405,7 @@ proptest! {
             let store = case_store(&clock, false).await;
             let key = Key::new("batch");
             for &cost in &before {
-                store.check(&key, &limits, cost).await.unwrap();
+                store.check(&key, &limits, cost).await.env()?;
             }
             let redis_keys: Vec<String> = limits.iter().map(|l| store.redis_key(&key, l)).collect();
             // The script's ARGV as documented in lua/main.lua: one group, every request
@@ -431,7 +431,7 @@ proptest! {
                 call.arg(cost).arg(if peek { -1 } else { 1 });
             }
             let mut redis = raw_connection().await;
-            let reply: Vec<i64> = call.query_async(&mut redis).await.unwrap();
+            let reply: Vec<i64> = call.query_async(&mut redis).await.env()?;
             // (allowed, remaining, reset_after, retry_after) per limit of each request.
             let got: Vec<Vec<(bool, u64, u64, u64)>> = reply
                 .chunks_exact(4 * limits.len())
@@ -453,7 +453,7 @@ proptest! {
                 .collect();
             prop_assert_eq!(&got, &expected, "{:?} after {:?} with {:?}", requests, before, limits);
             // And what the batch saved is what the model kept.
-            let after = store.peek(&key, &limits, 0).await.unwrap();
+            let after = store.peek(&key, &limits, 0).await.env()?;
             prop_assert_eq!(after, algorithm::peek(&states, &limits, now, 0));
             Ok(())
         })?;
@@ -471,7 +471,7 @@ proptest! {
             let keys = [Key::new("a"), Key::new("b")];
             for (&(_, cost, key), (now, _, want)) in steps.iter().zip(&expected) {
                 clock.set(*now);
-                let got = store.check(&keys[key], &limits, cost).await.unwrap();
+                let got = store.check(&keys[key], &limits, cost).await.env()?;
                 prop_assert_eq!(got.is_allowed(), want.is_allowed());
                 prop_assert_eq!(got.retry_after(), want.retry_after());
                 for (g, w) in got.limits().iter().zip(want.limits()) {
@@ -532,7 +532,7 @@ proptest! {
                         .unzip();
                     let want = algorithm::check_with_lockouts(&mut states, &mut blocks, limits, now, cost);
                     model.extend(ids.into_iter().zip(states.into_iter().zip(blocks)));
-                    prop_assert_eq!(got.unwrap(), want, "{:?} at {}", (cost, key, second), now);
+                    prop_assert_eq!(got.env()?, want, "{:?} at {}", (cost, key, second), now);
                 }
             }
             Ok(())
@@ -561,7 +561,7 @@ proptest! {
             let store = case_store(&clock, false).await;
             for (i, (&(_, cost, _), (now, _, want))) in steps.iter().zip(&expected).enumerate() {
                 clock.set(*now);
-                let got = store.check(&Key::new("a"), &limits, cost).await.unwrap();
+                let got = store.check(&Key::new("a"), &limits, cost).await.env()?;
                 prop_assert_eq!(&got, want, "step {} of {:?} with {:?}", i, steps, limits);
             }
             Ok(())
@@ -814,8 +814,7 @@ proptest! {
         let mut grants: Vec<(Vec<u64>, u64)> = Vec::new();
         let mut now = START;
         runtime.block_on(async {
-            let url = SERVER.with(|s| s.url());
-            let mut connection = support::test_connection(&url).await;
+            let mut connection = raw_connection().await;
             for (i, step) in steps.iter().enumerate() {
                 now = match step.wait {
                     Wait::Back(ms) => now - ms,
@@ -866,7 +865,7 @@ proptest! {
                     }
                     None => { cmd.arg(0); }
                 }
-                let mut got: Vec<i64> = cmd.query_async(&mut connection).await.unwrap();
+                let mut got: Vec<i64> = cmd.query_async(&mut connection).await.env()?;
                 // Any reply with requests ends with the script's `now`.
                 if !alone {
                     prop_assert_eq!(got.pop(), Some(now as i64), "step {}", i);
@@ -983,7 +982,7 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     });
     let store = RedisStore::connect(&server)
         .await
-        .unwrap()
+        .unwrap_or_else(|error| environment_fault(&error))
         .with_prefix(&format!("case{case}"))
         .unwrap()
         .with_clock(clock.clone());
@@ -994,32 +993,80 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     }
 }
 
-/// A plain connection to the shared server, to look at keys.
+/// A plain connection to the shared server, to look at keys, waiting up to 10 s to
+/// connect and for each answer (as `support::test_connection`).
 async fn raw_connection() -> redis::aio::MultiplexedConnection {
     let server = SERVER.with(|s| s.url());
-    support::test_connection(&server).await
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(10)))
+        .set_response_timeout(Some(Duration::from_secs(10)));
+    let client = redis::Client::open(server).unwrap_or_else(|error| environment_fault(&error));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap_or_else(|error| environment_fault(&error))
+}
+
+/// Stops the whole test binary for a fault of the environment (Redis timed out or went
+/// away), saying so. Not a panic: proptest catches panics in a case, shrinks the inputs
+/// as if they had found a bug, and saves them as a regression seed, though replaying
+/// them passes. (A timed-out call may have counted, so it cannot be retried, and the
+/// store's 1 s answer timeout is its own.) Written to stderr directly, past the test
+/// harness's capture, which the exit would discard.
+fn environment_fault(error: &dyn std::fmt::Display) -> ! {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nlua_model: environment fault, not a counterexample (no seed written): {error}\n\
+         Redis did not answer in time or went away, likely a loaded machine; run again."
+    );
+    std::process::exit(3)
+}
+
+/// A Redis call's value in a property test: a fault of the environment stops the test
+/// binary ([`environment_fault`]), any other error (a script error, a reply of the wrong
+/// shape) fails the case, a counterexample like a wrong answer.
+trait Env<T> {
+    fn env(self) -> Result<T, TestCaseError>;
+}
+
+impl<T> Env<T> for Result<T, tollgate::StoreError> {
+    fn env(self) -> Result<T, TestCaseError> {
+        use tollgate::StoreErrorKind::{Overloaded, Timeout, Unavailable};
+        self.map_err(|error| match error.kind() {
+            Timeout | Unavailable | Overloaded => environment_fault(&error),
+            _ => TestCaseError::fail(format!("store error: {error:?}")),
+        })
+    }
+}
+
+impl<T> Env<T> for redis::RedisResult<T> {
+    fn env(self) -> Result<T, TestCaseError> {
+        self.map_err(|error| {
+            if error.is_timeout()
+                || error.is_io_error()
+                || error.is_connection_dropped()
+                || error.is_connection_refusal()
+            {
+                environment_fault(&error)
+            }
+            TestCaseError::fail(format!("redis error: {error:?}"))
+        })
+    }
 }
 
 /// Each key's serialized value (`DUMP`; none when absent) and TTL in ms.
 async fn dump(
     redis: &mut redis::aio::MultiplexedConnection,
     keys: &[String],
-) -> Vec<(Option<Vec<u8>>, i64)> {
+) -> Result<Vec<(Option<Vec<u8>>, i64)>, TestCaseError> {
     let mut out = Vec::new();
     for key in keys {
-        let value: Option<Vec<u8>> = redis::cmd("DUMP")
-            .arg(key)
-            .query_async(redis)
-            .await
-            .unwrap();
-        let ttl: i64 = redis::cmd("PTTL")
-            .arg(key)
-            .query_async(redis)
-            .await
-            .unwrap();
+        let value: Option<Vec<u8>> = redis::cmd("DUMP").arg(key).query_async(redis).await.env()?;
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(redis).await.env()?;
         out.push((value, ttl));
     }
-    out
+    Ok(out)
 }
 
 thread_local! {
@@ -1137,7 +1184,7 @@ proptest! {
                     .collect();
                 let got = futures_util::future::join_all(calls).await;
                 for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
-                    let got = got.unwrap();
+                    let got = got.env()?;
                     prop_assert_eq!(&got, want, "{:?} at {} in {:?} with {:?}", op, now, batches, limits);
                     prop_assert_eq!(got.decided_at_ms(), Some(*now));
                 }
@@ -1186,7 +1233,7 @@ proptest! {
                     .collect();
                 let got = futures_util::future::join_all(calls).await;
                 for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
-                    prop_assert_eq!(&got.unwrap(), want, "{:?} at {} with {:?}", op, now, limits);
+                    prop_assert_eq!(&got.env()?, want, "{:?} at {} with {:?}", op, now, limits);
                 }
             }
             Ok(())
@@ -1363,7 +1410,7 @@ proptest! {
                             .arg(&id)
                             .invoke_async(&mut redis)
                             .await
-                            .unwrap();
+                            .env()?;
                         prop_assert_eq!(
                             (got.0 == 1, u64::try_from(got.1).unwrap()),
                             expected,
@@ -1386,7 +1433,7 @@ proptest! {
                             .arg(id)
                             .invoke_async(&mut redis)
                             .await
-                            .unwrap();
+                            .env()?;
                         prop_assert_eq!(got == 1, expected, "step {}", i);
                     }
                     PermitOp::Release(n) => {
@@ -1397,7 +1444,7 @@ proptest! {
                             .arg(id)
                             .query_async(&mut redis)
                             .await
-                            .unwrap();
+                            .env()?;
                     }
                 }
                 let held: Vec<(String, u64)> = redis::cmd("ZRANGE")
@@ -1407,7 +1454,7 @@ proptest! {
                     .arg("WITHSCORES")
                     .query_async(&mut redis)
                     .await
-                    .unwrap();
+                    .env()?;
                 let mut held: Vec<(String, u64)> = held;
                 held.sort();
                 let expected: Vec<(String, u64)> =
@@ -1419,7 +1466,7 @@ proptest! {
                     .arg(&key)
                     .query_async(&mut redis)
                     .await
-                    .unwrap();
+                    .env()?;
                 if held.is_empty() {
                     prop_assert_eq!(ttl, -2, "step {}: an empty set is no key", i);
                 } else {
@@ -1574,7 +1621,7 @@ proptest! {
                     .collect();
                 let got = futures_util::future::join_all(calls).await;
                 for ((op, (_, want)), got) in ops.iter().zip(want).zip(got) {
-                    let got = got.unwrap();
+                    let got = got.env()?;
                     prop_assert_eq!(&got, want, "{:?} at {} in {:?} with {:?}", op, now, batches, limits);
                 }
             }

@@ -1,5 +1,10 @@
 //! The reference model: every algorithm as a pure state transition.
 //!
+//! **Not API.** This module is the specification the stores are tested against, public
+//! only so that the crate's integration tests and benches can run it; it is hidden from
+//! the docs and may change in any release. The algorithms themselves are chosen with
+//! [`Algorithm`](crate::Algorithm) and [`Limit`].
+//!
 //! `(state, now, limit, cost) -> (state', decision)`, with no I/O and no clock reads. The
 //! in-memory store runs this model; the Lua functions in `lua/` implement the same
 //! integer arithmetic, and the conformance tests hold the two equal decision by decision.

@@ -45,8 +45,10 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// does not fit now but would within `max_wait_ms` may be answered *allowed with a
     /// wait* ([`Decision::wait`]); its units are counted now for the moment it may run,
     /// so nobody can take them meanwhile, and the caller runs it after the wait without
-    /// asking again. The token bucket and GCRA reserve; see
-    /// [`algorithm::check_reserving`](crate::algorithm::check_reserving) for the rules.
+    /// asking again. Only the token bucket and GCRA reserve (the bucket into debt, GCRA
+    /// by moving its arrival time ahead, by at most what refills in `max_wait_ms`), and
+    /// only when every limit of the request can: a window, a log or a lockout among them
+    /// makes it the plain denial of [`check`](Self::check).
     /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait) asks this.
     ///
     /// The default reserves nothing: it answers [`check`](Self::check), and the layer

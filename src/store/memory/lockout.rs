@@ -1,14 +1,13 @@
 //! The memory store's lockouts ([`Limit::with_lockout`]): the blocks, in a table of their
-//! own next to the shard's keys, touched only by requests whose limits have a lockout.
+//! own next to the shard's keys, touched only by requests whose limits have a lockout
+//! (`Inner::decide_with_lockouts` in the module above).
 //!
 //! A block lives apart from the key's algorithm state because it outlives it (a 15-minute
 //! block on a one-minute window), and so that entries stay 56 bytes for everyone else.
 
 use hashbrown::HashTable;
-use smallvec::SmallVec;
 
-use super::{Inner, SHARDS, Shard, fingerprint, lock};
-use crate::{Decision, Limit, algorithm, key::Key};
+use crate::key::Key;
 
 /// The blocks of one shard: (key, limit) -> when the block ends.
 #[derive(Default)]
@@ -48,7 +47,7 @@ impl Blocks {
     /// (the shard's share of the store's keys), expired blocks go first, then an eighth
     /// of the table, oldest in table order: memory stays bounded, and as with the keys'
     /// state, only a flood of breaching keys can end a block early.
-    fn set(
+    pub(super) fn set(
         &mut self,
         key_hash: u64,
         key: &Key,
@@ -114,58 +113,11 @@ impl Blocks {
     }
 }
 
-impl Inner {
-    /// Decides a request whose limits have lockouts: the states from the key's slots
-    /// (made when missing) and the blocks from the shard's [`Blocks`], through the
-    /// reference model's [`check_with_lockouts`](algorithm::check_with_lockouts). Apart
-    /// from [`Inner::decide`], so that requests without lockouts pay one test for it.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn decide_with_lockouts(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-        now: u64,
-    ) -> Decision {
-        let hash = self.hash(key);
-        let mut shard = lock(&self.shards[(hash >> 32) as usize % SHARDS]);
-        let Shard {
-            table,
-            known,
-            max_keys,
-            hand,
-            blocks,
-            ..
-        } = &mut *shard;
-        let slots = &mut self
-            .entry(table, known, *max_keys, hand, key, hash, now)
-            .slots;
-        let (indexes, mut states) = slots.take_states(limits, known);
-        let before: SmallVec<[u64; 2]> = limits
-            .iter()
-            .map(|limit| match limit.lockout_ms() {
-                0 => 0,
-                _ => blocks.until(hash, key, fingerprint(limit)),
-            })
-            .collect();
-        let mut until = before.clone();
-        let decision = algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
-        slots.put_back(&indexes, states);
-        for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
-            if new != old {
-                blocks.set(hash, key, fingerprint(limit), new, now, *max_keys);
-            }
-        }
-        decision
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
-    use super::super::{MemoryStore, lock};
+    use super::super::{MemoryStore, shard::lock};
     use crate::{Limit, clock::ManualClock, key::Key};
 
     fn login() -> Limit {
@@ -196,6 +148,39 @@ mod tests {
         // Limiting came back after the block: the window counts again.
         assert!(store.decide(&key, &limits, 1).is_allowed());
         assert!(!store.decide(&key, &limits, 1).is_allowed());
+    }
+
+    /// A block is state until the moment it ends and is dropped then, as the Redis block
+    /// key expires: one millisecond before its end a purge keeps it, at its end a purge
+    /// drops it.
+    #[test]
+    fn a_block_is_dropped_exactly_when_it_ends() {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let limits = [login()];
+        let key = Key::new("mallory");
+        for _ in 0..3 {
+            store.decide(&key, &limits, 1);
+        }
+        let blocks = || -> usize {
+            store
+                .inner
+                .shards
+                .iter()
+                .map(|s| lock(s).blocks.len())
+                .sum()
+        };
+        clock.set(1_000_000 + 60_000 - 1);
+        store.purge_expired();
+        assert_eq!(blocks(), 1);
+        let d = store.decide(&key, &limits, 1);
+        assert_eq!(
+            (d.is_allowed(), d.retry_after()),
+            (false, Duration::from_millis(1))
+        );
+        clock.set(1_000_000 + 60_000);
+        store.purge_expired();
+        assert_eq!(blocks(), 0);
     }
 
     #[test]
