@@ -31,8 +31,8 @@ use tower::{Service, ServiceExt, service_fn};
 
 /// How long a permit given back may take to be free again (Redis: a spawned `ZREM`).
 const DEADLINE: Duration = Duration::from_secs(10);
-/// The tests' lease.
-const LEASE: Duration = Duration::from_secs(60);
+/// The tests' permit TTL.
+const TTL: Duration = Duration::from_secs(60);
 
 type Handler = tower::util::BoxCloneSyncService<Request<Body>, Response<Body>, io::Error>;
 type Limited = InFlight<Handler, HeaderKey, tollgate::DefaultRejection>;
@@ -124,7 +124,7 @@ fn by_client(max: u32) -> InFlightLayer<HeaderKey> {
         // A loaded machine must not fail a Redis call open: these tests are about counts.
         .timeout(Some(Duration::from_secs(10)))
         // Longer than DEADLINE: a permit that is not given back cannot pass for one that is.
-        .lease(LEASE)
+        .permit_ttl(TTL)
 }
 
 async fn send(service: &mut Limited, request: Request<Body>) -> Answer {
@@ -308,7 +308,10 @@ async fn axum_responses_hold_their_permit_until_the_body_ends() {
 #[cfg(feature = "redis")]
 mod redis {
     #[cfg_attr(not(feature = "cluster"), allow(unused_imports))]
-    use tollgate::{Store, clock::ManualClock, store::RedisStore};
+    use tollgate::{
+        clock::ManualClock,
+        store::{Permits, RedisStore},
+    };
 
     use super::{support::RedisServer, *};
 
@@ -331,13 +334,13 @@ mod redis {
     async fn cluster_allows_two_in_flight_per_client() {
         let cluster = support::cluster::RedisCluster::start();
         let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
-        // As an app that holds its store as `Arc<dyn Store>` gives it.
-        let store: Arc<dyn Store> = Arc::new(store);
-        two_in_flight(by_client(2).shared_store(&store)).await;
+        // As an app that holds its store as `Arc<dyn Permits>` gives it.
+        let store: Arc<dyn Permits> = Arc::new(store);
+        two_in_flight(by_client(2).store(store.clone())).await;
         // Two replicas (layers of their own) share the permits.
         let app = App::new();
-        let mut one = app.service(&by_client(2).shared_store(&store));
-        let mut other = app.service(&by_client(2).shared_store(&store));
+        let mut one = app.service(&by_client(2).store(store.clone()));
+        let mut other = app.service(&by_client(2).store(store));
         let _first = until_allowed(&mut one, "c").await;
         let _second = until_allowed(&mut one, "c").await;
         assert_denied(&send(&mut other, request("c")).await);
@@ -408,7 +411,7 @@ mod redis {
         let app = App::new();
         let mut service = app.service(&layer);
         assert_denied(&send(&mut service, request("a")).await);
-        clock.advance(LEASE - Duration::from_millis(1));
+        clock.advance(TTL - Duration::from_millis(1));
         assert_denied(&send(&mut service, request("a")).await);
         clock.advance(Duration::from_millis(2));
         let first = send(&mut service, request("a")).await;
@@ -424,7 +427,7 @@ mod redis {
         let server = RedisServer::start();
         let layer = by_client(1)
             .store(store(&server).await)
-            .lease(Duration::from_millis(600));
+            .permit_ttl(Duration::from_millis(600));
         let app = App::new();
         let mut service = app.service(&layer);
         let held = send(&mut service, request("a")).await;
@@ -552,9 +555,9 @@ mod redis {
     #[tokio::test]
     async fn a_redis_restart_counts_running_requests_again() {
         // Renewed every 5 s: the newcomer gets in long before the first renewal.
-        let lease = Duration::from_secs(15);
+        let ttl = Duration::from_secs(15);
         let mut server = RedisServer::start();
-        let layer = by_client(2).store(store(&server).await).lease(lease);
+        let layer = by_client(2).store(store(&server).await).permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let taken = Instant::now();
@@ -580,16 +583,16 @@ mod redis {
             if answer.body().holds_permit() {
                 break answer;
             }
-            assert!(taken.elapsed() < lease / 3, "Redis never came back");
+            assert!(taken.elapsed() < ttl / 3, "Redis never came back");
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         assert!(
-            taken.elapsed() < lease / 3,
+            taken.elapsed() < ttl / 3,
             "the test's premise: no renewal yet"
         );
 
         // The running requests renew and count again: three held, max two.
-        until_held(|a| server.cli(a), &set, 3, lease / 3 + DEADLINE).await;
+        until_held(|a| server.cli(a), &set, 3, ttl / 3 + DEADLINE).await;
         assert_denied(&send(&mut service, request("a")).await);
         // One ends: two still run, and no room yet.
         let _ended = app.finish(first).await;
@@ -671,7 +674,7 @@ mod redis {
         until_release_failed(&logs).await;
 
         assert_denied(&send(&mut service, request("a")).await);
-        clock.advance(LEASE - Duration::from_millis(1));
+        clock.advance(TTL - Duration::from_millis(1));
         assert_denied(&send(&mut service, request("a")).await);
         clock.advance(Duration::from_millis(1));
         let again = send(&mut service, request("a")).await;
@@ -686,10 +689,10 @@ mod redis {
     #[cfg(feature = "cluster")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cluster_failover_that_lost_the_permits_counts_running_requests_again() {
-        let lease = Duration::from_secs(6);
+        let ttl = Duration::from_secs(6);
         let mut cluster = support::cluster::RedisCluster::start();
         let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
-        let layer = by_client(2).store(store).lease(lease);
+        let layer = by_client(2).store(store).permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let first = send(&mut service, request("a")).await;
@@ -715,7 +718,7 @@ mod redis {
         });
         // The new master forgets the permits (it may have renewed them already).
         cluster.cli(replica, &["DEL", &set]).unwrap();
-        until_held(|a| cluster.cli(replica, a), &set, 2, lease / 3 + DEADLINE).await;
+        until_held(|a| cluster.cli(replica, a), &set, 2, ttl / 3 + DEADLINE).await;
         assert_denied(&send(&mut service, request("a")).await);
 
         let _ended = app.finish(first).await;

@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 
 mod lockout;
 
-use super::{Check, Reset, Store};
+use super::{Check, Reset, Store, permits::LocalPermits};
 use crate::{
     Adjustment, Decision, Limit,
     algorithm::{self, State},
@@ -104,6 +104,8 @@ struct Inner {
     next_sweep_ms: AtomicU64,
     /// The shard the sweep round is in.
     sweep_cursor: AtomicUsize,
+    /// In-flight permits ([`Permits`](super::Permits)), apart from the limits' state.
+    permits: LocalPermits,
 }
 
 /// One lock's worth of keys.
@@ -336,8 +338,17 @@ impl MemoryStore {
                 max_keys: max_keys.max(SHARDS),
                 next_sweep_ms: AtomicU64::new(0),
                 sweep_cursor: AtomicUsize::new(0),
+                permits: LocalPermits::new(),
             }),
         }
+    }
+
+    pub(super) fn local_permits(&self) -> &LocalPermits {
+        &self.inner.permits
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
     }
 
     /// Decides now, synchronously: what [`Store::check`] answers.
