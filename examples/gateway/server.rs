@@ -27,8 +27,8 @@ use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tollgate::{
     FailurePolicy, InFlightLayer, MemoryStore, RateLimitLayer, Store,
     in_flight::InFlightBody,
-    store::Permits,
     key::{ClientIp, GlobalKey, HeaderKey},
+    store::Permits,
 };
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
@@ -918,19 +918,13 @@ fn cause(error: &tollgate::StoreError) -> String {
 }
 
 #[cfg(not(feature = "redis"))]
-async fn connect_redis(
-    _url: &str,
-    _config: &StoreConfig,
-) -> Result<Connected, Error> {
+async fn connect_redis(_url: &str, _config: &StoreConfig) -> Result<Connected, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
 }
 
 #[cfg(feature = "cluster")]
-async fn connect_redis_cluster(
-    nodes: &[String],
-    config: &StoreConfig,
-) -> Result<Connected, Error> {
+async fn connect_redis_cluster(nodes: &[String], config: &StoreConfig) -> Result<Connected, Error> {
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {

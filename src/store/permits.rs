@@ -56,7 +56,8 @@ pub struct Permit {
     max: u32,
     id: u64,
     /// Stops the task that renews the permit when dropped (a store shared between
-    /// processes).
+    /// processes; only the Redis store has one).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     renewal: Option<oneshot::Sender<()>>,
 }
 
@@ -87,6 +88,7 @@ impl Permit {
     }
 
     /// The same permit, renewed by a task until `stop` is dropped with it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn renewed_until_dropped(mut self, stop: oneshot::Sender<()>) -> Self {
         self.renewal = Some(stop);
         self
