@@ -1,12 +1,13 @@
 //! Metrics through the [`metrics`](https://docs.rs/metrics/0.24) facade (feature
 //! `metrics`).
 //!
-//! With the feature on, every layer records, labelled with its
+//! With the feature on, every layer ([`RateLimitLayer`](crate::RateLimitLayer),
+//! [`InFlightLayer`](crate::InFlightLayer)) records, labelled with its
 //! [`name`](crate::RateLimitLayer::name) as `route`:
 //!
 //! | metric | kind | labels | what |
 //! |---|---|---|---|
-//! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error` or `key_missing` |
+//! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error` or `key_missing` (an in-flight layer: `allowed` when a permit was taken, `denied` when none was left) |
 //! | [`tollgate_decision_seconds`](DECISION_SECONDS) | histogram | `route` | time from the store call to its answer (or its timeout) |
 //! | [`tollgate_plan_requests_total`](PLAN_REQUESTS_TOTAL) | counter | `route`, `plan`, `outcome` | one per request decided under a [plan](crate::plan) (also counted in the first) |
 //!

@@ -4,7 +4,7 @@ use std::fmt;
 
 use http::Request;
 
-use crate::store::MemoryStore;
+use crate::{StoreError, key::Key, store::MemoryStore};
 
 /// What a request gets when the store fails (an error, or no answer within the timeout).
 ///
@@ -39,6 +39,44 @@ impl FailurePolicy {
             Self::Local(_) => "local",
         }
     }
+
+    /// What a request of layer `layer` for `key` gets now that its store call failed with
+    /// `error`, logged the same way for every kind of layer (a rate limit, an in-flight
+    /// limit).
+    pub(crate) fn on_failure(&self, error: StoreError, key: &Key, layer: &str) -> Failed<'_> {
+        self.log_failure(&error, key, layer);
+        match self {
+            Self::Allow => Failed::Allow,
+            Self::Deny => Failed::Deny(error),
+            Self::Local(store) => Failed::Local(store),
+        }
+    }
+
+    /// Logs a store call of layer `layer` for `key` that failed with `error`, before this
+    /// policy answers. A skipped call (the circuit is open) goes to `debug`, since the
+    /// failures that opened the circuit were logged.
+    pub(crate) fn log_failure(&self, error: &StoreError, key: &Key, layer: &str) {
+        let policy = self.as_str();
+        let chain = error.chain();
+        // Never the key itself: it may be an API key.
+        let redacted = key.redacted();
+        if error.is_circuit_open() {
+            tracing::debug!(error = %chain, key = %redacted, policy, layer, "rate limit store skipped");
+        } else {
+            tracing::warn!(error = %chain, key = %redacted, policy, layer, "rate limit store failed");
+        }
+    }
+}
+
+/// What [`FailurePolicy::on_failure`] says a request gets.
+#[derive(Debug)]
+pub(crate) enum Failed<'a> {
+    /// Passes, unlimited.
+    Allow,
+    /// Is answered with this error (503).
+    Deny(StoreError),
+    /// Is decided by this in-process store.
+    Local(&'a MemoryStore),
 }
 
 impl fmt::Debug for FailurePolicy {

@@ -13,7 +13,10 @@ use tollgate_test_support as support;
 use std::{
     convert::Infallible,
     io,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -23,16 +26,18 @@ use http::{Request, Response, StatusCode, header::RETRY_AFTER};
 use http_body_util::BodyExt;
 use tokio::sync::{Notify, Semaphore};
 use tollgate::{
-    ConfigError, FailurePolicy, InFlightLayer,
+    CircuitBreaker, ConfigError, FailurePolicy, InFlightLayer, MemoryStore, StoreError,
+    StoreErrorKind,
     in_flight::{InFlight, InFlightBody},
-    key::HeaderKey,
+    key::{HeaderKey, Key, KeyExtractor},
+    store::{Acquired, Check, Permit, Permits},
 };
 use tower::{Service, ServiceExt, service_fn};
 
 /// How long a permit given back may take to be free again (Redis: a spawned `ZREM`).
 const DEADLINE: Duration = Duration::from_secs(10);
-/// The tests' lease.
-const LEASE: Duration = Duration::from_secs(60);
+/// The tests' permit TTL.
+const TTL: Duration = Duration::from_secs(60);
 
 type Handler = tower::util::BoxCloneSyncService<Request<Body>, Response<Body>, io::Error>;
 type Limited = InFlight<Handler, HeaderKey, tollgate::DefaultRejection>;
@@ -124,7 +129,7 @@ fn by_client(max: u32) -> InFlightLayer<HeaderKey> {
         // A loaded machine must not fail a Redis call open: these tests are about counts.
         .timeout(Some(Duration::from_secs(10)))
         // Longer than DEADLINE: a permit that is not given back cannot pass for one that is.
-        .lease(LEASE)
+        .permit_ttl(TTL)
 }
 
 async fn send(service: &mut Limited, request: Request<Body>) -> Answer {
@@ -305,10 +310,189 @@ async fn axum_responses_hold_their_permit_until_the_body_ends() {
     assert_eq!(get().await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
+/// A store that fails every call (a backend that refuses), or never answers while
+/// `stalled`; it counts the calls that reach it.
+#[derive(Debug, Default)]
+struct Failing {
+    calls: AtomicUsize,
+    stalled: AtomicBool,
+}
+
+impl Permits for Failing {
+    fn acquire(&self, _key: &Key, _max: u32, _ttl: Duration) -> Check<Acquired> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.stalled.load(Ordering::SeqCst) {
+            return Check::pending(std::future::pending());
+        }
+        Check::ready(Err(StoreError::new(
+            StoreErrorKind::Unavailable,
+            "connection refused",
+        )))
+    }
+
+    fn release(&self, _permit: Permit) {
+        unreachable!("no permit was ever taken");
+    }
+}
+
+/// The key `by_client` counts `client`'s requests under.
+fn key_of(client: &str) -> Key {
+    HeaderKey::new("x-client")
+        .unwrap()
+        .extract(&request(client))
+        .unwrap()
+}
+
+fn failing() -> Arc<Failing> {
+    Arc::new(Failing::default())
+}
+
+/// `FailurePolicy::Local(store)` counts the permits in `store` while the store fails:
+/// two layers with one fallback store share a key's permits, and the store sees them.
+#[tokio::test]
+async fn the_local_policy_counts_in_its_own_memory_store() {
+    let memory = MemoryStore::new();
+    let layer = |store: Arc<Failing>| {
+        by_client(1)
+            .store(store)
+            .circuit_breaker(None)
+            .on_store_error(FailurePolicy::Local(memory.clone()))
+    };
+    let app = App::new();
+    let mut one = app.service(&layer(failing()));
+    let mut other = app.service(&layer(failing()));
+    let held = send(&mut one, request("a")).await;
+    assert_eq!(held.status(), StatusCode::OK);
+    assert!(held.body().holds_permit());
+    // The other layer's fallback is the same store: no permit left for `a`.
+    assert_denied(&send(&mut other, request("a")).await);
+    let key = key_of("a");
+    let acquired = memory
+        .acquire(&key, 1, TTL)
+        .await
+        .expect("a memory store answers");
+    assert!(!acquired.is_taken(), "the fallback store holds the permit");
+    // Back in the store once the body ends.
+    let _ended = app.finish(held).await;
+    let permit = memory.acquire(&key, 1, TTL).await.unwrap().into_permit();
+    memory.release(permit.expect("the permit came back to the fallback store"));
+    let again = send(&mut other, request("a")).await;
+    assert!(again.body().holds_permit());
+}
+
+/// A failing store is asked until the breaker opens, then skipped; the failure policy
+/// answers meanwhile, logged as a rate limit's store failure under the layer's name.
+#[tokio::test]
+async fn a_failing_store_opens_the_circuit_and_the_policy_answers() {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let store = failing();
+    let layer = by_client(1)
+        .store(store.clone())
+        .circuit_breaker(Some(CircuitBreaker::new(2, Duration::from_secs(60))))
+        .on_store_error(FailurePolicy::Deny)
+        .name("uploads");
+    let app = App::new();
+    let mut service = app.service(&layer);
+    for _ in 0..5 {
+        let answer = send(&mut service, request("a")).await;
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!answer.body().holds_permit());
+    }
+    assert_eq!(store.calls.load(Ordering::SeqCst), 2, "the circuit opened");
+    let text = logs.text();
+    let failed: Vec<_> = text
+        .lines()
+        .filter(|line| line.contains("rate limit store failed"))
+        .collect();
+    assert_eq!(failed.len(), 2, "{text}");
+    assert!(
+        failed[0].contains("layer=\"uploads\"") || failed[0].contains("layer=uploads"),
+        "{text}"
+    );
+    assert!(failed[0].contains("policy=\"deny\"") || failed[0].contains("policy=deny"));
+    assert!(!failed[0].contains("key=a "), "the key is redacted: {text}");
+    assert_eq!(
+        text.matches("rate limit store skipped").count(),
+        3,
+        "{text}"
+    );
+
+    // Without a breaker every request asks the store.
+    let store = failing();
+    let layer = by_client(1).store(store.clone()).circuit_breaker(None);
+    let mut service = app.service(&layer);
+    for _ in 0..5 {
+        let answer = send(&mut service, request("a")).await;
+        // Fails open (the default), holding nothing.
+        assert_eq!(answer.status(), StatusCode::OK);
+        assert!(!answer.body().holds_permit());
+    }
+    assert_eq!(store.calls.load(Ordering::SeqCst), 5);
+}
+
+/// A store that does not answer is given up on after the timeout.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_does_not_answer_times_out() {
+    let store = failing();
+    store.stalled.store(true, Ordering::SeqCst);
+    let layer = by_client(1)
+        .store(store.clone())
+        .timeout(Some(Duration::from_millis(50)))
+        .on_store_error(FailurePolicy::Deny);
+    let app = App::new();
+    let mut service = app.service(&layer);
+    let start = tokio::time::Instant::now();
+    let answer = send(&mut service, request("a")).await;
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(start.elapsed(), Duration::from_millis(50));
+}
+
+/// Each layer counts its requests under its name (feature `metrics`).
+#[cfg(feature = "metrics")]
+#[test]
+fn requests_are_counted_under_the_layers_name() {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let app = App::new();
+            let mut service = app.service(&by_client(1).name("streams"));
+            let _held = send(&mut service, request("a")).await;
+            assert_denied(&send(&mut service, request("a")).await);
+            assert_denied(&send(&mut service, request("a")).await);
+            let missing = Request::get("/").body(Body::empty()).unwrap();
+            let answer = send(&mut service, missing).await;
+            assert_eq!(answer.status(), StatusCode::BAD_REQUEST);
+        });
+    });
+    let page = recorder.handle().render();
+    let count = |outcome: &str| -> u64 {
+        let labels = format!(r#"route="streams",outcome="{outcome}""#);
+        page.lines()
+            .find(|line| line.starts_with("tollgate_requests_total{") && line.contains(&labels))
+            .map_or(0, |line| line.rsplit(' ').next().unwrap().parse().unwrap())
+    };
+    assert_eq!(count("allowed"), 1, "{page}");
+    assert_eq!(count("denied"), 2, "{page}");
+    assert_eq!(count("key_missing"), 1, "{page}");
+    assert!(
+        page.contains(r#"tollgate_decision_seconds_count{route="streams"} 3"#),
+        "{page}"
+    );
+}
+
 #[cfg(feature = "redis")]
 mod redis {
     #[cfg_attr(not(feature = "cluster"), allow(unused_imports))]
-    use tollgate::{Store, clock::ManualClock, store::RedisStore};
+    use tollgate::{
+        clock::ManualClock,
+        store::{Permits, RedisStore},
+    };
 
     use super::{support::RedisServer, *};
 
@@ -331,13 +515,13 @@ mod redis {
     async fn cluster_allows_two_in_flight_per_client() {
         let cluster = support::cluster::RedisCluster::start();
         let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
-        // As an app that holds its store as `Arc<dyn Store>` gives it.
-        let store: Arc<dyn Store> = Arc::new(store);
-        two_in_flight(by_client(2).shared_store(&store)).await;
+        // As an app that holds its store as `Arc<dyn Permits>` gives it.
+        let store: Arc<dyn Permits> = Arc::new(store);
+        two_in_flight(by_client(2).store(store.clone())).await;
         // Two replicas (layers of their own) share the permits.
         let app = App::new();
-        let mut one = app.service(&by_client(2).shared_store(&store));
-        let mut other = app.service(&by_client(2).shared_store(&store));
+        let mut one = app.service(&by_client(2).store(store.clone()));
+        let mut other = app.service(&by_client(2).store(store));
         let _first = until_allowed(&mut one, "c").await;
         let _second = until_allowed(&mut one, "c").await;
         assert_denied(&send(&mut other, request("c")).await);
@@ -408,7 +592,7 @@ mod redis {
         let app = App::new();
         let mut service = app.service(&layer);
         assert_denied(&send(&mut service, request("a")).await);
-        clock.advance(LEASE - Duration::from_millis(1));
+        clock.advance(TTL - Duration::from_millis(1));
         assert_denied(&send(&mut service, request("a")).await);
         clock.advance(Duration::from_millis(2));
         let first = send(&mut service, request("a")).await;
@@ -424,7 +608,7 @@ mod redis {
         let server = RedisServer::start();
         let layer = by_client(1)
             .store(store(&server).await)
-            .lease(Duration::from_millis(600));
+            .permit_ttl(Duration::from_millis(600));
         let app = App::new();
         let mut service = app.service(&layer);
         let held = send(&mut service, request("a")).await;
@@ -552,9 +736,9 @@ mod redis {
     #[tokio::test]
     async fn a_redis_restart_counts_running_requests_again() {
         // Renewed every 5 s: the newcomer gets in long before the first renewal.
-        let lease = Duration::from_secs(15);
+        let ttl = Duration::from_secs(15);
         let mut server = RedisServer::start();
-        let layer = by_client(2).store(store(&server).await).lease(lease);
+        let layer = by_client(2).store(store(&server).await).permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let taken = Instant::now();
@@ -580,16 +764,16 @@ mod redis {
             if answer.body().holds_permit() {
                 break answer;
             }
-            assert!(taken.elapsed() < lease / 3, "Redis never came back");
+            assert!(taken.elapsed() < ttl / 3, "Redis never came back");
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         assert!(
-            taken.elapsed() < lease / 3,
+            taken.elapsed() < ttl / 3,
             "the test's premise: no renewal yet"
         );
 
         // The running requests renew and count again: three held, max two.
-        until_held(|a| server.cli(a), &set, 3, lease / 3 + DEADLINE).await;
+        until_held(|a| server.cli(a), &set, 3, ttl / 3 + DEADLINE).await;
         assert_denied(&send(&mut service, request("a")).await);
         // One ends: two still run, and no room yet.
         let _ended = app.finish(first).await;
@@ -671,7 +855,7 @@ mod redis {
         until_release_failed(&logs).await;
 
         assert_denied(&send(&mut service, request("a")).await);
-        clock.advance(LEASE - Duration::from_millis(1));
+        clock.advance(TTL - Duration::from_millis(1));
         assert_denied(&send(&mut service, request("a")).await);
         clock.advance(Duration::from_millis(1));
         let again = send(&mut service, request("a")).await;
@@ -686,10 +870,10 @@ mod redis {
     #[cfg(feature = "cluster")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cluster_failover_that_lost_the_permits_counts_running_requests_again() {
-        let lease = Duration::from_secs(6);
+        let ttl = Duration::from_secs(6);
         let mut cluster = support::cluster::RedisCluster::start();
         let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
-        let layer = by_client(2).store(store).lease(lease);
+        let layer = by_client(2).store(store).permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let first = send(&mut service, request("a")).await;
@@ -715,7 +899,7 @@ mod redis {
         });
         // The new master forgets the permits (it may have renewed them already).
         cluster.cli(replica, &["DEL", &set]).unwrap();
-        until_held(|a| cluster.cli(replica, a), &set, 2, lease / 3 + DEADLINE).await;
+        until_held(|a| cluster.cli(replica, a), &set, 2, ttl / 3 + DEADLINE).await;
         assert_denied(&send(&mut service, request("a")).await);
 
         let _ended = app.finish(first).await;
@@ -727,14 +911,16 @@ mod redis {
         assert_denied(&send(&mut service, request("a")).await);
     }
 
-    /// Local: while Redis is down, permits are counted in the process.
+    /// Local: while Redis is down, permits are counted in the process, in the policy's
+    /// memory store.
     #[tokio::test]
     async fn a_failing_redis_with_the_local_policy_counts_in_the_process() {
         let mut server = RedisServer::start();
+        let memory = MemoryStore::new();
         let layer = by_client(1)
             .store(store(&server).await)
             .timeout(Some(Duration::from_secs(2)))
-            .on_store_error(FailurePolicy::local());
+            .on_store_error(FailurePolicy::Local(memory.clone()));
         let app = App::new();
         let mut service = app.service(&layer);
         server.kill();
@@ -742,6 +928,8 @@ mod redis {
         assert_eq!(held.status(), StatusCode::OK);
         assert!(held.body().holds_permit());
         assert_denied(&send(&mut service, request("a")).await);
+        let full = memory.acquire(&key_of("a"), 1, TTL).await.unwrap();
+        assert!(!full.is_taken(), "held in the policy's store");
         drop(held);
         assert_eq!(
             send(&mut service, request("a")).await.status(),

@@ -1360,7 +1360,7 @@ enum PermitWait {
     ToFirstEnd(i64),
 }
 
-fn next_permit_now(now: u64, wait: PermitWait, model: &algorithm::Leases) -> u64 {
+fn next_permit_now(now: u64, wait: PermitWait, model: &algorithm::in_flight::Permits) -> u64 {
     match wait {
         PermitWait::Ms(ms) => now + ms,
         PermitWait::ToFirstEnd(delta) => model
@@ -1376,7 +1376,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
 
     /// The in-flight scripts take, renew and give back permits exactly like the model
-    /// (`algorithm::Leases`): the same answers, the same leases after every step, and a
+    /// (`algorithm::in_flight::Permits`): the same answers, the same leases after every step, and a
     /// TTL that ends with the last lease.
     #[test]
     fn in_flight_scripts_follow_the_lease_model(
@@ -1393,7 +1393,7 @@ proptest! {
             let key = format!("leases{case}:{{k}}:inflight:{max}");
             let acquire = redis::Script::new(tollgate::store::IN_FLIGHT_ACQUIRE_SOURCE);
             let renew = redis::Script::new(tollgate::store::IN_FLIGHT_RENEW_SOURCE);
-            let mut model = algorithm::Leases::default();
+            let mut model = algorithm::in_flight::Permits::default();
             let mut taken: Vec<String> = Vec::new();
             let mut now = START;
             for (i, &(wait, op, lease)) in steps.iter().enumerate() {

@@ -28,6 +28,7 @@ use tollgate::{
     FailurePolicy, InFlightLayer, MemoryStore, RateLimitLayer, Store,
     in_flight::InFlightBody,
     key::{ClientIp, GlobalKey, HeaderKey},
+    store::Permits,
 };
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
@@ -86,6 +87,9 @@ pub(crate) struct Live {
     config: Mutex<Config>,
     /// Kept across reloads: the budgets live in it.
     store: Arc<dyn Store>,
+    /// The same store, where the `max_in_flight` permits live: kept across reloads, so a
+    /// reload does not start the count afresh.
+    permits: Arc<dyn Permits>,
     /// The fallback of `on_error = "local"` (a memory store), kept across reloads too.
     local: FailurePolicy,
     /// Kept across reloads: its pooled upstream connections stay.
@@ -185,7 +189,7 @@ impl Live {
         new.store.background = running.store.background;
         new.rules = running.rules.clone();
         warn_about_exposure(&new, Some(&running));
-        let gateway = build_gateway(&new, &self.store, &self.local, &self.client);
+        let gateway = build_gateway(&new, &self.store, &self.permits, &self.local, &self.client);
         // Limits whose state carries over keep their store keys with new parameters: a
         // store that remembers limits (the memory store's expiry) learns them.
         let limits: Vec<tollgate::Limit> = new
@@ -324,11 +328,11 @@ fn warn_about_exposure(config: &Config, previous: Option<&Config>) {
 pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     warn_about_exposure(&config, None);
     let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
-    let (store, leased) = connect_store(&config.store).await?;
+    let (store, permits, leased) = connect_store(&config.store).await?;
     let follow = first_rule_set(&mut config, store.connecting()).await?;
     let client = proxy::client();
     let local = FailurePolicy::local();
-    let gateway = build_gateway(&config, &store, &local, &client);
+    let gateway = build_gateway(&config, &store, &permits, &local, &client);
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -369,6 +373,7 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         gateway: ArcSwap::from_pointee(gateway),
         config: Mutex::new(config.clone()),
         store,
+        permits,
         local,
         client,
         version: AtomicU64::new(1),
@@ -494,11 +499,12 @@ async fn first_rule_set(
     Ok(None)
 }
 
-/// The route table of `config`, its limits on `store`.
+/// The route table of `config`, its limits on `store` (in-flight limits on `permits`).
 /// `local` is the fallback store of `on_error = "local"`, kept across reloads like `store`.
 fn build_gateway(
     config: &Config,
     store: &Arc<dyn Store>,
+    permits: &Arc<dyn Permits>,
     local: &FailurePolicy,
     client: &proxy::HttpClient,
 ) -> Gateway {
@@ -517,7 +523,8 @@ fn build_gateway(
         .routes
         .iter()
         .map(|route| {
-            let service = route_service(route, config, store, &policy, &proxy, &mut admin);
+            let stores = (store, permits);
+            let service = route_service(route, config, stores, &policy, &proxy, &mut admin);
             (route.path.clone(), service)
         })
         .collect();
@@ -572,7 +579,7 @@ async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Respon
 fn route_service(
     route: &Route,
     config: &Config,
-    store: &Arc<dyn Store>,
+    (store, permits): (&Arc<dyn Store>, &Arc<dyn Permits>),
     policy: &FailurePolicy,
     proxy: &Arc<proxy::Settings>,
     admin: &mut Vec<admin::Entry>,
@@ -629,7 +636,7 @@ fn route_service(
         );
     }
     if let Some(max) = route.max_in_flight {
-        service = in_flight(route, max, config, store, policy, service);
+        service = in_flight(route, max, config, permits, policy, service);
     }
     service
 }
@@ -640,7 +647,7 @@ fn in_flight(
     route: &Route,
     max: u32,
     config: &Config,
-    store: &Arc<dyn Store>,
+    permits: &Arc<dyn Permits>,
     policy: &FailurePolicy,
     service: RouteService,
 ) -> RouteService {
@@ -652,9 +659,10 @@ fn in_flight(
         .unwrap_or(KeySpec::Ip);
     let layer = InFlightLayer::new(max)
         .expect("max_in_flight validated with the config")
-        .shared_store(store)
+        .store(permits.clone())
         .on_store_error(policy.clone())
-        .timeout(Some(config.store.timeout));
+        .timeout(Some(config.store.timeout))
+        .name(format!("{} in_flight", route.path));
     // The permit rides in the body until it ends: boxed into axum's body here.
     fn boxed<S>(service: S) -> RouteService
     where
@@ -816,14 +824,20 @@ fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<RouteLimit>)> {
     groups
 }
 
-async fn connect_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Leased), Error> {
+/// The store, as the rate limits and as the in-flight limits use it, and its leases.
+type Connected = (Arc<dyn Store>, Arc<dyn Permits>, Leased);
+
+async fn connect_store(config: &StoreConfig) -> Result<Connected, Error> {
     tracing::debug!(
         prefix = config.prefix,
         tls_files = config.tls.is_set(),
         "connecting the store"
     );
     match &config.backend {
-        Backend::Memory => Ok((Arc::new(MemoryStore::new()), Leased::default())),
+        Backend::Memory => {
+            let store = MemoryStore::new();
+            Ok((Arc::new(store.clone()), Arc::new(store), Leased::default()))
+        }
         Backend::Redis { url } => connect_redis(url, config).await,
         Backend::RedisCluster { nodes } => connect_redis_cluster(nodes, config).await,
         Backend::RedisSentinel(sentinel) => connect_redis_sentinel(sentinel, config).await,
@@ -852,7 +866,7 @@ fn tls_config(tls: &crate::config::StoreTls) -> Result<tollgate::store::TlsConfi
 fn with_prefix(
     store: tollgate::store::RedisStore,
     config: &StoreConfig,
-) -> Result<(Arc<dyn Store>, Leased), Error> {
+) -> Result<Connected, Error> {
     let mut store = store
         .with_prefix(&config.prefix)
         .map_err(|e| format!("store.prefix: {e}"))?;
@@ -861,11 +875,11 @@ fn with_prefix(
         store = store.with_leases(leases.library()?);
         leased = Leased(Some(store.clone()));
     }
-    Ok((Arc::new(store), leased))
+    Ok((Arc::new(store.clone()), Arc::new(store), leased))
 }
 
 #[cfg(feature = "redis")]
-async fn connect_redis(url: &str, config: &StoreConfig) -> Result<(Arc<dyn Store>, Leased), Error> {
+async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Connected, Error> {
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
@@ -904,19 +918,13 @@ fn cause(error: &tollgate::StoreError) -> String {
 }
 
 #[cfg(not(feature = "redis"))]
-async fn connect_redis(
-    _url: &str,
-    _config: &StoreConfig,
-) -> Result<(Arc<dyn Store>, Leased), Error> {
+async fn connect_redis(_url: &str, _config: &StoreConfig) -> Result<Connected, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis\" needs the gateway built with the redis feature".into())
 }
 
 #[cfg(feature = "cluster")]
-async fn connect_redis_cluster(
-    nodes: &[String],
-    config: &StoreConfig,
-) -> Result<(Arc<dyn Store>, Leased), Error> {
+async fn connect_redis_cluster(nodes: &[String], config: &StoreConfig) -> Result<Connected, Error> {
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
@@ -942,7 +950,7 @@ async fn connect_redis_cluster(
 async fn connect_redis_cluster(
     _nodes: &[String],
     _config: &StoreConfig,
-) -> Result<(Arc<dyn Store>, Leased), Error> {
+) -> Result<Connected, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err("store.backend: \"redis-cluster\" needs the gateway built with the cluster feature".into())
 }
@@ -951,7 +959,7 @@ async fn connect_redis_cluster(
 async fn connect_redis_sentinel(
     sentinel: &SentinelBackend,
     config: &StoreConfig,
-) -> Result<(Arc<dyn Store>, Leased), Error> {
+) -> Result<Connected, Error> {
     let mut library =
         tollgate::store::SentinelConfig::new(&sentinel.sentinels, &sentinel.master_name);
     if let Some(password) = &sentinel.password {
@@ -994,7 +1002,7 @@ async fn connect_redis_sentinel(
 async fn connect_redis_sentinel(
     _sentinel: &SentinelBackend,
     _config: &StoreConfig,
-) -> Result<(Arc<dyn Store>, Leased), Error> {
+) -> Result<Connected, Error> {
     // Config validation already refused this; kept for a clear message all the same.
     Err(
         "store.backend: \"redis-sentinel\" needs the gateway built with the sentinel feature"

@@ -713,6 +713,76 @@ async fn memory_max_in_flight_holds_streaming_responses() {
     max_in_flight_holds_streaming_responses(MEMORY).await;
 }
 
+/// A reload rebuilds the route's layers, but the permits live in the store the gateway
+/// keeps: a response still streaming counts after the reload (it started the count afresh
+/// before).
+#[tokio::test]
+async fn memory_max_in_flight_counts_across_a_reload() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let upstream = {
+        let gate = gate.clone();
+        Router::new().fallback(move || {
+            let gate = gate.clone();
+            async move {
+                Body::from_stream(futures_util::stream::once(async move {
+                    gate.acquire().await.unwrap().forget();
+                    Ok::<_, std::convert::Infallible>(Bytes::from_static(b"done"))
+                }))
+            }
+        })
+    };
+    let (upstream, _task) = serve(upstream).await;
+    let text = |limit: u32| {
+        format!(
+            "listen = \"127.0.0.1:0\"\n[[routes]]\npath = \"/\"\n\
+             upstream = \"http://{upstream}\"\nmax_in_flight = 1\n\
+             [[routes.limits]]\nkey = \"header:x-client\"\nalgorithm = \"fixed_window\"\n\
+             limit = {limit}\nwindow = \"1h\"\n"
+        )
+    };
+    let gw = server::start(Config::parse(&text(1000)).unwrap())
+        .await
+        .unwrap();
+    let client = client();
+    let start = || {
+        let request = http::Request::get(url(&gw, "/"))
+            .header("x-client", "a")
+            .body(Body::empty())
+            .unwrap();
+        let response = client.request(request);
+        async move {
+            tokio::time::timeout(TIMEOUT, response)
+                .await
+                .expect("no answer in time")
+                .unwrap()
+        }
+    };
+    let held = start().await;
+    assert_eq!(held.status(), StatusCode::OK);
+    assert_eq!(start().await.status(), StatusCode::TOO_MANY_REQUESTS);
+
+    assert_eq!(gw.live().apply(Config::parse(&text(2000)).unwrap()), 2);
+    assert_eq!(
+        start().await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the reload forgot the request in flight"
+    );
+
+    gate.add_permits(1);
+    let body = held.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"done");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while start().await.status() != StatusCode::OK {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the permit never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gate.add_permits(16);
+    gw.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn memory_a_delayed_route_waits_instead_of_429() {
     a_delayed_route_waits_instead_of_429(MEMORY).await;

@@ -42,7 +42,7 @@
 
 mod fixed_window;
 mod gcra;
-mod in_flight;
+pub mod in_flight;
 pub mod lease;
 mod lockout;
 mod sliding_window;
@@ -51,7 +51,6 @@ mod token_bucket;
 
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
-pub use in_flight::Leases;
 pub use lockout::check_with_lockouts;
 pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;

@@ -1,15 +1,16 @@
 //! [`Guarded`]: the store-call policy, in one place. A decorator that bounds every call to
-//! the store by the layer's timeout and keeps a failing store from being asked (the
-//! circuit breaker), feeding the breaker with each call's outcome.
+//! a store (a [`Store`], or the [`Permits`] of an in-flight limit) by the layer's timeout
+//! and keeps a failing store from being asked (the circuit breaker), feeding the breaker
+//! with each call's outcome.
 //!
 //! A call the store decides at once (the memory store, a block-cache hit, an open
 //! circuit) stays ready: no timer, no allocation. Only a call that waits gets the timeout,
 //! and the breaker's [`Feedback`] travels inside it, so that a call dropped before it
 //! answers (its client hung up) still frees the breaker's probe slot.
 
-use std::{sync::Arc, time::Duration};
+use std::{fmt, future::Future, sync::Arc, time::Duration};
 
-use super::{Check, Reset, Store};
+use super::{Acquired, Check, Permits, Reset, Store};
 use crate::{
     Adjustment, Decision, Limit, StoreError,
     breaker::{Admission, Breaker, Feedback},
@@ -17,11 +18,31 @@ use crate::{
 };
 
 /// `store`, called under a timeout and a circuit breaker.
-#[derive(Debug, Clone)]
-pub(crate) struct Guarded {
-    store: Arc<dyn Store>,
+pub(crate) struct Guarded<S: ?Sized = dyn Store> {
+    store: Arc<S>,
     timeout: Option<Duration>,
     breaker: Option<Arc<Breaker>>,
+}
+
+// By hand: derived, they would ask `S: Clone` (and `S: Sized`).
+impl<S: ?Sized> Clone for Guarded<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            timeout: self.timeout,
+            breaker: self.breaker.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug + ?Sized> fmt::Debug for Guarded<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Guarded")
+            .field("store", &self.store)
+            .field("timeout", &self.timeout)
+            .field("breaker", &self.breaker)
+            .finish()
+    }
 }
 
 impl Guarded {
@@ -30,11 +51,70 @@ impl Guarded {
         timeout: Option<Duration>,
         breaker: Option<Arc<Breaker>>,
     ) -> Self {
+        Self::over(store, timeout, breaker)
+    }
+}
+
+impl Guarded<dyn Permits> {
+    /// The permits of an in-flight limit, guarded as a [`Store`] is.
+    pub(crate) fn permits(
+        store: Arc<dyn Permits>,
+        timeout: Option<Duration>,
+        breaker: Option<Arc<Breaker>>,
+    ) -> Self {
+        Self::over(store, timeout, breaker)
+    }
+}
+
+impl<S: ?Sized> Guarded<S> {
+    fn over(store: Arc<S>, timeout: Option<Duration>, breaker: Option<Arc<Breaker>>) -> Self {
         Self {
             store,
             timeout,
             breaker,
         }
+    }
+
+    /// The store, for the calls that go around the guard (a permit's release).
+    pub(crate) fn store(&self) -> &Arc<S> {
+        &self.store
+    }
+
+    /// One store call under the breaker: `open`'s answer while the circuit is open, else
+    /// `call`'s, recorded by the breaker when ready, or put under the timeout.
+    #[inline(always)]
+    fn call<T: Send + 'static>(
+        &self,
+        open: impl FnOnce() -> Result<T, StoreError>,
+        call: impl FnOnce(&S) -> Check<T>,
+    ) -> Result<Result<T, StoreError>, Check<T>> {
+        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
+        if admission == Admission::Skip {
+            return Ok(open());
+        }
+        match call(&*self.store).into_ready() {
+            Ok(result) => {
+                if let Some(breaker) = &self.breaker {
+                    breaker.record(admission, result.is_ok());
+                }
+                Ok(result)
+            }
+            Err(check) => Err(self.wait(check, admission)),
+        }
+    }
+
+    /// `check` under the timeout, reporting to the breaker. Kept out of line: the ready
+    /// path above is the hot one.
+    #[inline(never)]
+    fn wait<T: Send + 'static>(&self, check: Check<T>, admission: Admission) -> Check<T> {
+        if self.timeout.is_none() && self.breaker.is_none() {
+            return check;
+        }
+        let feedback = self
+            .breaker
+            .as_ref()
+            .map(|breaker| Feedback::new(breaker.clone(), admission));
+        Check::pending(guard(check, self.timeout, feedback))
     }
 }
 
@@ -92,42 +172,23 @@ impl Guarded {
             .check_held(key, limits, cost)
             .ok_or_else(StoreError::circuit_open)
     }
+}
 
-    /// One store call under the breaker: `open`'s answer while the circuit is open, else
-    /// `call`'s, recorded by the breaker when ready, or put under the timeout.
-    #[inline(always)]
-    fn call(
+impl Guarded<dyn Permits> {
+    /// [`Permits::acquire`] under the timeout and breaker: the answer if it came at once,
+    /// else the call to wait for. A permit taken after the timeout is given back by the
+    /// store when the call is dropped.
+    #[inline]
+    pub(crate) fn acquire_now(
         &self,
-        open: impl FnOnce() -> Result<Decision, StoreError>,
-        call: impl FnOnce(&dyn Store) -> Check,
-    ) -> Result<Result<Decision, StoreError>, Check> {
-        let admission = self.breaker.as_ref().map_or(Admission::Ask, |b| b.admit());
-        if admission == Admission::Skip {
-            return Ok(open());
-        }
-        match call(&*self.store).into_ready() {
-            Ok(result) => {
-                if let Some(breaker) = &self.breaker {
-                    breaker.record(admission, result.is_ok());
-                }
-                Ok(result)
-            }
-            Err(check) => Err(self.wait(check, admission)),
-        }
-    }
-
-    /// `check` under the timeout, reporting to the breaker. Kept out of line: the ready
-    /// path above is the hot one.
-    #[inline(never)]
-    fn wait(&self, check: Check, admission: Admission) -> Check {
-        if self.timeout.is_none() && self.breaker.is_none() {
-            return check;
-        }
-        let feedback = self
-            .breaker
-            .as_ref()
-            .map(|breaker| Feedback::new(breaker.clone(), admission));
-        Check::pending(guard(check, self.timeout, feedback))
+        key: &Key,
+        max: u32,
+        ttl: Duration,
+    ) -> Result<Result<Acquired, StoreError>, Check<Acquired>> {
+        self.call(
+            || Err(StoreError::circuit_open()),
+            |store| store.acquire(key, max, ttl),
+        )
     }
 }
 
@@ -159,7 +220,7 @@ impl Guarded {
 
 // The layer calls `check_now`; the tests here ask it as any store.
 #[cfg(test)]
-impl Store for Guarded {
+impl Store for Guarded<dyn Store> {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         match self.check_now(key, limits, cost) {
             Ok(result) => Check::ready(result),
@@ -177,11 +238,11 @@ impl Store for Guarded {
 
 /// Waits for `check` at most `timeout`, then reports to the breaker. Dropped before that,
 /// `feedback` frees the probe slot it may hold.
-async fn guard(
-    check: Check,
+async fn guard<T>(
+    check: impl Future<Output = Result<T, StoreError>>,
     timeout: Option<Duration>,
     feedback: Option<Feedback>,
-) -> Result<Decision, StoreError> {
+) -> Result<T, StoreError> {
     let result = match timeout {
         // A call that timed out is not retried: it may have counted.
         Some(timeout) => tokio::time::timeout(timeout, check)

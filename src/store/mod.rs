@@ -1,4 +1,5 @@
-//! Stores: where the algorithms' state lives and where decisions are made.
+//! Stores: where the algorithms' state lives and where decisions are made ([`Store`]),
+//! and where the permits of in-flight limits are counted ([`Permits`]).
 //!
 //! - [`MemoryStore`]: in-process, the embedded default. Each process has its own budget.
 //! - `RedisStore` (feature `redis`): one Lua script per decision, so that every replica
@@ -7,6 +8,7 @@
 mod check;
 mod guarded;
 mod memory;
+mod permits;
 mod prefix;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
@@ -16,6 +18,8 @@ use std::{fmt, future::Future, pin::Pin, sync::Arc};
 pub use check::Check;
 pub(crate) use guarded::Guarded;
 pub use memory::MemoryStore;
+pub(crate) use permits::LocalPermits;
+pub use permits::{Acquired, Permit, Permits};
 pub use prefix::validate_prefix;
 #[cfg(feature = "sentinel")]
 pub use redis::SentinelConfig;
@@ -105,13 +109,6 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         )))
     }
 
-    /// Where [`InFlightLayer::shared_store`](crate::InFlightLayer::shared_store) keeps
-    /// the in-flight permits of layers on this store: `None` (the default) counts them in
-    /// the process; the Redis store shares them as leases.
-    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
-        None
-    }
-
     /// Whether the store is still making its first connection: it started while its
     /// backend was unreachable (a `RedisStore` started `in_background`), and every decision fails
     /// until it connects. A layer on it logs at start what its failure policy answers
@@ -148,10 +145,6 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         (**self).adjust(key, limits, adjustment)
-    }
-
-    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
-        (**self).in_flight_permits()
     }
 
     fn connecting(&self) -> bool {

@@ -33,7 +33,7 @@ use self::{
     evict::{SWEEP_BUCKETS, SWEEP_INTERVAL_MS, drop_expired, evict},
     shard::{Entry, Known, REFERENCED, SHARDS, Shard, Slot, Slots, fingerprint, lock},
 };
-use super::{Check, Reset, Store};
+use super::{Check, Reset, Store, permits::LocalPermits};
 use crate::{
     Adjustment, Decision, Limit,
     algorithm::{self, State},
@@ -101,6 +101,8 @@ struct Inner {
     next_sweep_ms: AtomicU64,
     /// The shard the sweep round is in.
     sweep_cursor: AtomicUsize,
+    /// In-flight permits ([`Permits`](super::Permits)), apart from the limits' state.
+    permits: LocalPermits,
 }
 
 impl fmt::Debug for MemoryStore {
@@ -167,8 +169,17 @@ impl MemoryStore {
                 max_keys: max_keys.max(SHARDS),
                 next_sweep_ms: AtomicU64::new(0),
                 sweep_cursor: AtomicUsize::new(0),
+                permits: LocalPermits::new(),
             }),
         }
+    }
+
+    pub(super) fn local_permits(&self) -> &LocalPermits {
+        &self.inner.permits
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
     }
 
     /// Decides now, synchronously: what [`Store::check`] answers.

@@ -24,7 +24,6 @@ pub use self::connect::RedisConnect;
 #[cfg(feature = "tls")]
 pub use self::connect::TlsConfig;
 pub use self::lease::LeaseConfig;
-pub(crate) use self::permits::HeldPermit;
 pub use self::permits::{ACQUIRE as IN_FLIGHT_ACQUIRE_SOURCE, RENEW as IN_FLIGHT_RENEW_SOURCE};
 #[cfg(feature = "sentinel")]
 pub use self::sentinel::SentinelConfig;
@@ -501,10 +500,6 @@ impl Store for RedisStore {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         self.adjust_call(key, limits, adjustment)
-    }
-
-    fn in_flight_permits(&self) -> Option<crate::in_flight::SharedPermits> {
-        Some(crate::in_flight::SharedPermits::redis(self.clone()))
     }
 
     fn connecting(&self) -> bool {

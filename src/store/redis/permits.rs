@@ -1,15 +1,16 @@
-//! Permits for [`InFlightLayer`](crate::InFlightLayer) in Redis: leases that expire.
+//! [`Permits`] in Redis, for [`InFlightLayer`](crate::InFlightLayer): permits with a TTL,
+//! renewed while they are held.
 //!
 //! The permits of one key are a sorted set `<prefix>:{<key>}:inflight:<max>` of permit
-//! ids scored by the time (ms) their lease ends. Taking a permit drops the ended leases,
+//! ids scored by the time (ms) their TTL ends. Taking a permit drops the ended ones,
 //! counts the rest and adds one if there is room; a task renews it while the request
-//! runs and removes it when the response ends. A node that dies stops renewing, so its
-//! permits end at most one lease after its last renewal. A removal that fails (Redis out
+//! runs and removes it when it is released. A node that dies stops renewing, so its
+//! permits end at most one TTL after its last renewal. A removal that fails (Redis out
 //! of reach when the request ended) is tried again, after 100 ms and then less and less
-//! often, for one lease; if Redis does not answer in that time, the lease ends the permit.
+//! often, for one TTL; if Redis does not answer in that time, the TTL ends the permit.
 //!
 //! A renewal that finds its permit gone (Redis restarted without it, a failover to a
-//! replica that had not seen it, or its lease ended while Redis was out of reach) adds it
+//! replica that had not seen it, or its TTL ended while Redis was out of reach) adds it
 //! back, even beyond the maximum: the request still runs, and counting it is the honest
 //! count. New requests are then refused until enough running ones end; the alternative,
 //! not counting it, would let up to `max` more in for as long as it runs.
@@ -26,12 +27,16 @@ use redis::{RedisResult, Script, Value};
 use tokio::sync::oneshot;
 
 use super::{Connection, RedisStore, store_error};
-use crate::{StoreError, StoreErrorKind, key::Key};
+use crate::{
+    StoreError, StoreErrorKind,
+    key::Key,
+    store::{Acquired, Check, Permit, Permits},
+};
 
-/// The in-flight script that takes a permit ([`Leases::acquire`](crate::algorithm::Leases::acquire)).
+/// The in-flight script that takes a permit ([`Permits::acquire`](crate::algorithm::in_flight::Permits::acquire)).
 ///
 /// `KEYS[1]`: the permits of one key. ARGV: now in ms ("" reads Redis
-/// `TIME`), lease ms, max permits, the permit id. Returns `{1, held}` when taken,
+/// `TIME`), TTL ms, max permits, the permit id. Returns `{1, held}` when taken,
 /// `{0, held}` when all `max` are held.
 pub const ACQUIRE: &str = r"
 local now = tonumber(ARGV[1])
@@ -51,11 +56,11 @@ redis.call('PEXPIRE', KEYS[1], math.max(tonumber(last[2]) - now, 1))
 return {1, held + 1}
 ";
 
-/// The in-flight script that renews a permit ([`Leases::renew`](crate::algorithm::Leases::renew)).
+/// The in-flight script that renews a permit ([`Permits::renew`](crate::algorithm::in_flight::Permits::renew)).
 ///
-/// `KEYS[1]`: the permits of one key. ARGV: now ("" reads `TIME`), lease
+/// `KEYS[1]`: the permits of one key. ARGV: now ("" reads `TIME`), TTL
 /// ms, the permit id. Returns 1 when the permit was held, 0 when it was gone (Redis lost
-/// it in a restart or a failover, or its lease ended while Redis was out of reach) and
+/// it in a restart or a failover, or its TTL ended while Redis was out of reach) and
 /// is added back: the request still runs, so it counts, even if that makes more than
 /// `max` held until enough requests end.
 pub const RENEW: &str = r"
@@ -74,21 +79,29 @@ static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE))
 static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW));
 
 /// Permit ids: unique per process (a random start) and between processes (the start is
-/// 64 random bits from the standard library's hasher keys).
-fn next_id() -> String {
+/// 64 random bits from the standard library's hasher keys). In Redis, as 16 hex digits.
+fn next_id() -> u64 {
     static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| {
         use std::hash::{BuildHasher, RandomState};
         AtomicU64::new(RandomState::new().hash_one(std::process::id()))
     });
-    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn id_arg(id: u64) -> String {
     format!("{id:016x}")
 }
 
-/// A permit held in Redis. Dropping it ends the renewal task, which then removes the
-/// permit (best effort: when that fails, the lease ends it).
-#[derive(Debug)]
-pub(crate) struct HeldPermit {
-    _done: oneshot::Sender<()>,
+/// Shared by every replica. A permit's renewal task ends when the permit is released (or
+/// dropped), and then removes the permit (best effort: when that fails, its TTL ends it).
+impl Permits for RedisStore {
+    fn acquire(&self, key: &Key, max: u32, ttl: Duration) -> Check<Acquired> {
+        Check::pending(self.acquire_permit(key, max, ttl))
+    }
+
+    fn release(&self, permit: Permit) {
+        drop(permit);
+    }
 }
 
 /// A permit asked for but not yet known to be held: removed when dropped (a timeout, a
@@ -106,7 +119,7 @@ impl Drop for Asking {
 }
 
 fn spawn_release(connection: Connection, key: String, id: String) {
-    // Without a runtime the lease ends the permit.
+    // Without a runtime the TTL ends the permit.
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         runtime.spawn(release(connection, key, id));
     }
@@ -116,7 +129,7 @@ async fn release(connection: Connection, key: String, id: String) {
     let mut zrem = redis::cmd("ZREM");
     zrem.arg(&key).arg(&id);
     if let Err(error) = super::admin::query(connection, &zrem).await {
-        tracing::debug!(error = %error.chain(), "in-flight permit not released; its lease ends it");
+        tracing::debug!(error = %error.chain(), "in-flight permit not released; its TTL ends it");
     }
 }
 
@@ -132,67 +145,82 @@ impl RedisStore {
         out
     }
 
-    /// Takes one of `max` permits of `key` for `lease`, renewed every third of it until
-    /// the returned permit is dropped; `None` when all are held.
-    pub(crate) fn acquire_permit(
+    /// Takes one of `max` permits of `key` for `ttl`, renewed every third of it until
+    /// the returned permit is released.
+    fn acquire_permit(
         &self,
         key: &Key,
         max: u32,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Option<HeldPermit>, StoreError>> + Send + 'static {
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Acquired, StoreError>> + Send + 'static {
         let connection = self.connection.clone();
         let clock = self.clock.clone();
         let set = self.permits_key(key, max);
+        let key = key.clone();
         let id = next_id();
-        let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
         async move {
+            let member = id_arg(id);
             let mut asking = Asking {
-                release: Some((connection.clone(), set.clone(), id.clone())),
+                release: Some((connection.clone(), set.clone(), member.clone())),
             };
             let now = clock.as_ref().map(|c| c.now_ms());
             let args = [
                 now_arg(now),
-                lease_ms.to_string(),
+                ttl_ms.to_string(),
                 max.to_string(),
-                id.clone(),
+                member.clone(),
             ];
             let reply = run(&connection, &ACQUIRE_SCRIPT, ACQUIRE, &set, &args).await?;
-            let taken = match reply {
-                Value::Array(values) => matches!(values.first(), Some(Value::Int(1))),
-                other => {
-                    return Err(StoreError::new(
-                        StoreErrorKind::Response,
-                        format!("in-flight script returned {other:?}"),
-                    ));
-                }
+            let (taken, held) = match &reply {
+                Value::Array(values) => match values.as_slice() {
+                    [Value::Int(taken), Value::Int(held)] => {
+                        (*taken == 1, u64::try_from(*held).unwrap_or(0))
+                    }
+                    _ => return Err(unexpected(&reply)),
+                },
+                _ => return Err(unexpected(&reply)),
             };
             // From here the renewal task (or nobody, when denied) owns the permit.
             asking.release = None;
-            if !taken {
-                return Ok(None);
-            }
-            let (done, stopped) = oneshot::channel();
-            tokio::spawn(hold(connection, clock, set, id, lease_ms, stopped));
-            Ok(Some(HeldPermit { _done: done }))
+            let acquired = if taken {
+                let (stop, stopped) = oneshot::channel();
+                tokio::spawn(hold(connection, clock, set, member, ttl_ms, stopped));
+                let permit = Permit::new(key, max, id).renewed_until_dropped(stop);
+                Acquired::taken(permit, held)
+            } else {
+                Acquired::full(held)
+            };
+            Ok(match now {
+                Some(now) => acquired.decided_at(now),
+                None => acquired,
+            })
         }
     }
+}
+
+fn unexpected(reply: &Value) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Response,
+        format!("in-flight script returned {reply:?}"),
+    )
 }
 
 fn now_arg(now: Option<u64>) -> String {
     now.map_or_else(String::new, |now| now.to_string())
 }
 
-/// Renews the permit every third of its lease until `stopped` fires (its holder dropped
+/// Renews the permit every third of its TTL until `stopped` fires (its holder released
 /// it), then removes it.
 async fn hold(
     connection: Connection,
     clock: Option<std::sync::Arc<dyn crate::clock::Clock>>,
     set: String,
     id: String,
-    lease_ms: u64,
+    ttl_ms: u64,
     mut stopped: oneshot::Receiver<()>,
 ) {
-    let every = Duration::from_millis((lease_ms / 3).max(1));
+    let every = Duration::from_millis((ttl_ms / 3).max(1));
     loop {
         let sleep = std::pin::pin!(tokio::time::sleep(every));
         match futures_util::future::select(&mut stopped, sleep).await {
@@ -200,10 +228,10 @@ async fn hold(
             futures_util::future::Either::Right(_) => {}
         }
         let now = clock.as_ref().map(|c| c.now_ms());
-        let args = [now_arg(now), lease_ms.to_string(), id.clone()];
+        let args = [now_arg(now), ttl_ms.to_string(), id.clone()];
         match run(&connection, &RENEW_SCRIPT, RENEW, &set, &args).await {
             Ok(Value::Int(1)) => {}
-            // Redis lost it (a restart, a failover) or its lease ended while Redis was
+            // Redis lost it (a restart, a failover) or its TTL ended while Redis was
             // out of reach: the request still runs, so it counts again.
             Ok(Value::Int(0)) => {
                 tracing::warn!("in-flight permit lost by Redis; added back");
@@ -216,20 +244,20 @@ async fn hold(
             }
         }
     }
-    give_back(connection, set, id, Duration::from_millis(lease_ms)).await;
+    give_back(connection, set, id, Duration::from_millis(ttl_ms)).await;
 }
 
 /// The first wait before a failed release is tried again; it doubles up to a third of the
-/// lease.
+/// TTL.
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 
 /// Removes the permit of a request that ended. While Redis does not answer, tries again
-/// (after 100 ms, doubling up to a third of the lease) for one lease: a permit given back
-/// as soon as Redis answers again, and at the latest its lease ends it. Removing our own
+/// (after 100 ms, doubling up to a third of the TTL) for one TTL: a permit given back
+/// as soon as Redis answers again, and at the latest its TTL ends it. Removing our own
 /// (unique) id late never takes anyone else's permit.
-async fn give_back(connection: Connection, set: String, id: String, lease: Duration) {
-    let give_up = tokio::time::Instant::now() + lease;
-    let mut wait = RETRY_FIRST.min(lease / 3);
+async fn give_back(connection: Connection, set: String, id: String, ttl: Duration) {
+    let give_up = tokio::time::Instant::now() + ttl;
+    let mut wait = RETRY_FIRST.min(ttl / 3);
     loop {
         let mut zrem = redis::cmd("ZREM");
         zrem.arg(&set).arg(&id);
@@ -237,12 +265,12 @@ async fn give_back(connection: Connection, set: String, id: String, lease: Durat
             return;
         };
         if tokio::time::Instant::now() + wait >= give_up {
-            tracing::debug!(error = %error.chain(), "in-flight permit not released; its lease ends it");
+            tracing::debug!(error = %error.chain(), "in-flight permit not released; its TTL ends it");
             return;
         }
         tracing::debug!(error = %error.chain(), "in-flight permit not released yet; trying again");
         tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(lease / 3);
+        wait = (wait * 2).min(ttl / 3);
     }
 }
 

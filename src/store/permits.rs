@@ -1,0 +1,281 @@
+//! [`Permits`]: where the permits of an [`InFlightLayer`](crate::InFlightLayer) are
+//! counted, next to [`Store`](super::Store) (where decisions are made).
+//!
+//! A permit is taken by one call and given back by another, explicitly: a store that
+//! shares permits between processes (the Redis store) does I/O for both, and a later
+//! store call may take a permit together with a request's decision, or give it back
+//! together with an [adjustment](crate::Adjustment).
+
+use std::{
+    fmt,
+    hash::{Hash, Hasher},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use hashbrown::{Equivalent, HashMap};
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use super::{Check, MemoryStore};
+use crate::key::Key;
+
+/// Counts requests in flight per key: what an [`InFlightLayer`](crate::InFlightLayer)
+/// keeps its permits in. Implemented by [`MemoryStore`] (in the process) and `RedisStore`
+/// (feature `redis`: shared by every replica, as leases).
+pub trait Permits: Send + Sync + fmt::Debug + 'static {
+    /// Takes one of `max` permits of `key`, or answers [`Acquired::full`] when all `max`
+    /// are held. Layers on one store share a key's permits when their `max` is the same.
+    /// The permit is held until it is [released](Self::release); a store shared between
+    /// processes ends it `ttl` after its last renewal when its holder stops renewing (a
+    /// process that died).
+    fn acquire(&self, key: &Key, max: u32, ttl: Duration) -> Check<Acquired>;
+
+    /// Gives `permit` back. Every permit taken comes back through this call, once.
+    fn release(&self, permit: Permit);
+}
+
+impl<P: Permits + ?Sized> Permits for Arc<P> {
+    fn acquire(&self, key: &Key, max: u32, ttl: Duration) -> Check<Acquired> {
+        (**self).acquire(key, max, ttl)
+    }
+
+    fn release(&self, permit: Permit) {
+        (**self).release(permit);
+    }
+}
+
+/// One permit taken: what [`Permits::release`] gives back.
+#[derive(Debug)]
+#[must_use = "a permit stays taken until it is released"]
+pub struct Permit {
+    key: Key,
+    max: u32,
+    id: u64,
+    /// Stops the task that renews the permit when dropped (a store shared between
+    /// processes; only the Redis store has one).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    renewal: Option<oneshot::Sender<()>>,
+}
+
+impl Permit {
+    /// Permit `id` (unique in its store) of `key`, one of `max`.
+    pub fn new(key: Key, max: u32, id: u64) -> Self {
+        Self {
+            key,
+            max,
+            id,
+            renewal: None,
+        }
+    }
+
+    /// The key it was taken for.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The most permits of its key, as asked.
+    pub fn max(&self) -> u32 {
+        self.max
+    }
+
+    /// Its id, unique in its store.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The same permit, renewed by a task until `stop` is dropped with it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn renewed_until_dropped(mut self, stop: oneshot::Sender<()>) -> Self {
+        self.renewal = Some(stop);
+        self
+    }
+}
+
+/// What [`Permits::acquire`] answers: a permit, or none because all were held.
+#[derive(Debug)]
+#[must_use = "a permit taken stays taken until it is released"]
+pub struct Acquired {
+    permit: Option<Permit>,
+    held: u64,
+    decided_at_ms: Option<u64>,
+}
+
+impl Acquired {
+    /// `permit` was taken; `held` permits of its key are held with it.
+    pub fn taken(permit: Permit, held: u64) -> Self {
+        Self {
+            permit: Some(permit),
+            held,
+            decided_at_ms: None,
+        }
+    }
+
+    /// No permit: all of the key's are held (`held` of them, which may be more than the
+    /// maximum while requests whose permits the store lost count again).
+    pub fn full(held: u64) -> Self {
+        Self {
+            permit: None,
+            held,
+            decided_at_ms: None,
+        }
+    }
+
+    /// The same answer, made at `at_ms` on the store's clock (as
+    /// [`Decision::decided_at`](crate::Decision::decided_at)).
+    pub fn decided_at(mut self, at_ms: u64) -> Self {
+        self.decided_at_ms = Some(at_ms);
+        self
+    }
+
+    /// When the store made this answer, if it says.
+    pub fn decided_at_ms(&self) -> Option<u64> {
+        self.decided_at_ms
+    }
+
+    /// Whether a permit was taken.
+    pub fn is_taken(&self) -> bool {
+        self.permit.is_some()
+    }
+
+    /// How many permits of the key are held after this answer.
+    pub fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// The permit taken, if any.
+    pub fn into_permit(self) -> Option<Permit> {
+        self.permit
+    }
+}
+
+/// Permits counted in this process: in flight per key and maximum; a key leaves the map
+/// when its last permit comes back, so a key with nothing in flight takes no memory.
+#[derive(Debug, Default)]
+pub(crate) struct LocalPermits {
+    held: Mutex<HashMap<(Key, u32), u32>>,
+    next_id: AtomicU64,
+}
+
+/// `(key, max)` looked up without cloning the key; hashes as the tuple does.
+struct Lookup<'a>(&'a Key, u32);
+
+impl Hash for Lookup<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+        self.1.hash(state);
+    }
+}
+
+impl Equivalent<(Key, u32)> for Lookup<'_> {
+    fn equivalent(&self, other: &(Key, u32)) -> bool {
+        *self.0 == other.0 && self.1 == other.1
+    }
+}
+
+impl LocalPermits {
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes one of `max` permits of `key` now.
+    pub(crate) fn take(&self, key: &Key, max: u32) -> Acquired {
+        let mut held = self.held.lock();
+        let count = match held.get_mut(&Lookup(key, max)) {
+            Some(count) if *count >= max => return Acquired::full(u64::from(*count)),
+            Some(count) => {
+                *count += 1;
+                *count
+            }
+            None => {
+                held.insert((key.clone(), max), 1);
+                1
+            }
+        };
+        drop(held);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Acquired::taken(Permit::new(key.clone(), max, id), u64::from(count))
+    }
+
+    /// Gives `permit` back.
+    pub(crate) fn give_back(&self, permit: &Permit) {
+        let lookup = Lookup(&permit.key, permit.max);
+        let mut held = self.held.lock();
+        if let Some(count) = held.get_mut(&lookup) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&lookup);
+            }
+        }
+    }
+}
+
+impl Permits for LocalPermits {
+    fn acquire(&self, key: &Key, max: u32, _ttl: Duration) -> Check<Acquired> {
+        Check::ready(Ok(self.take(key, max)))
+    }
+
+    fn release(&self, permit: Permit) {
+        self.give_back(&permit);
+    }
+}
+
+impl MemoryStore {
+    /// [`Permits::acquire`], answered now.
+    pub(crate) fn take_permit(&self, key: &Key, max: u32) -> Acquired {
+        let acquired = self.local_permits().take(key, max);
+        acquired.decided_at(self.now_ms())
+    }
+}
+
+/// In the process: a permit ends when it is released (no TTL, nothing to renew). Clones of
+/// the store share the permits.
+impl Permits for MemoryStore {
+    fn acquire(&self, key: &Key, max: u32, _ttl: Duration) -> Check<Acquired> {
+        Check::ready(Ok(self.take_permit(key, max)))
+    }
+
+    fn release(&self, permit: Permit) {
+        self.local_permits().give_back(&permit);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take(permits: &impl Permits, key: &str, max: u32) -> Option<Permit> {
+        let check = permits.acquire(&Key::new(key), max, Duration::from_secs(1));
+        check.into_ready().unwrap().unwrap().into_permit()
+    }
+
+    #[test]
+    fn counts_per_key_and_maximum_and_forgets_a_key_with_nothing_held() {
+        let local = LocalPermits::new();
+        let a = take(&local, "a", 2).unwrap();
+        let b = take(&local, "a", 2).unwrap();
+        assert_ne!(a.id(), b.id());
+        assert!(take(&local, "a", 2).is_none());
+        // Another key, and the same key under another maximum, count apart.
+        let c = take(&local, "b", 2).unwrap();
+        let d = take(&local, "a", 3).unwrap();
+        local.release(a);
+        let e = take(&local, "a", 2).unwrap();
+        for permit in [b, c, d, e] {
+            local.release(permit);
+        }
+        assert!(local.held.lock().is_empty());
+    }
+
+    #[test]
+    fn clones_of_a_memory_store_share_its_permits() {
+        let store = MemoryStore::new();
+        let held = take(&store, "a", 1).unwrap();
+        assert!(take(&store.clone(), "a", 1).is_none());
+        store.clone().release(held);
+        assert!(take(&store, "a", 1).is_some());
+    }
+}
