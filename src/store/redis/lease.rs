@@ -23,8 +23,8 @@
 //!   leases. An empty lease never rejects: every 429 comes from Redis (or the block
 //!   cache) with its exact `retry_after`.
 //! - A lease at a quarter of its units is refilled by the next request, which goes to
-//!   Redis (one refill in flight per key); if Redis denies that request or fails, it is
-//!   spent from the lease instead.
+//!   Redis (one refill in flight per key) and asks only for what tops the lease up to the
+//!   fraction; if Redis denies that request or fails, it is spent from the lease instead.
 //! - Unused units go back when the key idles, on
 //!   [`release_leases`](super::RedisStore::release_leases), and when the store is dropped
 //!   inside a Tokio runtime.
@@ -111,7 +111,7 @@ impl LeaseConfig {
     }
 
     /// A lease holds at most this fraction of the smallest limit it covers (0.1 by
-    /// default): what one node can hold back from the others. Limits too small for one
+    /// default), refills included: what one node can hold back from the others. Limits too small for one
     /// unit are not leased.
     ///
     /// # Errors
@@ -494,7 +494,13 @@ impl Leases {
         }
         let ask = if !state.asking && state.hot() {
             let wanted = state.rate.max(state.units);
-            wanted.min(self.cap(limits))
+            // A refill tops the lease up to the cap: the grant joins what the node still
+            // holds (`settle`), and the two together never pass the cap.
+            let holding = match &state.lease {
+                Some(lease) if refill => lease.units,
+                _ => 0,
+            };
+            wanted.min(self.cap(limits).saturating_sub(holding))
         } else {
             0
         };
