@@ -43,10 +43,13 @@ use hashbrown::DefaultHashBuilder;
 
 use parking_lot::Mutex;
 use quick_cache::{Equivalent, sync::Cache};
-use redis::Cmd;
 use smallvec::SmallVec;
 
-use super::{Connection, Encoded, LIMIT_FIELDS, block_cache::BlockCache, invoke, local_now_ms};
+use super::{
+    block_cache::{BlockCache, local_now_ms},
+    encode::{Encoded, Return, Rider, Target, return_call},
+    link::Connection,
+};
 use crate::{
     ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable,
     clock::Clock, decision::LimitDecisions, key::Key,
@@ -315,20 +318,6 @@ impl Lease {
     }
 }
 
-/// A lease's keys and limits, as a request encodes them.
-pub(crate) struct Target {
-    keys: super::Keys,
-    group: SmallVec<[u64; LIMIT_FIELDS]>,
-    slot: u16,
-}
-
-/// Units going back, named by their windows.
-pub(crate) struct Return {
-    target: Arc<Target>,
-    units: u64,
-    starts: SmallVec<[u64; 2]>,
-}
-
 /// What the lease part of a check found.
 pub(crate) enum Spent {
     /// Decided from the lease.
@@ -347,9 +336,9 @@ pub(crate) struct Attach {
     sent_at: u64,
     /// The entry's generation then: a reset since voids the grant.
     generation: u64,
-    pub(crate) ask: u64,
+    ask: u64,
     /// The lease this request takes back to Redis (consumed when the call is made).
-    pub(crate) back: Option<Return>,
+    back: Option<Return>,
     /// This request refills a lease that still holds its cost.
     refill: bool,
     settled: AtomicBool,
@@ -583,12 +572,8 @@ impl Leases {
         let mut result = Ok(());
         for same_slot in returns.chunk_by(|a, b| a.target.slot == b.target.slot) {
             for chunk in same_slot.chunks(64) {
-                if let Err(error) = invoke(
-                    connection.clone(),
-                    return_call(&connection.mode, now, chunk),
-                )
-                .await
-                {
+                let call = return_call(&connection.mode, now, chunk);
+                if let Err(error) = connection.invoke(&call).await {
                     result = Err(error);
                 }
             }
@@ -664,22 +649,19 @@ async fn sweep(leases: Weak<Leases>, idle_ms: u64) {
     }
 }
 
-impl Attach {
-    /// How many values of the script's reply are this request's ask's result (after
-    /// every request's own): units, ms left, one window start per limit; none without
-    /// an ask.
-    pub(crate) fn reply_len(&self, encoded: &Encoded) -> usize {
-        if self.ask > 0 {
-            2 + encoded.quotas.len()
-        } else {
-            0
-        }
+impl Rider for Attach {
+    fn ask(&self) -> u64 {
+        self.ask
+    }
+
+    fn back(&self) -> Option<&Return> {
+        self.back.as_ref()
     }
 
     /// Takes the request's reply (and its ask's share of the script's result, when it
     /// asked): installs the granted lease, and answers a refill that Redis denied or could
     /// not decide from the lease it still holds.
-    pub(crate) fn settle(
+    fn settle(
         &self,
         encoded: &Encoded,
         result: Result<Decision, StoreError>,
@@ -805,71 +787,5 @@ fn with_more_remaining(decision: &Decision, more: u64) -> Decision {
     match decision.decided_at_ms() {
         Some(at) => Decision::from_limits(limits).decided_at(at),
         None => Decision::from_limits(limits),
-    }
-}
-
-/// The script call that only returns units (no request).
-fn return_call(mode: &super::function::Mode, now: Option<u64>, returns: &[Return]) -> Cmd {
-    let keys: usize = returns.iter().map(|r| r.target.keys.len()).sum();
-    let mut cmd = Cmd::new();
-    mode.head(&mut cmd, keys);
-    for r in returns {
-        for key in r.target.keys.iter() {
-            cmd.arg(key);
-        }
-    }
-    match now {
-        Some(now) => cmd.arg(now),
-        None => cmd.arg(""),
-    };
-    cmd.arg(returns.len());
-    for r in returns {
-        cmd.arg(r.target.group.len() / LIMIT_FIELDS);
-        for &value in &r.target.group {
-            cmd.arg(value);
-        }
-    }
-    // No requests, no asks; then the returns, each with a group of its own.
-    cmd.arg(0).arg(0).arg(returns.len());
-    let mut first_key = 1;
-    for (index, r) in returns.iter().enumerate() {
-        cmd.arg(index + 1).arg(first_key).arg(r.units);
-        for &start in &r.starts {
-            cmd.arg(start);
-        }
-        first_key += r.target.keys.len();
-    }
-    cmd
-}
-
-/// Appends the lease sections of a script call for `requests` (see `lua/main.lua`): the
-/// asks, then the returns riding on requests, each naming its request's group and keys.
-pub(crate) fn sections(cmd: &mut Cmd, requests: &[&Encoded], group_of: &[usize]) {
-    let asks = requests
-        .iter()
-        .filter(|r| r.lease.as_ref().is_some_and(|a| a.ask > 0))
-        .count();
-    cmd.arg(asks);
-    for (index, request) in requests.iter().enumerate() {
-        if let Some(attach) = &request.lease
-            && attach.ask > 0
-        {
-            cmd.arg(index + 1).arg(attach.ask);
-        }
-    }
-    let returns = requests
-        .iter()
-        .filter(|r| r.lease.as_ref().is_some_and(|a| a.back.is_some()))
-        .count();
-    cmd.arg(returns);
-    let mut first_key = 1;
-    for (request, &group) in requests.iter().zip(group_of) {
-        if let Some(back) = request.lease.as_ref().and_then(|a| a.back.as_ref()) {
-            cmd.arg(group).arg(first_key).arg(back.units);
-            for &start in &back.starts {
-                cmd.arg(start);
-            }
-        }
-        first_key += request.keys.len();
     }
 }

@@ -42,19 +42,18 @@ use std::{
 
 use parking_lot::{Mutex, RwLock};
 use redis::{
-    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, ErrorKind, RedisError, RedisResult,
-    ServerError, ServerErrorKind, Value,
+    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, RedisResult, ServerError,
+    ServerErrorKind, Value,
     aio::{ConnectionLike, MultiplexedConnection},
     cluster_async::ClusterConnection,
-    cluster_routing::SingleNodeRoutingInfo,
 };
 use tokio::sync::{OnceCell, OwnedSemaphorePermit};
 
 use super::{
-    Connection, Encoded,
-    batch::{Batch, deliver, deliver_share, send},
-    connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, TlsConfig},
-    function, invoke, script_call, store_error,
+    deliver::{Batch, deliver, deliver_share, send},
+    encode::{Encoded, script_call},
+    link::Connection,
+    wire::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, TlsConfig, function, store_error},
 };
 use crate::{StoreError, StoreErrorKind};
 
@@ -299,7 +298,7 @@ pub(crate) fn never_ran(error: &ServerError) -> (bool, bool) {
                 && error
                     .details()
                     .is_some_and(|d| d.starts_with("Function not found")))
-                || super::function::unavailable(&error.clone().into()),
+                || function::unavailable(&error.clone().into()),
             false,
         ),
     }
@@ -567,78 +566,6 @@ fn ask_target(error: &ServerError) -> Option<Address> {
     Some(Arc::new((host.to_owned(), port.parse().ok()?)))
 }
 
-/// A call the cluster connection gave up on with `error`: an `ASK` (its slot is being
-/// migrated and its keys are gone, so it never ran) is followed once more, to the node it
-/// names, `ASKING` and the call in one pipeline; any other error stands.
-///
-/// redis-rs follows `ASK` itself, but sends `ASKING` apart from the call on the node's
-/// shared connection: another call redirected there at the same moment (a hot key's two
-/// batches on the wire) can take the `ASKING`, and the call is answered `MOVED` back to
-/// the source, which says `ASK` again, until its retries run out and the redirect reached
-/// the caller as a store error during a resharding.
-pub(crate) async fn follow_ask(
-    cluster: &mut ClusterConnection,
-    mode: &function::Mode,
-    call: &redis::Cmd,
-    error: RedisError,
-) -> RedisResult<Vec<i64>> {
-    if error.kind() != ErrorKind::Server(ServerErrorKind::Ask) {
-        return Err(error);
-    }
-    let Some((host, port)) = error
-        .redirect_node()
-        .and_then(|(node, _)| node.rsplit_once(':'))
-        .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
-    else {
-        return Err(error);
-    };
-    let mut asking = Asking {
-        cluster,
-        route: SingleNodeRoutingInfo::ByAddress { host, port },
-    };
-    // `run`: a missing function or script on the target is loaded there (after `ASKING`
-    // as well, which changes nothing for those commands) and the call sent once more.
-    mode.run(&mut asking, call).await
-}
-
-/// The cluster connection, each command sent to one node right after `ASKING`, in one
-/// pipeline (one write on that node's connection: nothing comes in between).
-struct Asking<'a> {
-    cluster: &'a mut ClusterConnection,
-    route: SingleNodeRoutingInfo,
-}
-
-impl ConnectionLike for Asking<'_> {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        Box::pin(async move {
-            let mut pipeline = redis::pipe();
-            pipeline.add_command(redis::cmd("ASKING"));
-            pipeline.add_command(cmd.clone());
-            let mut values = self
-                .cluster
-                .route_pipeline(pipeline, 1, 1, self.route.clone())
-                .await?;
-            values.pop().ok_or_else(|| {
-                RedisError::from((ErrorKind::Client, "a pipeline's answers ran short"))
-            })
-        })
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        // Only single commands are sent this way (`Mode::run`).
-        self.cluster.req_packed_commands(pipeline, offset, count)
-    }
-
-    fn get_db(&self) -> i64 {
-        0
-    }
-}
-
 /// Each of `calls` on the per-slot path (redirections followed, the script reloaded).
 async fn per_slot(calls: Vec<Batch>, connection: &Connection, now: Option<u64>) {
     let sends = calls.into_iter().map(|batch| {
@@ -646,7 +573,7 @@ async fn per_slot(calls: Vec<Batch>, connection: &Connection, now: Option<u64>) 
         async move {
             let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
             let call = script_call(&connection.mode, now, &requests);
-            let result = invoke(connection, call).await;
+            let result = connection.invoke(&call).await;
             drop(requests);
             deliver(batch, &result);
         }

@@ -22,10 +22,10 @@ use std::{
     time::Duration,
 };
 
-use redis::{RedisResult, Script, Value};
+use redis::{Script, Value};
 use tokio::sync::oneshot;
 
-use super::{Connection, RedisStore, store_error};
+use super::{RedisStore, keys::permits_key, link::Connection};
 use crate::{StoreError, StoreErrorKind, key::Key};
 
 /// The in-flight script that takes a permit ([`Leases::acquire`](crate::algorithm::Leases::acquire)).
@@ -115,23 +115,12 @@ fn spawn_release(connection: Connection, key: String, id: String) {
 async fn release(connection: Connection, key: String, id: String) {
     let mut zrem = redis::cmd("ZREM");
     zrem.arg(&key).arg(&id);
-    if let Err(error) = super::admin::query(connection, &zrem).await {
+    if let Err(error) = connection.query(&zrem).await {
         tracing::debug!(error = %error.chain(), "in-flight permit not released; its lease ends it");
     }
 }
 
 impl RedisStore {
-    /// The sorted set of `key`'s permits under a limit of `max`.
-    fn permits_key(&self, key: &Key, max: u32) -> String {
-        let mut out = String::with_capacity(self.prefix.len() + key.as_str().len() + 24);
-        out.push_str(&self.prefix);
-        out.push_str(":{");
-        out.push_str(key.as_str());
-        out.push_str("}:inflight:");
-        out.push_str(itoa::Buffer::new().format(max));
-        out
-    }
-
     /// Takes one of `max` permits of `key` for `lease`, renewed every third of it until
     /// the returned permit is dropped; `None` when all are held.
     pub(crate) fn acquire_permit(
@@ -142,7 +131,7 @@ impl RedisStore {
     ) -> impl Future<Output = Result<Option<HeldPermit>, StoreError>> + Send + 'static {
         let connection = self.connection.clone();
         let clock = self.clock.clone();
-        let set = self.permits_key(key, max);
+        let set = permits_key(&self.prefix, key, max);
         let id = next_id();
         let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
         async move {
@@ -156,7 +145,7 @@ impl RedisStore {
                 max.to_string(),
                 id.clone(),
             ];
-            let reply = run(&connection, &ACQUIRE_SCRIPT, ACQUIRE, &set, &args).await?;
+            let reply = run(&connection, &ACQUIRE_SCRIPT, &set, &args).await?;
             let taken = match reply {
                 Value::Array(values) => matches!(values.first(), Some(Value::Int(1))),
                 other => {
@@ -201,7 +190,7 @@ async fn hold(
         }
         let now = clock.as_ref().map(|c| c.now_ms());
         let args = [now_arg(now), lease_ms.to_string(), id.clone()];
-        match run(&connection, &RENEW_SCRIPT, RENEW, &set, &args).await {
+        match run(&connection, &RENEW_SCRIPT, &set, &args).await {
             Ok(Value::Int(1)) => {}
             // Redis lost it (a restart, a failover) or its lease ended while Redis was
             // out of reach: the request still runs, so it counts again.
@@ -233,7 +222,7 @@ async fn give_back(connection: Connection, set: String, id: String, lease: Durat
     loop {
         let mut zrem = redis::cmd("ZREM");
         zrem.arg(&set).arg(&id);
-        let Err(error) = super::admin::query(connection.clone(), &zrem).await else {
+        let Err(error) = connection.query(&zrem).await else {
             return;
         };
         if tokio::time::Instant::now() + wait >= give_up {
@@ -246,36 +235,16 @@ async fn give_back(connection: Connection, set: String, id: String, lease: Durat
     }
 }
 
-/// Runs `script` (`source`) on `key` with `args`: EVALSHA, loading the script on
-/// NOSCRIPT (Sentinel: EVAL, which Redis caches as well).
+/// Runs `script` on `key` with `args`: EVALSHA, loading the script on NOSCRIPT.
 async fn run(
     connection: &Connection,
     script: &Script,
-    source: &str,
     key: &str,
     args: &[String],
 ) -> Result<Value, StoreError> {
-    connection.ready()?;
     let mut invocation = script.key(key);
     for arg in args {
         invocation.arg(arg);
     }
-    let result: RedisResult<Value> = match connection.link.clone() {
-        super::Link::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
-        #[cfg(feature = "cluster")]
-        super::Link::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
-        #[cfg(feature = "bb8")]
-        super::Link::Pool(pool) => {
-            let mut connection = super::checkout(&pool).await?;
-            invocation.invoke_async(&mut *connection).await
-        }
-        #[cfg(feature = "sentinel")]
-        super::Link::Sentinel(sentinel) => {
-            let mut eval = redis::cmd("EVAL");
-            eval.arg(source).arg(1).arg(key).arg(args);
-            return sentinel.query(&eval).await;
-        }
-    };
-    let _ = source;
-    result.map_err(store_error)
+    connection.eval(&invocation).await
 }
