@@ -31,131 +31,31 @@
 
 use std::{
     fmt,
-    hash::BuildHasher,
     sync::{
         Arc, Weak,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
 
-use hashbrown::DefaultHashBuilder;
-
 use parking_lot::Mutex;
-use quick_cache::{Equivalent, sync::Cache};
+use quick_cache::sync::Cache;
 use smallvec::SmallVec;
 
+mod config;
+mod entry;
+
+pub use self::config::LeaseConfig;
+use self::entry::{Entry, EntryKey, EntryKeyRef, Lease, Seen};
 use super::{
     block_cache::{BlockCache, local_now_ms},
     encode::{Encoded, Return, Rider, Target, return_call},
     link::Connection,
 };
 use crate::{
-    ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable,
-    clock::Clock, decision::LimitDecisions, key::Key,
+    Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable, clock::Clock,
+    decision::LimitDecisions, key::Key,
 };
-
-/// How a [`RedisStore`](super::RedisStore) leases quota
-/// ([`with_leases`](super::RedisStore::with_leases)).
-///
-/// ```
-/// use std::time::Duration;
-/// use tollgate::store::LeaseConfig;
-///
-/// let config = LeaseConfig::new()
-///     .period(Duration::from_millis(200))?
-///     .max_fraction(0.05)?
-///     .idle(Duration::from_secs(2))?;
-/// # Ok::<(), tollgate::ConfigError>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LeaseConfig {
-    period_ms: u64,
-    max_fraction: f64,
-    idle_ms: u64,
-    keys: usize,
-}
-
-impl Default for LeaseConfig {
-    fn default() -> Self {
-        Self {
-            period_ms: 100,
-            max_fraction: 0.1,
-            idle_ms: 1_000,
-            keys: 10_000,
-        }
-    }
-}
-
-impl LeaseConfig {
-    /// The defaults: a period of 100 ms, at most a tenth of a limit per lease, returned
-    /// after 1 s idle, 10 000 keys watched.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A lease holds about this much of the node's traffic of its key (100 ms by
-    /// default), and a key is hot after two requests within it. Longer: fewer Redis
-    /// calls, more units held per node.
-    ///
-    /// # Errors
-    ///
-    /// `period` outside 1 ms ..= 60 s.
-    pub fn period(mut self, period: Duration) -> Result<Self, ConfigError> {
-        let ms = period.as_millis();
-        if !(1..=60_000).contains(&ms) {
-            return Err(ConfigError::new(
-                "leases.period",
-                format!("must be between 1ms and 60s (got {period:?})"),
-            ));
-        }
-        self.period_ms = ms as u64;
-        Ok(self)
-    }
-
-    /// A lease holds at most this fraction of the smallest limit it covers (0.1 by
-    /// default), refills included: what one node can hold back from the others. Limits too small for one
-    /// unit are not leased.
-    ///
-    /// # Errors
-    ///
-    /// `fraction` outside (0, 0.5].
-    pub fn max_fraction(mut self, fraction: f64) -> Result<Self, ConfigError> {
-        if !(fraction > 0.0 && fraction <= 0.5) {
-            return Err(ConfigError::new(
-                "leases.max_fraction",
-                format!("must be above 0 and at most 0.5 (got {fraction})"),
-            ));
-        }
-        self.max_fraction = fraction;
-        Ok(self)
-    }
-
-    /// A lease not spent from for this long goes back to Redis (1 s by default), so that
-    /// other nodes can spend it.
-    ///
-    /// # Errors
-    ///
-    /// `idle` outside 10 ms ..= 1 h.
-    pub fn idle(mut self, idle: Duration) -> Result<Self, ConfigError> {
-        let ms = idle.as_millis();
-        if !(10..=3_600_000).contains(&ms) {
-            return Err(ConfigError::new(
-                "leases.idle",
-                format!("must be between 10ms and 1h (got {idle:?})"),
-            ));
-        }
-        self.idle_ms = ms as u64;
-        Ok(self)
-    }
-
-    /// How many keys' traffic is watched at most (10 000 by default; the coldest are
-    /// forgotten first). Leases held are never forgotten before they go back.
-    pub fn max_keys(mut self, keys: usize) -> Self {
-        self.keys = keys.max(1);
-        self
-    }
-}
 
 /// The leases of one store (shared by its clones).
 pub(crate) struct Leases {
@@ -177,144 +77,6 @@ impl fmt::Debug for Leases {
             .field("config", &self.config)
             .field("held", &self.held.lock().len())
             .finish()
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct EntryKey {
-    key: Key,
-    limits: u64,
-}
-
-#[derive(Hash)]
-struct EntryKeyRef<'a> {
-    key: &'a Key,
-    limits: u64,
-}
-
-impl Equivalent<EntryKey> for EntryKeyRef<'_> {
-    fn equivalent(&self, other: &EntryKey) -> bool {
-        self.limits == other.limits && *self.key == other.key
-    }
-}
-
-/// One key and list of limits on this node: its traffic and its lease.
-#[derive(Default)]
-pub(crate) struct Entry {
-    state: Mutex<EntryState>,
-}
-
-#[derive(Default)]
-struct EntryState {
-    /// The current measuring period: since when, requests and units in it.
-    since: u64,
-    requests: u64,
-    units: u64,
-    /// Requests in the period before, if it ended less than a period ago.
-    previous_requests: u64,
-    /// Smoothed units per period.
-    rate: u64,
-    /// The last request (local ms).
-    last: u64,
-    /// A request carrying an ask is on its way.
-    asking: bool,
-    /// In [`Leases::held`].
-    registered: bool,
-    /// Bumped by a reset: a grant asked for before it is not taken.
-    generation: u64,
-    lease: Option<Lease>,
-}
-
-impl EntryState {
-    fn observe(&mut self, now: u64, cost: u32, period: u64) {
-        if now >= self.since + period {
-            let elapsed = now - self.since;
-            self.rate = (self.rate + self.units.saturating_mul(period) / elapsed) / 2;
-            self.previous_requests = if elapsed < 2 * period {
-                self.requests
-            } else {
-                0
-            };
-            (self.since, self.requests, self.units) = (now, 0, 0);
-        }
-        self.requests += 1;
-        self.units += u64::from(cost);
-        self.last = now;
-    }
-
-    fn hot(&self) -> bool {
-        self.requests >= 2 || self.previous_requests >= 2
-    }
-}
-
-/// Keys seen lately that have no entry: a table of slots, each the last key hashed to it
-/// (32 bits of its hash) and when (local ms, low 32 bits). A key whose slot names it
-/// within one period is seen again: hot, so it gets an entry. Slots are overwritten by
-/// other keys and raced without a lock; either only makes a key wait for one more
-/// request before it is watched (or, rarely, watched one request early), never changes
-/// a decision.
-struct Seen {
-    slots: Box<[AtomicU64]>,
-    hasher: DefaultHashBuilder,
-}
-
-impl Seen {
-    fn new(keys: usize) -> Self {
-        let len = keys.next_power_of_two().max(64);
-        Self {
-            slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
-            hasher: DefaultHashBuilder::default(),
-        }
-    }
-
-    /// Records `lookup` at `now`; when it was last seen, if within `period` ms.
-    fn again(&self, lookup: &EntryKeyRef<'_>, now: u64, period: u64) -> Option<u64> {
-        let hash = self.hasher.hash_one(lookup);
-        let slot = &self.slots[(hash as usize) & (self.slots.len() - 1)];
-        let tag = hash >> 32;
-        let stamp = (tag << 32) | (now & 0xFFFF_FFFF);
-        let last = slot.swap(stamp, Ordering::Relaxed);
-        if last >> 32 != tag || last == 0 {
-            return None;
-        }
-        let ago = (now as u32).wrapping_sub(last as u32);
-        (u64::from(ago) < period).then(|| now.saturating_sub(u64::from(ago)))
-    }
-}
-
-/// Units held for one key and list of limits, in one window.
-struct Lease {
-    units: u64,
-    granted: u64,
-    /// Local ms from which the lease is worthless (its window ended).
-    deadline: u64,
-    /// Each limit's window start, as Redis counted it.
-    starts: SmallVec<[u64; 2]>,
-    /// Each limit's quota, remaining without this lease, and when it resets (local ms).
-    limits: SmallVec<[(u32, u64, u64); 2]>,
-    /// The script's `now` at the grant: a decision spent from the lease says it was made
-    /// then, so that a refund or top-up after the response
-    /// ([`Store::adjust`](crate::Store::adjust)) finds the window the units were counted in.
-    granted_at: Option<u64>,
-    /// Where to send the units back.
-    target: Arc<Target>,
-}
-
-impl Lease {
-    /// A local decision: allowed, `remaining` counting what the lease still holds.
-    fn decision(&self, now: u64) -> Decision {
-        let limits: LimitDecisions = self
-            .limits
-            .iter()
-            .map(|&(limit, base, reset_at)| {
-                LimitDecision::allow(limit, base + self.units, reset_at.saturating_sub(now))
-            })
-            .collect();
-        let decision = Decision::from_limits(limits);
-        match self.granted_at {
-            Some(at) => decision.decided_at(at),
-            None => decision,
-        }
     }
 }
 
