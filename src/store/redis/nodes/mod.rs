@@ -59,10 +59,7 @@ use crate::{StoreError, StoreErrorKind};
 
 mod slots;
 
-use self::slots::SlotMap;
-
-/// A master's address: host and port, as `CLUSTER SLOTS` gives them.
-pub(crate) type Address = Arc<(String, u16)>;
+use self::slots::{Address, SlotMap};
 
 /// How long a master that could not be reached gets no pipelines (its calls take the
 /// per-slot path, which waits out a failover by itself).

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use redis::Value;
 
-use super::Address;
+/// A master's address: host and port, as `CLUSTER SLOTS` gives them.
+pub(crate) type Address = Arc<(String, u16)>;
 
 #[derive(Default)]
 pub(super) struct SlotMap {
