@@ -527,13 +527,22 @@ mod redis {
         assert_denied(&send(&mut other, request("c")).await);
     }
 
-    /// Through Sentinel (the scripts go as EVAL there).
+    /// Through Sentinel, as the README's ACL user: the permit scripts go as EVALSHA there
+    /// as everywhere (they went as EVAL, which that user may not run, and every permit
+    /// failed).
     #[cfg(feature = "sentinel")]
     #[tokio::test]
     async fn sentinel_allows_two_in_flight_per_client() {
         use support::sentinel::{MASTER_NAME, SentinelSetup};
         let setup = SentinelSetup::start();
-        let config = tollgate::store::SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME);
+        for server in &setup.servers {
+            support::acl::set_user(
+                server,
+                &support::acl::documented_rules("tollgate", "tollgate"),
+            );
+        }
+        let config = tollgate::store::SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME)
+            .with_master_user(Some("tollgate"), support::acl::PASSWORD);
         let store = RedisStore::connect_sentinel(&config).await.unwrap();
         two_in_flight(by_client(2).store(store)).await;
     }

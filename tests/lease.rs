@@ -323,6 +323,34 @@ async fn a_small_node_beside_a_flooding_one_gets_its_share() {
     assert!(got * 100 >= asked * 85, "{got} of {asked}");
 }
 
+/// A node never holds more than `max_fraction` of the smallest limit (`LeaseConfig`,
+/// README "Leased quota"): the refill at a quarter left asks only for what tops the lease
+/// up to that, not for a whole lease beside what it still holds (which held 32 to 35 of
+/// a limit of 300 at a fraction of 0.1). What a node holds is what Redis counts beyond
+/// what it allowed; the clock stands still, so nothing ends or goes back meanwhile.
+#[tokio::test]
+async fn a_node_never_holds_more_than_max_fraction_of_the_smallest_limit() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(START);
+    let small = Limit::fixed_window(300, Duration::from_secs(60)).unwrap();
+    let large = Limit::fixed_window(5_000, Duration::from_secs(3_600)).unwrap();
+    let limits = [small.clone(), large];
+    let key = Key::new("global");
+    let a = node(&server.url(), "cap", &clock, LeaseConfig::new()).await;
+    let (mut allowed, mut most) = (0, 0);
+    for _ in 0..250 {
+        if a.check(&key, &limits, 1).await.unwrap().is_allowed() {
+            allowed += 1;
+        }
+        let held = count_in_redis(&server, &a, &key, &small) - allowed;
+        most = most.max(held);
+    }
+    println!("held at most {most} of 300");
+    assert!(most <= 30, "a node held {most} units, above a tenth of 300");
+    // It leased at all, and to the full cap: the bound was met, not missed.
+    assert!(most >= 25, "held at most {most}");
+}
+
 /// The Redis count of `limit` for `key` (fixed window: `count * 2^20 + window tag`).
 fn count_in_redis(server: &RedisServer, store: &RedisStore, key: &Key, limit: &Limit) -> u64 {
     let value = server.cli(&["GET", &store.redis_key(key, limit)]).unwrap();
@@ -1347,8 +1375,8 @@ async fn counted_since(
 }
 
 /// One request of cost 1 for `key` on `store`, one at a time: whether it passed, what
-/// Redis counted before it, and the units it leased (what Redis counted for it beyond its
-/// own unit). The window must outlast the test, so that no lease ends or goes back on
+/// Redis counted before it, the units it leased (what Redis counted for it beyond its
+/// own unit), and whether a lease paid it. The window must outlast the test, so that no lease ends or goes back on
 /// its way: then a request spent from a lease counts nothing, one that Redis denies
 /// nothing, one that Redis allows 1 and its grant.
 async fn lease_of(
@@ -1356,7 +1384,7 @@ async fn lease_of(
     store: &RedisStore,
     key: &Key,
     limit: &Limit,
-) -> (bool, u64, u64) {
+) -> (bool, u64, u64, bool) {
     let before = counted(conn, store, key, limit).await;
     let decision = store
         .check(key, std::slice::from_ref(limit), 1)
@@ -1369,7 +1397,13 @@ async fn lease_of(
     if !decision.is_allowed() {
         assert_eq!(more, 0, "a denied request was counted: {decision:?}");
     }
-    (decision.is_allowed(), before, more.saturating_sub(1))
+    let from_lease = decision.is_allowed() && more == 0;
+    (
+        decision.is_allowed(),
+        before,
+        more.saturating_sub(1),
+        from_lease,
+    )
 }
 
 async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
@@ -1396,18 +1430,18 @@ async fn lease_size_follows_each_nodes_rate_of_a_key() {
     for ms in 0..2_000u64 {
         clock.set(START + ms);
         if ms % 150 == 0 {
-            let (allowed, _, grant) = lease_of(&mut conn, &cold, &key, &limit).await;
+            let (allowed, _, grant, _) = lease_of(&mut conn, &cold, &key, &limit).await;
             assert!(allowed);
             assert_eq!(grant, 0, "the cold node leased at {ms} ms");
         }
         if ms % 25 == 0 {
-            let (allowed, _, grant) = lease_of(&mut conn, &slow, &key, &limit).await;
+            let (allowed, _, grant, _) = lease_of(&mut conn, &slow, &key, &limit).await;
             assert!(allowed);
             if grant > 0 {
                 slow_grants.push(grant);
             }
         }
-        let (allowed, _, grant) = lease_of(&mut conn, &fast, &key, &limit).await;
+        let (allowed, _, grant, _) = lease_of(&mut conn, &fast, &key, &limit).await;
         assert!(allowed);
         if grant > 0 {
             fast_grants.push((ms, grant));
@@ -1441,8 +1475,8 @@ async fn lease_size_follows_each_nodes_rate_of_a_key() {
 
 /// A lease is bounded by `max_fraction` of the limit, and shrinks as the shared budget
 /// runs low: two nodes, each at 500 requests per period on one key (far more than the
-/// bound), take turns until each was denied 3 times. Every grant is at most 5% of the
-/// limit (reached), and at most half of what the limit had left after its request
+/// bound), take turns until each was denied 3 times. What a node holds is at most 5% of
+/// the limit (reached), every grant at most half of what the limit had left after its request
 /// (both nodes' leases counted as spent), so the last grants are of a unit or two; the
 /// limit is spent exactly, and at exhaustion no unit is stranded in a lease.
 #[tokio::test]
@@ -1458,6 +1492,8 @@ async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
         node(&server.url(), "shrink", &clock, config).await,
     ];
     let (mut grants, mut allowed, mut denied) = (Vec::new(), 0u64, [0; 2]);
+    // What each node holds (its grants less what it spent from them), and the most.
+    let (mut held, mut most) = ([0u64; 2], 0);
     let mut ms = 0;
     while denied.iter().any(|&d| d < 3) {
         clock.set(START + ms);
@@ -1466,7 +1502,10 @@ async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
                 if denied[n] == 3 {
                     continue;
                 }
-                let (ok, before, grant) = lease_of(&mut conn, store, &key, &limit).await;
+                let (ok, before, grant, from_lease) =
+                    lease_of(&mut conn, store, &key, &limit).await;
+                held[n] = held[n] + grant - u64::from(from_lease);
+                most = most.max(held[n]);
                 if ok {
                     allowed += 1;
                 } else {
@@ -1481,8 +1520,10 @@ async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
         assert!(ms < 10_000, "still not exhausted after {ms} ms");
     }
     println!("leases (counted before, leased): {grants:?}");
+    // A refill tops a lease up: what a node holds, grant and rest together, reaches the
+    // bound and never passes it.
     assert!(grants.iter().all(|&(_, grant)| grant <= 200), "{grants:?}");
-    assert!(grants.iter().any(|&(_, grant)| grant == 200), "{grants:?}");
+    assert_eq!(most, 200, "{grants:?}");
     for &(before, grant) in &grants {
         let left = 4_000 - before - 1;
         assert!(

@@ -3,11 +3,15 @@
 use std::{mem, sync::Arc};
 
 use parking_lot::RwLock;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 #[cfg(feature = "cluster")]
 pub(crate) use super::nodes::Nodes;
-use super::{Connection, Encoded, invoke, parse, ping, script_call, split_now, standalone_call};
+use super::{
+    deliver::{Batch, Reply, send},
+    encode::Encoded,
+    link::Connection,
+};
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
 /// How the batching task behaves.
@@ -32,8 +36,6 @@ impl Default for CoalescerConfig {
     }
 }
 
-pub(crate) type Reply = oneshot::Sender<Result<Decision, StoreError>>;
-
 /// What became of a submitted request.
 pub(crate) enum Submitted {
     /// Queued; the decision comes on this channel.
@@ -45,9 +47,6 @@ pub(crate) enum Submitted {
 }
 
 type Queue = mpsc::Sender<(Encoded, Reply)>;
-
-/// The requests of one script call.
-pub(crate) type Batch = Vec<(Encoded, Reply)>;
 
 /// Without the `cluster` feature there are no masters to pipeline to.
 #[cfg(not(feature = "cluster"))]
@@ -149,7 +148,7 @@ async fn run(
     restart: bool,
 ) {
     if restart {
-        ping(connection.clone()).await;
+        connection.ping().await;
         #[cfg(feature = "cluster")]
         if let Some(nodes) = &nodes {
             nodes.forget_all();
@@ -232,70 +231,4 @@ fn by_slot(mut batch: Batch) -> Vec<Batch> {
         }
     }
     groups
-}
-
-/// One script call for `batch`; every request gets its share of the reply.
-pub(crate) async fn send(
-    batch: Batch,
-    connection: Connection,
-    now: Option<u64>,
-    _permit: Arc<OwnedSemaphorePermit>,
-) {
-    let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-    // A call without declared keys would go to any node of a cluster.
-    let call = if connection.is_cluster() {
-        script_call(&connection.mode, now, &requests)
-    } else {
-        standalone_call(&connection.mode, now, &requests)
-    };
-    let result = invoke(connection, call).await;
-    drop(requests);
-    deliver(batch, &result);
-}
-
-/// Gives the requests of `batch` (no lease rides on them) the decision in `share`, four
-/// values per limit, decided at `now`.
-#[cfg(feature = "cluster")]
-pub(crate) fn deliver_share(batch: Batch, share: &[i64], now: Option<i64>) {
-    for (request, reply_to) in batch {
-        let _ = reply_to.send(parse(share, &request.quotas, now));
-    }
-}
-
-/// Gives every request of `batch` its share of the script's reply (or the error).
-pub(crate) fn deliver(batch: Batch, result: &Result<Vec<i64>, StoreError>) {
-    let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
-    // The reply: every request's results in order, then the asks' results in the same
-    // order, then the script's `now` (lua/main.lua).
-    let own: usize = requests.iter().map(|r| r.quotas.len() * 4).sum();
-    let asked: usize = requests
-        .iter()
-        .map(|r| r.lease.as_ref().map_or(0, |a| a.reply_len(r)))
-        .sum();
-    let reply = result.as_ref().map(|values| split_now(values, own + asked));
-    drop(requests);
-    let mut offset = 0;
-    let mut tail = own;
-    for (request, reply_to) in batch {
-        let len = request.quotas.len() * 4;
-        let mut decision = match &reply {
-            Ok((values, at)) => {
-                let share = values.get(offset..offset + len).unwrap_or_default();
-                parse(share, &request.quotas, *at)
-            }
-            Err(error) => Err((*error).clone()),
-        };
-        offset += len;
-        if let Some(attach) = &request.lease {
-            let len = attach.reply_len(&request);
-            let grant = reply
-                .as_ref()
-                .ok()
-                .and_then(|(values, _)| values.get(tail..tail + len));
-            tail += len;
-            decision = attach.settle(&request, decision, grant);
-        }
-        // The caller may have given up (timeout); the decision stands all the same.
-        let _ = reply_to.send(decision);
-    }
 }

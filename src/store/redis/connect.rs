@@ -5,7 +5,7 @@ use std::{
     fmt,
     future::Future,
     pin::Pin,
-    sync::{Arc, Weak},
+    sync::Arc,
     task::{Context, Poll, ready},
     time::Duration,
 };
@@ -13,21 +13,19 @@ use std::{
 use futures_util::future::BoxFuture;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+use super::link::Link;
 #[cfg(feature = "sentinel")]
-use super::SentinelConfig;
-use super::{Connection, Link, RedisStore, SCRIPT, function::Mode, invalidate::Nodes, store_error};
+use super::link::sentinel::{SentinelConfig, SentinelConnection};
+#[cfg(any(feature = "cluster", feature = "tls"))]
+use super::wire::{TlsConfig, check_scheme};
+use super::{
+    RedisStore,
+    block_cache::ResetNodes,
+    link::load,
+    wire::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, open, store_error, unreachable},
+};
 use crate::{StoreError, StoreErrorKind};
-
-/// How long one connection attempt may take: a Redis that is down fails calls quickly and
-/// the layer's failure policy answers them.
-pub(super) const CONNECTION_TIMEOUT: Duration = Duration::from_millis(500);
-/// How long a command may wait for its answer.
-pub(super) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
-/// The first wait between attempts to connect in the background, doubled after each
-/// failure up to [`LAST_RETRY`]: a Redis that comes up is used within about two seconds,
-/// and one that stays down costs a connection attempt every two seconds.
-const FIRST_RETRY: Duration = Duration::from_millis(100);
-const LAST_RETRY: Duration = Duration::from_secs(2);
 
 /// A connection to Redis about to be made: what [`RedisStore::connect`] and the other
 /// `connect_*` constructors return. Awaiting it connects.
@@ -55,7 +53,7 @@ enum Target {
 }
 
 impl RedisConnect {
-    pub(super) fn client(client: Result<redis::Client, StoreError>) -> Self {
+    fn client(client: Result<redis::Client, StoreError>) -> Self {
         Self {
             target: Some(Target::Client(client)),
             background: false,
@@ -64,7 +62,7 @@ impl RedisConnect {
     }
 
     #[cfg(feature = "cluster")]
-    pub(super) fn cluster<N: AsRef<str>>(nodes: &[N], tls: Option<&TlsConfig>) -> Self {
+    fn cluster<N: AsRef<str>>(nodes: &[N], tls: Option<&TlsConfig>) -> Self {
         Self {
             target: Some(Target::Cluster {
                 nodes: nodes.iter().map(|n| n.as_ref().to_owned()).collect(),
@@ -76,7 +74,7 @@ impl RedisConnect {
     }
 
     #[cfg(feature = "sentinel")]
-    pub(super) fn sentinel(config: &SentinelConfig) -> Self {
+    fn sentinel(config: &SentinelConfig) -> Self {
         Self {
             target: Some(Target::Sentinel(config.clone())),
             background: false,
@@ -181,96 +179,6 @@ impl fmt::Debug for RedisConnect {
     }
 }
 
-/// Whether `error` says Redis could not be reached (rather than that it refused us).
-pub(super) fn unreachable(error: &StoreError) -> bool {
-    matches!(
-        error.kind(),
-        StoreErrorKind::Unavailable | StoreErrorKind::Timeout
-    )
-}
-
-impl Connection {
-    /// Marks this connection as not connected yet (every call fails at once, see
-    /// [`Connection::ready`]) and makes the first connection in the background, with
-    /// backoff; `error` is why the attempt at start failed.
-    pub(super) fn connect_in_background(&self, error: &StoreError) {
-        tracing::warn!(
-            error = %error.chain(),
-            "tollgate: Redis is not reachable at start; connecting in the background. \
-             Until it connects, every rate limit decision fails at once and each layer's \
-             failure policy answers it"
-        );
-        self.mode.set_connecting(true);
-        self.keep_connecting();
-    }
-
-    /// Starts the task that makes the first connection unless it runs: it dies with the
-    /// runtime it ran on, and a store used on another runtime since must not wait
-    /// forever. Without a runtime here, the next call on one starts it.
-    #[cold]
-    pub(super) fn keep_connecting(&self) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if !self.mode.claim_connector() {
-            return;
-        }
-        let running = Running(Arc::downgrade(&self.mode));
-        runtime.spawn(connect_later(self.link.clone(), running));
-    }
-}
-
-/// Held by the connecting task: frees its place when the task ends, also when its
-/// runtime shuts down.
-struct Running(Weak<Mode>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(mode) = self.0.upgrade() {
-            mode.release_connector();
-        }
-    }
-}
-
-/// Tries to make the first connection over `link` until it succeeds or the store is gone.
-async fn connect_later(link: Link, running: Running) {
-    let mode = &running.0;
-    let mut delay = FIRST_RETRY;
-    loop {
-        tokio::time::sleep(delay).await;
-        let Some(mode) = mode.upgrade() else {
-            return;
-        };
-        match first_connection(&link, &mode).await {
-            Ok(()) => {
-                mode.set_connecting(false);
-                tracing::info!("tollgate: connected to Redis; decisions are made there now");
-                return;
-            }
-            Err(error) if unreachable(&error) => {
-                tracing::debug!(error = %error.chain(), "tollgate: Redis still unreachable");
-            }
-            Err(error) => {
-                // Reachable, but it refused us (a password, an ACL): worth every line.
-                tracing::warn!(error = %error.chain(), "tollgate: Redis refused the store; retrying");
-            }
-        }
-        delay = (delay * 2).min(LAST_RETRY);
-    }
-}
-
-/// Connects `link` and loads what calls need there (the library or the script).
-async fn first_connection(link: &Link, mode: &Mode) -> Result<(), StoreError> {
-    match link {
-        Link::Manager(manager) => load(mode, &mut manager.clone()).await,
-        #[cfg(feature = "sentinel")]
-        Link::Sentinel(sentinel) => sentinel.connect().await,
-        // Never started in the background.
-        #[allow(unreachable_patterns)]
-        _ => Ok(()),
-    }
-}
-
 /// The settings of every connection manager the store makes.
 fn manager_config() -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
@@ -281,62 +189,49 @@ fn manager_config() -> ConnectionManagerConfig {
         .set_response_timeout(Some(RESPONSE_TIMEOUT))
 }
 
-/// Loads the library (every master of a cluster), or the script where Redis has no
-/// functions for this user.
-async fn load<C: redis::aio::ConnectionLike>(
-    mode: &Mode,
-    connection: &mut C,
-) -> Result<(), StoreError> {
-    mode.load(connection).await.map_err(store_error)?;
-    if !mode.functions() {
-        SCRIPT.load_async(connection).await.map_err(store_error)?;
-    }
-    Ok(())
-}
-
-/// A client for `url`; `rediss://` without the `tls` feature is refused with a message
-/// that names the feature (redis-rs's own says only "the feature is not enabled").
-pub(super) fn open(url: &str) -> Result<redis::Client, StoreError> {
-    check_scheme(url)?;
-    redis::Client::open(url).map_err(store_error)
-}
-
-/// Refuses `rediss://` in a build without TLS; installs the TLS crypto provider in one
-/// with it.
-pub(super) fn check_scheme(url: &str) -> Result<(), StoreError> {
-    let tls = url
-        .trim_start()
-        .get(..9)
-        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("rediss://"));
-    if tls && !cfg!(feature = "tls") {
-        return Err(StoreError::new(
-            StoreErrorKind::Response,
-            "a rediss:// URL needs TLS: build tollgate with its `tls` feature \
-             (features = [\"tls\"])",
-        ));
-    }
-    #[cfg(feature = "tls")]
-    install_crypto_provider();
-    Ok(())
-}
-
-/// rustls needs one process-wide crypto provider; ring's is installed unless the
-/// application installed one first (then that one is used).
-#[cfg(feature = "tls")]
-fn install_crypto_provider() {
-    if rustls::crypto::CryptoProvider::get_default().is_none() {
-        // Err: another thread installed one meanwhile, which is as good.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    }
-}
-
 impl RedisStore {
+    /// Connects to the Redis at `url`: `redis://[[user]:password@]host:port[/db]`, or
+    /// `rediss://...` for TLS (feature `tls`; the system's root certificates are trusted,
+    /// see [`connect_tls`](Self::connect_tls) for a private CA or a client certificate).
+    /// With an ACL user, see the README for the least privilege tollgate needs.
+    ///
+    /// The connection reconnects by itself: after Redis restarts, the first call that
+    /// finds the connection broken starts a new one. A connection attempt gives up after
+    /// about a second, so that a Redis that is down fails calls quickly and the layer's
+    /// [`FailurePolicy`](crate::FailurePolicy) answers them.
+    ///
+    /// Awaiting the [`RedisConnect`] connects; with
+    /// [`in_background`](RedisConnect::in_background) a Redis that is not up yet does not
+    /// stop the service from starting.
+    ///
+    /// # Errors
+    ///
+    /// When the URL is invalid (also: `rediss://` without the `tls` feature) or Redis
+    /// cannot be reached now.
+    pub fn connect(url: &str) -> RedisConnect {
+        RedisConnect::client(open(url))
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` (feature `cluster`).
+    ///
+    /// Every key of one decision shares a hash tag, so each script runs on the one master
+    /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
+    /// redirections (failover, resharding) are followed by redis-rs, and the script is
+    /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot, and
+    /// the calls of the slots one master owns go to it together, in one pipeline (see the
+    /// README's "Redis Cluster").
+    ///
+    /// # Errors
+    ///
+    /// When a URL is invalid or no node can be reached now.
+    #[cfg(feature = "cluster")]
+    pub fn connect_cluster<N: AsRef<str>>(nodes: &[N]) -> RedisConnect {
+        RedisConnect::cluster(nodes, None)
+    }
+
     /// The store over an auto-reconnecting connection manager for `client`, with the
     /// script loaded; `background`: see [`RedisConnect::in_background`].
-    pub(super) async fn connect_client(
-        client: redis::Client,
-        background: bool,
-    ) -> Result<Self, StoreError> {
+    async fn connect_client(client: redis::Client, background: bool) -> Result<Self, StoreError> {
         let connected = async {
             let mut manager = ConnectionManager::new_with_config(client.clone(), manager_config())
                 .await
@@ -361,12 +256,12 @@ impl RedisStore {
             }
             Err(error) => return Err(error),
         };
-        Ok(store.with_reset_source(Nodes::Fixed(Arc::new([client]))))
+        Ok(store.with_reset_source(ResetNodes::Fixed(Arc::new([client]))))
     }
 
     /// The store over a cluster client for `nodes`, with the script loaded.
     #[cfg(feature = "cluster")]
-    pub(super) async fn connect_cluster_with(
+    async fn connect_cluster_with(
         nodes: &[&str],
         #[cfg_attr(not(feature = "tls"), allow(unused_variables))] tls: Option<&TlsConfig>,
     ) -> Result<Self, StoreError> {
@@ -390,7 +285,7 @@ impl RedisStore {
         };
         let client = builder.build().map_err(store_error)?;
         let mut connection = client.get_async_connection().await.map_err(store_error)?;
-        let store = Self::new(super::Link::Cluster(connection.clone()).into());
+        let store = Self::new(Link::Cluster(connection.clone()).into());
         load(&store.connection.mode, &mut connection).await?;
         // Resets are published cluster-wide: any one node hears them.
         let listen = nodes
@@ -411,7 +306,53 @@ impl RedisStore {
         let masters = super::nodes::Nodes::new(template, tls.cloned(), connection);
         let mut store = store;
         store.masters = Some(Arc::new(masters));
-        Ok(store.with_reset_source(Nodes::Fixed(listen)))
+        Ok(store.with_reset_source(ResetNodes::Fixed(listen)))
+    }
+
+    /// Connects to the master that Redis Sentinel names `master_name` (feature
+    /// `sentinel`), and follows it through failovers.
+    ///
+    /// When the master's connection breaks or it answers `READONLY` (it was demoted), the
+    /// next call asks the sentinels again and connects to the new master, loading the
+    /// script there; decisions meanwhile fail and the layer's
+    /// [`FailurePolicy`](crate::FailurePolicy) answers them. Replication is asynchronous,
+    /// so counts the old master had not yet sent to its replica are lost at a failover.
+    ///
+    /// With [`in_background`](RedisConnect::in_background), sentinels or a master that
+    /// cannot be reached yet do not stop the service from starting.
+    ///
+    /// # Errors
+    ///
+    /// When a URL is invalid, no sentinel answers, or the master cannot be reached now.
+    #[cfg(feature = "sentinel")]
+    pub fn connect_sentinel(config: &SentinelConfig) -> RedisConnect {
+        RedisConnect::sentinel(config)
+    }
+
+    /// [`connect_sentinel`](Self::connect_sentinel); `background`: see
+    /// [`RedisConnect::in_background`].
+    #[cfg(feature = "sentinel")]
+    async fn connect_sentinel_with(
+        config: &SentinelConfig,
+        background: bool,
+    ) -> Result<Self, StoreError> {
+        let sentinel = SentinelConnection::new(config)?;
+        // Found now, so that a wrong name or unreachable sentinels fail at startup.
+        let unreached = match sentinel.connect().await {
+            Ok(()) => None,
+            Err(error) if background && unreachable(&error) => Some(error),
+            Err(error) => return Err(error),
+        };
+        let sentinel = Arc::new(sentinel);
+        sentinel.watch_in_background();
+        // Resets are heard on whichever master the sentinels name (a PUBLISH on the master
+        // also reaches its replicas, so a subscription to a demoted one still hears it).
+        let nodes = ResetNodes::Sentinel(sentinel.clone());
+        let store = Self::new(Link::Sentinel(sentinel).into());
+        if let Some(error) = unreached {
+            store.connection.connect_in_background(&error);
+        }
+        Ok(store.with_reset_source(nodes))
     }
 
     /// Connects to the Redis at `url` (`rediss://[user:password@]host:port[/db]`) over TLS,
@@ -453,88 +394,5 @@ impl RedisStore {
     #[cfg(all(feature = "cluster", feature = "tls"))]
     pub fn connect_cluster_tls<N: AsRef<str>>(nodes: &[N], tls: &TlsConfig) -> RedisConnect {
         RedisConnect::cluster(nodes, Some(tls))
-    }
-}
-
-/// No TLS in this build: nothing can be passed where TLS settings go.
-#[cfg(all(feature = "cluster", not(feature = "tls")))]
-#[derive(Debug, Clone)]
-pub(super) enum TlsConfig {}
-
-/// The certificates of a TLS connection to Redis (feature `tls`): the CA that signed the
-/// server's certificate (the system's roots when none is set) and, for servers that ask
-/// for one, the client's certificate and key. All in PEM.
-#[cfg(feature = "tls")]
-#[derive(Clone, Default)]
-pub struct TlsConfig {
-    ca: Option<Vec<u8>>,
-    client: Option<(Vec<u8>, Vec<u8>)>,
-}
-
-#[cfg(feature = "tls")]
-impl TlsConfig {
-    /// Trusts the system's root certificates and presents no client certificate.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Trusts only the CA certificate(s) in `pem` (a private CA, as managed Redis
-    /// services and self-signed setups use).
-    pub fn with_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
-        self.ca = Some(pem.into());
-        self
-    }
-
-    /// Presents the certificate chain `cert_pem` with its private key `key_pem` (for
-    /// `tls-auth-clients yes`).
-    pub fn with_client_cert_pem(
-        mut self,
-        cert_pem: impl Into<Vec<u8>>,
-        key_pem: impl Into<Vec<u8>>,
-    ) -> Self {
-        self.client = Some((cert_pem.into(), key_pem.into()));
-        self
-    }
-
-    pub(super) fn certificates(&self) -> redis::TlsCertificates {
-        redis::TlsCertificates {
-            client_tls: self
-                .client
-                .as_ref()
-                .map(|(cert, key)| redis::ClientTlsConfig {
-                    client_cert: cert.clone(),
-                    client_key: key.clone(),
-                }),
-            root_cert: self.ca.clone(),
-        }
-    }
-}
-
-#[cfg(feature = "tls")]
-impl std::fmt::Debug for TlsConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never the key; whether each part is set is what helps.
-        f.debug_struct("TlsConfig")
-            .field("ca", &self.ca.is_some())
-            .field("client_cert", &self.client.is_some())
-            .finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rediss_names_the_feature_when_tls_is_off() {
-        let result = check_scheme("rediss://127.0.0.1:6380");
-        if cfg!(feature = "tls") {
-            assert!(result.is_ok());
-        } else {
-            let error = result.unwrap_err();
-            let message = std::error::Error::source(&error).unwrap().to_string();
-            assert!(message.contains("`tls` feature"), "{message}");
-        }
-        assert!(check_scheme("redis://127.0.0.1:6379").is_ok());
     }
 }

@@ -23,10 +23,10 @@ use std::{
     time::Duration,
 };
 
-use redis::{RedisResult, Script, Value};
+use redis::{Script, Value};
 use tokio::sync::oneshot;
 
-use super::{Connection, RedisStore, store_error};
+use super::{RedisStore, keys::permits_key, link::Connection};
 use crate::{
     StoreError, StoreErrorKind,
     key::Key,
@@ -128,23 +128,12 @@ fn spawn_release(connection: Connection, key: String, id: String) {
 async fn release(connection: Connection, key: String, id: String) {
     let mut zrem = redis::cmd("ZREM");
     zrem.arg(&key).arg(&id);
-    if let Err(error) = super::admin::query(connection, &zrem).await {
+    if let Err(error) = connection.query(&zrem).await {
         tracing::debug!(error = %error.chain(), "in-flight permit not released; its TTL ends it");
     }
 }
 
 impl RedisStore {
-    /// The sorted set of `key`'s permits under a limit of `max`.
-    fn permits_key(&self, key: &Key, max: u32) -> String {
-        let mut out = String::with_capacity(self.prefix.len() + key.as_str().len() + 24);
-        out.push_str(&self.prefix);
-        out.push_str(":{");
-        out.push_str(key.as_str());
-        out.push_str("}:inflight:");
-        out.push_str(itoa::Buffer::new().format(max));
-        out
-    }
-
     /// Takes one of `max` permits of `key` for `ttl`, renewed every third of it until
     /// the returned permit is released.
     fn acquire_permit(
@@ -155,7 +144,7 @@ impl RedisStore {
     ) -> impl Future<Output = Result<Acquired, StoreError>> + Send + 'static {
         let connection = self.connection.clone();
         let clock = self.clock.clone();
-        let set = self.permits_key(key, max);
+        let set = permits_key(&self.prefix, key, max);
         let key = key.clone();
         let id = next_id();
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
@@ -171,7 +160,7 @@ impl RedisStore {
                 max.to_string(),
                 member.clone(),
             ];
-            let reply = run(&connection, &ACQUIRE_SCRIPT, ACQUIRE, &set, &args).await?;
+            let reply = run(&connection, &ACQUIRE_SCRIPT, &set, &args).await?;
             let (taken, held) = match &reply {
                 Value::Array(values) => match values.as_slice() {
                     [Value::Int(taken), Value::Int(held)] => {
@@ -229,7 +218,7 @@ async fn hold(
         }
         let now = clock.as_ref().map(|c| c.now_ms());
         let args = [now_arg(now), ttl_ms.to_string(), id.clone()];
-        match run(&connection, &RENEW_SCRIPT, RENEW, &set, &args).await {
+        match run(&connection, &RENEW_SCRIPT, &set, &args).await {
             Ok(Value::Int(1)) => {}
             // Redis lost it (a restart, a failover) or its TTL ended while Redis was
             // out of reach: the request still runs, so it counts again.
@@ -261,7 +250,7 @@ async fn give_back(connection: Connection, set: String, id: String, ttl: Duratio
     loop {
         let mut zrem = redis::cmd("ZREM");
         zrem.arg(&set).arg(&id);
-        let Err(error) = super::admin::query(connection.clone(), &zrem).await else {
+        let Err(error) = connection.query(&zrem).await else {
             return;
         };
         if tokio::time::Instant::now() + wait >= give_up {
@@ -274,36 +263,16 @@ async fn give_back(connection: Connection, set: String, id: String, ttl: Duratio
     }
 }
 
-/// Runs `script` (`source`) on `key` with `args`: EVALSHA, loading the script on
-/// NOSCRIPT (Sentinel: EVAL, which Redis caches as well).
+/// Runs `script` on `key` with `args`: EVALSHA, loading the script on NOSCRIPT.
 async fn run(
     connection: &Connection,
     script: &Script,
-    source: &str,
     key: &str,
     args: &[String],
 ) -> Result<Value, StoreError> {
-    connection.ready()?;
     let mut invocation = script.key(key);
     for arg in args {
         invocation.arg(arg);
     }
-    let result: RedisResult<Value> = match connection.link.clone() {
-        super::Link::Manager(mut manager) => invocation.invoke_async(&mut manager).await,
-        #[cfg(feature = "cluster")]
-        super::Link::Cluster(mut cluster) => invocation.invoke_async(&mut cluster).await,
-        #[cfg(feature = "bb8")]
-        super::Link::Pool(pool) => {
-            let mut connection = super::checkout(&pool).await?;
-            invocation.invoke_async(&mut *connection).await
-        }
-        #[cfg(feature = "sentinel")]
-        super::Link::Sentinel(sentinel) => {
-            let mut eval = redis::cmd("EVAL");
-            eval.arg(source).arg(1).arg(key).arg(args);
-            return sentinel.query(&eval).await;
-        }
-    };
-    let _ = source;
-    result.map_err(store_error)
+    connection.eval(&invocation).await
 }

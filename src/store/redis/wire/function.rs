@@ -12,6 +12,9 @@
 //! digits>`), so two versions of tollgate sharing one Redis (a rolling upgrade) each call
 //! their own. A server without functions (before 7.0, or an ACL user without `+fcall` or
 //! `+function`) gets `EVALSHA` instead, from then on for that connection.
+//!
+//! Over 600 lines with its tests (about 390 without): they hold every `FCALL` form to
+//! its `EVALSHA` fallback through this file's private names, and stay beside them.
 
 use std::sync::{
     LazyLock,
@@ -23,7 +26,10 @@ use redis::{
     aio::ConnectionLike,
 };
 
-use super::{SCRIPT, SCRIPT_SOURCE, reply};
+use super::{
+    reply,
+    script::{SCRIPT, SCRIPT_SOURCE},
+};
 
 /// The line of lua/prelude.lua that takes EVAL's globals; a library declares the locals
 /// only (its function sets them per call).
@@ -35,7 +41,7 @@ const PER_CALL_LINE: &str =
 /// The library's second function, which only a library has: one request against one
 /// fixed window, decided without the general function's parsing (about half of a call's
 /// instructions inside Redis; BENCHMARKS.md).
-const FIXED_WINDOW_SOURCE: &str = include_str!("../../../lua/one.lua");
+const FIXED_WINDOW_SOURCE: &str = include_str!("../../../../lua/one.lua");
 
 /// The library's name, which is also its general function's: `tollgate_` and the first
 /// 12 hex digits of the SHA-1 of its Lua (the script, then lua/one.lua).
@@ -91,7 +97,7 @@ pub(crate) const HEADER_LINES: usize = 1;
 /// Whether a connection calls the library (`FCALL`) or the script (`EVALSHA`); shared by
 /// the connection's clones. Starts with functions, and turns to the script for good once
 /// the server shows it has none for this user. A store
-/// [connecting in the background](super::RedisConnect::in_background) calls neither until
+/// [connecting in the background](crate::store::RedisConnect::in_background) calls neither until
 /// its first connection is made (and the library loaded).
 #[derive(Debug)]
 pub(crate) struct Mode {
@@ -422,10 +428,10 @@ mod tests {
             .collect()
     }
 
-    fn request(group: &[u64], cost: u32) -> super::super::Encoded {
-        super::super::Encoded {
+    fn request(group: &[u64], cost: u32) -> crate::store::redis::encode::Encoded {
+        crate::store::redis::encode::Encoded {
             keys: {
-                let mut keys = super::super::Keys::default();
+                let mut keys = crate::store::redis::keys::Keys::default();
                 for i in 0..group.len() / 5 {
                     keys.push(&["app:{k}:", &i.to_string()]);
                 }
@@ -447,7 +453,7 @@ mod tests {
     /// of the same request. Every other shape goes to the general function.
     #[test]
     fn one_fixed_window_has_its_own_function_and_the_scripts_form_as_fallback() {
-        use super::super::script_call;
+        use crate::store::redis::encode::script_call;
         let functions = Mode::default();
         let script = Mode::default();
         script.script_only();
@@ -521,7 +527,10 @@ mod tests {
     /// batch, keeps the whole batch on the general function.
     #[test]
     fn a_batch_of_cold_fixed_windows_has_its_function_and_the_scripts_form_as_fallback() {
-        use super::super::{Encoded, Keys, standalone_call};
+        use crate::store::redis::{
+            encode::{Encoded, standalone_call},
+            keys::Keys,
+        };
         let functions = Mode::default();
         let script = Mode::default();
         script.script_only();

@@ -23,136 +23,39 @@
 //!   leases. An empty lease never rejects: every 429 comes from Redis (or the block
 //!   cache) with its exact `retry_after`.
 //! - A lease at a quarter of its units is refilled by the next request, which goes to
-//!   Redis (one refill in flight per key); if Redis denies that request or fails, it is
-//!   spent from the lease instead.
+//!   Redis (one refill in flight per key) and asks only for what tops the lease up to the
+//!   fraction; if Redis denies that request or fails, it is spent from the lease instead.
 //! - Unused units go back when the key idles, on
 //!   [`release_leases`](super::RedisStore::release_leases), and when the store is dropped
 //!   inside a Tokio runtime.
 
 use std::{
     fmt,
-    hash::BuildHasher,
     sync::{
         Arc, Weak,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
 
-use hashbrown::DefaultHashBuilder;
-
 use parking_lot::Mutex;
-use quick_cache::{Equivalent, sync::Cache};
-use redis::Cmd;
+use quick_cache::sync::Cache;
 use smallvec::SmallVec;
 
-use super::{Connection, Encoded, LIMIT_FIELDS, block_cache::BlockCache, invoke, local_now_ms};
-use crate::{
-    ConfigError, Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable,
-    clock::Clock, decision::LimitDecisions, key::Key,
+mod config;
+mod entry;
+
+pub use self::config::LeaseConfig;
+use self::entry::{Entry, EntryKey, EntryKeyRef, Lease, Seen};
+use super::{
+    block_cache::{BlockCache, local_now_ms},
+    encode::{Encoded, Return, Rider, Target, return_call},
+    link::Connection,
 };
-
-/// How a [`RedisStore`](super::RedisStore) leases quota
-/// ([`with_leases`](super::RedisStore::with_leases)).
-///
-/// ```
-/// use std::time::Duration;
-/// use tollgate::store::LeaseConfig;
-///
-/// let config = LeaseConfig::new()
-///     .period(Duration::from_millis(200))?
-///     .max_fraction(0.05)?
-///     .idle(Duration::from_secs(2))?;
-/// # Ok::<(), tollgate::ConfigError>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LeaseConfig {
-    period_ms: u64,
-    max_fraction: f64,
-    idle_ms: u64,
-    keys: usize,
-}
-
-impl Default for LeaseConfig {
-    fn default() -> Self {
-        Self {
-            period_ms: 100,
-            max_fraction: 0.1,
-            idle_ms: 1_000,
-            keys: 10_000,
-        }
-    }
-}
-
-impl LeaseConfig {
-    /// The defaults: a period of 100 ms, at most a tenth of a limit per lease, returned
-    /// after 1 s idle, 10 000 keys watched.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A lease holds about this much of the node's traffic of its key (100 ms by
-    /// default), and a key is hot after two requests within it. Longer: fewer Redis
-    /// calls, more units held per node.
-    ///
-    /// # Errors
-    ///
-    /// `period` outside 1 ms ..= 60 s.
-    pub fn period(mut self, period: Duration) -> Result<Self, ConfigError> {
-        let ms = period.as_millis();
-        if !(1..=60_000).contains(&ms) {
-            return Err(ConfigError::new(
-                "leases.period",
-                format!("must be between 1ms and 60s (got {period:?})"),
-            ));
-        }
-        self.period_ms = ms as u64;
-        Ok(self)
-    }
-
-    /// A lease holds at most this fraction of the smallest limit it covers (0.1 by
-    /// default): what one node can hold back from the others. Limits too small for one
-    /// unit are not leased.
-    ///
-    /// # Errors
-    ///
-    /// `fraction` outside (0, 0.5].
-    pub fn max_fraction(mut self, fraction: f64) -> Result<Self, ConfigError> {
-        if !(fraction > 0.0 && fraction <= 0.5) {
-            return Err(ConfigError::new(
-                "leases.max_fraction",
-                format!("must be above 0 and at most 0.5 (got {fraction})"),
-            ));
-        }
-        self.max_fraction = fraction;
-        Ok(self)
-    }
-
-    /// A lease not spent from for this long goes back to Redis (1 s by default), so that
-    /// other nodes can spend it.
-    ///
-    /// # Errors
-    ///
-    /// `idle` outside 10 ms ..= 1 h.
-    pub fn idle(mut self, idle: Duration) -> Result<Self, ConfigError> {
-        let ms = idle.as_millis();
-        if !(10..=3_600_000).contains(&ms) {
-            return Err(ConfigError::new(
-                "leases.idle",
-                format!("must be between 10ms and 1h (got {idle:?})"),
-            ));
-        }
-        self.idle_ms = ms as u64;
-        Ok(self)
-    }
-
-    /// How many keys' traffic is watched at most (10 000 by default; the coldest are
-    /// forgotten first). Leases held are never forgotten before they go back.
-    pub fn max_keys(mut self, keys: usize) -> Self {
-        self.keys = keys.max(1);
-        self
-    }
-}
+use crate::{
+    Decision, Limit, LimitDecision, StoreError, algorithm::lease::limit_leasable, clock::Clock,
+    decision::LimitDecisions, key::Key,
+};
 
 /// The leases of one store (shared by its clones).
 pub(crate) struct Leases {
@@ -177,158 +80,6 @@ impl fmt::Debug for Leases {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct EntryKey {
-    key: Key,
-    limits: u64,
-}
-
-#[derive(Hash)]
-struct EntryKeyRef<'a> {
-    key: &'a Key,
-    limits: u64,
-}
-
-impl Equivalent<EntryKey> for EntryKeyRef<'_> {
-    fn equivalent(&self, other: &EntryKey) -> bool {
-        self.limits == other.limits && *self.key == other.key
-    }
-}
-
-/// One key and list of limits on this node: its traffic and its lease.
-#[derive(Default)]
-pub(crate) struct Entry {
-    state: Mutex<EntryState>,
-}
-
-#[derive(Default)]
-struct EntryState {
-    /// The current measuring period: since when, requests and units in it.
-    since: u64,
-    requests: u64,
-    units: u64,
-    /// Requests in the period before, if it ended less than a period ago.
-    previous_requests: u64,
-    /// Smoothed units per period.
-    rate: u64,
-    /// The last request (local ms).
-    last: u64,
-    /// A request carrying an ask is on its way.
-    asking: bool,
-    /// In [`Leases::held`].
-    registered: bool,
-    /// Bumped by a reset: a grant asked for before it is not taken.
-    generation: u64,
-    lease: Option<Lease>,
-}
-
-impl EntryState {
-    fn observe(&mut self, now: u64, cost: u32, period: u64) {
-        if now >= self.since + period {
-            let elapsed = now - self.since;
-            self.rate = (self.rate + self.units.saturating_mul(period) / elapsed) / 2;
-            self.previous_requests = if elapsed < 2 * period {
-                self.requests
-            } else {
-                0
-            };
-            (self.since, self.requests, self.units) = (now, 0, 0);
-        }
-        self.requests += 1;
-        self.units += u64::from(cost);
-        self.last = now;
-    }
-
-    fn hot(&self) -> bool {
-        self.requests >= 2 || self.previous_requests >= 2
-    }
-}
-
-/// Keys seen lately that have no entry: a table of slots, each the last key hashed to it
-/// (32 bits of its hash) and when (local ms, low 32 bits). A key whose slot names it
-/// within one period is seen again: hot, so it gets an entry. Slots are overwritten by
-/// other keys and raced without a lock; either only makes a key wait for one more
-/// request before it is watched (or, rarely, watched one request early), never changes
-/// a decision.
-struct Seen {
-    slots: Box<[AtomicU64]>,
-    hasher: DefaultHashBuilder,
-}
-
-impl Seen {
-    fn new(keys: usize) -> Self {
-        let len = keys.next_power_of_two().max(64);
-        Self {
-            slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
-            hasher: DefaultHashBuilder::default(),
-        }
-    }
-
-    /// Records `lookup` at `now`; when it was last seen, if within `period` ms.
-    fn again(&self, lookup: &EntryKeyRef<'_>, now: u64, period: u64) -> Option<u64> {
-        let hash = self.hasher.hash_one(lookup);
-        let slot = &self.slots[(hash as usize) & (self.slots.len() - 1)];
-        let tag = hash >> 32;
-        let stamp = (tag << 32) | (now & 0xFFFF_FFFF);
-        let last = slot.swap(stamp, Ordering::Relaxed);
-        if last >> 32 != tag || last == 0 {
-            return None;
-        }
-        let ago = (now as u32).wrapping_sub(last as u32);
-        (u64::from(ago) < period).then(|| now.saturating_sub(u64::from(ago)))
-    }
-}
-
-/// Units held for one key and list of limits, in one window.
-struct Lease {
-    units: u64,
-    granted: u64,
-    /// Local ms from which the lease is worthless (its window ended).
-    deadline: u64,
-    /// Each limit's window start, as Redis counted it.
-    starts: SmallVec<[u64; 2]>,
-    /// Each limit's quota, remaining without this lease, and when it resets (local ms).
-    limits: SmallVec<[(u32, u64, u64); 2]>,
-    /// The script's `now` at the grant: a decision spent from the lease says it was made
-    /// then, so that a refund or top-up after the response
-    /// ([`Store::adjust`](crate::Store::adjust)) finds the window the units were counted in.
-    granted_at: Option<u64>,
-    /// Where to send the units back.
-    target: Arc<Target>,
-}
-
-impl Lease {
-    /// A local decision: allowed, `remaining` counting what the lease still holds.
-    fn decision(&self, now: u64) -> Decision {
-        let limits: LimitDecisions = self
-            .limits
-            .iter()
-            .map(|&(limit, base, reset_at)| {
-                LimitDecision::allow(limit, base + self.units, reset_at.saturating_sub(now))
-            })
-            .collect();
-        let decision = Decision::from_limits(limits);
-        match self.granted_at {
-            Some(at) => decision.decided_at(at),
-            None => decision,
-        }
-    }
-}
-
-/// A lease's keys and limits, as a request encodes them.
-pub(crate) struct Target {
-    keys: super::Keys,
-    group: SmallVec<[u64; LIMIT_FIELDS]>,
-    slot: u16,
-}
-
-/// Units going back, named by their windows.
-pub(crate) struct Return {
-    target: Arc<Target>,
-    units: u64,
-    starts: SmallVec<[u64; 2]>,
-}
-
 /// What the lease part of a check found.
 pub(crate) enum Spent {
     /// Decided from the lease.
@@ -347,9 +98,9 @@ pub(crate) struct Attach {
     sent_at: u64,
     /// The entry's generation then: a reset since voids the grant.
     generation: u64,
-    pub(crate) ask: u64,
+    ask: u64,
     /// The lease this request takes back to Redis (consumed when the call is made).
-    pub(crate) back: Option<Return>,
+    back: Option<Return>,
     /// This request refills a lease that still holds its cost.
     refill: bool,
     settled: AtomicBool,
@@ -494,7 +245,13 @@ impl Leases {
         }
         let ask = if !state.asking && state.hot() {
             let wanted = state.rate.max(state.units);
-            wanted.min(self.cap(limits))
+            // A refill tops the lease up to the cap: the grant joins what the node still
+            // holds (`settle`), and the two together never pass the cap.
+            let holding = match &state.lease {
+                Some(lease) if refill => lease.units,
+                _ => 0,
+            };
+            wanted.min(self.cap(limits).saturating_sub(holding))
         } else {
             0
         };
@@ -577,12 +334,8 @@ impl Leases {
         let mut result = Ok(());
         for same_slot in returns.chunk_by(|a, b| a.target.slot == b.target.slot) {
             for chunk in same_slot.chunks(64) {
-                if let Err(error) = invoke(
-                    connection.clone(),
-                    return_call(&connection.mode, now, chunk),
-                )
-                .await
-                {
+                let call = return_call(&connection.mode, now, chunk);
+                if let Err(error) = connection.invoke(&call).await {
                     result = Err(error);
                 }
             }
@@ -658,22 +411,19 @@ async fn sweep(leases: Weak<Leases>, idle_ms: u64) {
     }
 }
 
-impl Attach {
-    /// How many values of the script's reply are this request's ask's result (after
-    /// every request's own): units, ms left, one window start per limit; none without
-    /// an ask.
-    pub(crate) fn reply_len(&self, encoded: &Encoded) -> usize {
-        if self.ask > 0 {
-            2 + encoded.quotas.len()
-        } else {
-            0
-        }
+impl Rider for Attach {
+    fn ask(&self) -> u64 {
+        self.ask
+    }
+
+    fn back(&self) -> Option<&Return> {
+        self.back.as_ref()
     }
 
     /// Takes the request's reply (and its ask's share of the script's result, when it
     /// asked): installs the granted lease, and answers a refill that Redis denied or could
     /// not decide from the lease it still holds.
-    pub(crate) fn settle(
+    fn settle(
         &self,
         encoded: &Encoded,
         result: Result<Decision, StoreError>,
@@ -799,71 +549,5 @@ fn with_more_remaining(decision: &Decision, more: u64) -> Decision {
     match decision.decided_at_ms() {
         Some(at) => Decision::from_limits(limits).decided_at(at),
         None => Decision::from_limits(limits),
-    }
-}
-
-/// The script call that only returns units (no request).
-fn return_call(mode: &super::function::Mode, now: Option<u64>, returns: &[Return]) -> Cmd {
-    let keys: usize = returns.iter().map(|r| r.target.keys.len()).sum();
-    let mut cmd = Cmd::new();
-    mode.head(&mut cmd, keys);
-    for r in returns {
-        for key in r.target.keys.iter() {
-            cmd.arg(key);
-        }
-    }
-    match now {
-        Some(now) => cmd.arg(now),
-        None => cmd.arg(""),
-    };
-    cmd.arg(returns.len());
-    for r in returns {
-        cmd.arg(r.target.group.len() / LIMIT_FIELDS);
-        for &value in &r.target.group {
-            cmd.arg(value);
-        }
-    }
-    // No requests, no asks; then the returns, each with a group of its own.
-    cmd.arg(0).arg(0).arg(returns.len());
-    let mut first_key = 1;
-    for (index, r) in returns.iter().enumerate() {
-        cmd.arg(index + 1).arg(first_key).arg(r.units);
-        for &start in &r.starts {
-            cmd.arg(start);
-        }
-        first_key += r.target.keys.len();
-    }
-    cmd
-}
-
-/// Appends the lease sections of a script call for `requests` (see `lua/main.lua`): the
-/// asks, then the returns riding on requests, each naming its request's group and keys.
-pub(crate) fn sections(cmd: &mut Cmd, requests: &[&Encoded], group_of: &[usize]) {
-    let asks = requests
-        .iter()
-        .filter(|r| r.lease.as_ref().is_some_and(|a| a.ask > 0))
-        .count();
-    cmd.arg(asks);
-    for (index, request) in requests.iter().enumerate() {
-        if let Some(attach) = &request.lease
-            && attach.ask > 0
-        {
-            cmd.arg(index + 1).arg(attach.ask);
-        }
-    }
-    let returns = requests
-        .iter()
-        .filter(|r| r.lease.as_ref().is_some_and(|a| a.back.is_some()))
-        .count();
-    cmd.arg(returns);
-    let mut first_key = 1;
-    for (request, &group) in requests.iter().zip(group_of) {
-        if let Some(back) = request.lease.as_ref().and_then(|a| a.back.as_ref()) {
-            cmd.arg(group).arg(first_key).arg(back.units);
-            for &start in &back.starts {
-                cmd.arg(start);
-            }
-        }
-        first_key += request.keys.len();
     }
 }

@@ -42,24 +42,24 @@ use std::{
 
 use parking_lot::{Mutex, RwLock};
 use redis::{
-    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, ErrorKind, RedisError, RedisResult,
-    ServerError, ServerErrorKind, Value,
+    AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, RedisResult, ServerError,
+    ServerErrorKind, Value,
     aio::{ConnectionLike, MultiplexedConnection},
     cluster_async::ClusterConnection,
-    cluster_routing::SingleNodeRoutingInfo,
 };
 use tokio::sync::{OnceCell, OwnedSemaphorePermit};
 
 use super::{
-    Connection, Encoded,
-    batch::{Batch, deliver, deliver_share, send},
-    connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, TlsConfig},
-    function, invoke, script_call, store_error,
+    deliver::{Batch, deliver, deliver_share, send},
+    encode::{Encoded, script_call},
+    link::Connection,
+    wire::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, TlsConfig, function, store_error},
 };
 use crate::{StoreError, StoreErrorKind};
 
-/// A master's address: host and port, as `CLUSTER SLOTS` gives them.
-pub(crate) type Address = Arc<(String, u16)>;
+mod slots;
+
+use self::slots::{Address, SlotMap};
 
 /// How long a master that could not be reached gets no pipelines (its calls take the
 /// per-slot path, which waits out a failover by itself).
@@ -83,13 +83,6 @@ pub(crate) struct Nodes {
     down: Mutex<HashMap<Address, Instant>>,
     refreshing: AtomicBool,
     last_refresh: Mutex<Option<Instant>>,
-}
-
-#[derive(Default)]
-struct SlotMap {
-    /// For each slot, its master's index in `masters`; `u16::MAX`: not known.
-    owner: Vec<u16>,
-    masters: Vec<Address>,
 }
 
 impl Nodes {
@@ -228,55 +221,6 @@ impl Nodes {
     }
 }
 
-impl SlotMap {
-    /// From `CLUSTER SLOTS`: `[[start, end, [host, port, id, ...], replicas...], ...]`.
-    /// Slots whose master has no host (`""` or `"?"`) stay unknown.
-    fn parse(reply: Value) -> Option<Self> {
-        let Value::Array(ranges) = reply else {
-            return None;
-        };
-        let mut map = Self {
-            owner: vec![u16::MAX; 16384],
-            masters: Vec::new(),
-        };
-        for range in ranges {
-            let Value::Array(range) = range else {
-                return None;
-            };
-            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
-                (range.first(), range.get(1), range.get(2))
-            else {
-                return None;
-            };
-            let host = match master.first() {
-                Some(Value::BulkString(host)) => String::from_utf8(host.clone()).ok()?,
-                Some(Value::SimpleString(host)) => host.clone(),
-                _ => return None,
-            };
-            let Some(Value::Int(port)) = master.get(1) else {
-                return None;
-            };
-            if host.is_empty() || host == "?" {
-                continue;
-            }
-            let address = Arc::new((host, u16::try_from(*port).ok()?));
-            let index = match map.masters.iter().position(|a| *a == address) {
-                Some(index) => index,
-                None => {
-                    map.masters.push(address);
-                    map.masters.len() - 1
-                }
-            };
-            let index = u16::try_from(index).ok()?;
-            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
-            for slot in map.owner.get_mut(start..=end)? {
-                *slot = index;
-            }
-        }
-        Some(map)
-    }
-}
-
 /// Whether a call answered `error` in a pipeline never ran, so that sending it again on
 /// the per-slot path cannot count it twice; `moved` too when the slot map is stale.
 pub(crate) fn never_ran(error: &ServerError) -> (bool, bool) {
@@ -299,7 +243,7 @@ pub(crate) fn never_ran(error: &ServerError) -> (bool, bool) {
                 && error
                     .details()
                     .is_some_and(|d| d.starts_with("Function not found")))
-                || super::function::unavailable(&error.clone().into()),
+                || function::unavailable(&error.clone().into()),
             false,
         ),
     }
@@ -567,78 +511,6 @@ fn ask_target(error: &ServerError) -> Option<Address> {
     Some(Arc::new((host.to_owned(), port.parse().ok()?)))
 }
 
-/// A call the cluster connection gave up on with `error`: an `ASK` (its slot is being
-/// migrated and its keys are gone, so it never ran) is followed once more, to the node it
-/// names, `ASKING` and the call in one pipeline; any other error stands.
-///
-/// redis-rs follows `ASK` itself, but sends `ASKING` apart from the call on the node's
-/// shared connection: another call redirected there at the same moment (a hot key's two
-/// batches on the wire) can take the `ASKING`, and the call is answered `MOVED` back to
-/// the source, which says `ASK` again, until its retries run out and the redirect reached
-/// the caller as a store error during a resharding.
-pub(crate) async fn follow_ask(
-    cluster: &mut ClusterConnection,
-    mode: &function::Mode,
-    call: &redis::Cmd,
-    error: RedisError,
-) -> RedisResult<Vec<i64>> {
-    if error.kind() != ErrorKind::Server(ServerErrorKind::Ask) {
-        return Err(error);
-    }
-    let Some((host, port)) = error
-        .redirect_node()
-        .and_then(|(node, _)| node.rsplit_once(':'))
-        .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
-    else {
-        return Err(error);
-    };
-    let mut asking = Asking {
-        cluster,
-        route: SingleNodeRoutingInfo::ByAddress { host, port },
-    };
-    // `run`: a missing function or script on the target is loaded there (after `ASKING`
-    // as well, which changes nothing for those commands) and the call sent once more.
-    mode.run(&mut asking, call).await
-}
-
-/// The cluster connection, each command sent to one node right after `ASKING`, in one
-/// pipeline (one write on that node's connection: nothing comes in between).
-struct Asking<'a> {
-    cluster: &'a mut ClusterConnection,
-    route: SingleNodeRoutingInfo,
-}
-
-impl ConnectionLike for Asking<'_> {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        Box::pin(async move {
-            let mut pipeline = redis::pipe();
-            pipeline.add_command(redis::cmd("ASKING"));
-            pipeline.add_command(cmd.clone());
-            let mut values = self
-                .cluster
-                .route_pipeline(pipeline, 1, 1, self.route.clone())
-                .await?;
-            values.pop().ok_or_else(|| {
-                RedisError::from((ErrorKind::Client, "a pipeline's answers ran short"))
-            })
-        })
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        // Only single commands are sent this way (`Mode::run`).
-        self.cluster.req_packed_commands(pipeline, offset, count)
-    }
-
-    fn get_db(&self) -> i64 {
-        0
-    }
-}
-
 /// Each of `calls` on the per-slot path (redirections followed, the script reloaded).
 async fn per_slot(calls: Vec<Batch>, connection: &Connection, now: Option<u64>) {
     let sends = calls.into_iter().map(|batch| {
@@ -646,7 +518,7 @@ async fn per_slot(calls: Vec<Batch>, connection: &Connection, now: Option<u64>) 
         async move {
             let requests: Vec<&Encoded> = batch.iter().map(|(r, _)| r).collect();
             let call = script_call(&connection.mode, now, &requests);
-            let result = invoke(connection, call).await;
+            let result = connection.invoke(&call).await;
             drop(requests);
             deliver(batch, &result);
         }
@@ -657,14 +529,6 @@ async fn per_slot(calls: Vec<Batch>, connection: &Connection, now: Option<u64>) 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn node(host: &str, port: i64) -> Value {
-        Value::Array(vec![
-            Value::BulkString(host.as_bytes().to_vec()),
-            Value::Int(port),
-            Value::BulkString(b"id".to_vec()),
-        ])
-    }
 
     fn server_error(reply: &str) -> ServerError {
         match redis::parse_redis_value(reply.as_bytes()).unwrap() {
@@ -685,31 +549,5 @@ mod tests {
         }
         let script_error = server_error("-ERR user_script:1: boom\r\n");
         assert_eq!(never_ran(&script_error), (false, false));
-    }
-
-    #[test]
-    fn parses_cluster_slots() {
-        let reply = Value::Array(vec![
-            Value::Array(vec![
-                Value::Int(0),
-                Value::Int(5460),
-                node("127.0.0.1", 7000),
-                node("127.0.0.1", 7003),
-            ]),
-            Value::Array(vec![
-                Value::Int(5461),
-                Value::Int(16383),
-                node("10.0.0.2", 7001),
-            ]),
-            Value::Array(vec![Value::Int(100), Value::Int(100), node("?", 7001)]),
-        ]);
-        let map = SlotMap::parse(reply).unwrap();
-        assert_eq!(map.masters.len(), 2);
-        assert_eq!(*map.masters[0], ("127.0.0.1".to_owned(), 7000));
-        assert_eq!(map.owner[0], 0);
-        assert_eq!(map.owner[5460], 0);
-        assert_eq!(map.owner[5461], 1);
-        assert_eq!(map.owner[16383], 1);
-        assert!(SlotMap::parse(Value::Int(1)).is_none());
     }
 }

@@ -22,7 +22,7 @@ use std::{
 
 use futures_util::StreamExt;
 
-use super::block_cache::BlockCache;
+use crate::store::redis::keys::reset_channel;
 
 /// How long the task waits before connecting again after a failure, doubling up to
 /// [`MAX_RECONNECT_DELAY`] while it keeps failing (say, an ACL without `+subscribe`).
@@ -31,22 +31,25 @@ const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(60);
 /// How often an idle task checks whether its cache is gone.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
-/// The channel resets of keys under `prefix` are announced on.
-pub(crate) fn channel(prefix: &str) -> String {
-    format!("{prefix}:reset")
+/// What the listener tells of the resets it hears: the block cache.
+pub(crate) trait Resets: Send + Sync + 'static {
+    /// `key` was reset.
+    fn reset(&self, key: &str);
+    /// Resets may have been missed (the subscription was lost, or is new).
+    fn reset_all(&self);
 }
 
 /// The nodes a store hears resets from.
 #[derive(Clone)]
-pub(crate) enum Nodes {
+pub(crate) enum ResetNodes {
     /// These, tried in order: the one node, or a cluster's nodes.
     Fixed(Arc<[redis::Client]>),
     /// The master the sentinels name at each (re)subscription.
     #[cfg(feature = "sentinel")]
-    Sentinel(Arc<super::sentinel::SentinelConnection>),
+    Sentinel(Arc<crate::store::redis::link::sentinel::SentinelConnection>),
 }
 
-impl Nodes {
+impl ResetNodes {
     async fn clients(&self) -> Vec<redis::Client> {
         match self {
             Self::Fixed(clients) => clients.to_vec(),
@@ -59,15 +62,15 @@ impl Nodes {
 /// Where to subscribe: the nodes and the channel.
 #[derive(Clone)]
 pub(crate) struct Source {
-    nodes: Nodes,
+    nodes: ResetNodes,
     channel: Arc<str>,
 }
 
 impl Source {
-    pub(crate) fn new(nodes: Nodes, prefix: &str) -> Self {
+    pub(crate) fn new(nodes: ResetNodes, prefix: &str) -> Self {
         Self {
             nodes,
-            channel: channel(prefix).into(),
+            channel: reset_channel(prefix).into(),
         }
     }
 }
@@ -85,7 +88,7 @@ impl Listener {
 
     /// Spawns the task for `cache` unless it runs (`listening`) or there is no source or
     /// runtime.
-    pub(crate) fn start(&mut self, cache: &Arc<BlockCache>, listening: &Arc<AtomicBool>) {
+    pub(crate) fn start<C: Resets>(&mut self, cache: &Arc<C>, listening: &Arc<AtomicBool>) {
         let Some(source) = &self.source else {
             return;
         };
@@ -111,7 +114,7 @@ impl Drop for Running {
 }
 
 /// Subscribes and forgets the denials of every key announced, until the cache is gone.
-async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
+async fn listen<C: Resets>(cache: Weak<C>, source: Source, _running: Running) {
     let mut delay = RECONNECT_DELAY;
     let mut warned = false;
     loop {
@@ -128,7 +131,7 @@ async fn listen(cache: Weak<BlockCache>, source: Source, _running: Running) {
             };
             if let Err(error) = pubsub.subscribe(&*source.channel).await {
                 tracing::debug!(%error, "block cache: cannot subscribe to hear resets");
-                let refused = super::reply::no_perm(&error);
+                let refused = crate::store::redis::wire::reply::no_perm(&error);
                 if refused && !warned {
                     warned = true;
                     tracing::warn!(

@@ -7,11 +7,11 @@
 
 use redis::RedisError;
 
-use super::{SCRIPT_SOURCE, function, reply};
+use super::{function, reply, script::SCRIPT_SOURCE};
 use crate::{StoreError, StoreErrorKind};
 
 /// A store error that names the missing permission, when `error` is an ACL denial.
-pub(super) fn explain(error: &RedisError) -> Option<StoreError> {
+pub(crate) fn explain(error: &RedisError) -> Option<StoreError> {
     let message = denial(error)?;
     let text = error.to_string();
     // What the denial is about, before the script's name and line that may follow it.
@@ -76,7 +76,7 @@ fn script_command(text: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::redis::reply::tests::reply;
+    use crate::store::redis::wire::reply::tests::reply;
 
     /// The explanation of the reply line `line`, below the store error's own `Display`.
     fn explained(line: &str) -> String {

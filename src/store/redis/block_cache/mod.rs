@@ -1,6 +1,6 @@
 //! The block cache: denied keys are answered locally until their `retry_after` passes,
 //! or until a reset of the key (on this replica or, through Redis pub/sub, on any other;
-//! see [`invalidate`](super::invalidate)).
+//! see [`listen`]).
 
 use std::sync::{
     Arc,
@@ -10,9 +10,23 @@ use std::sync::{
 use parking_lot::Mutex;
 use quick_cache::{Equivalent, sync::Cache};
 
-use super::invalidate::{Listener, Source};
+mod listen;
 
-use crate::{Decision, Limit, LimitDecision, decision::LimitDecisions, key::Key};
+use self::listen::{Listener, Resets};
+pub(crate) use self::listen::{ResetNodes, Source};
+
+use crate::{
+    Decision, Limit, LimitDecision,
+    clock::{Clock, MonotonicClock},
+    decision::LimitDecisions,
+    key::Key,
+};
+
+/// Milliseconds on the store's local clock (a [`MonotonicClock`] when none was set): for
+/// the block cache and the leases only; decisions use Redis `TIME` or the explicit clock.
+pub(crate) fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
+    clock.map_or_else(|| MonotonicClock.now_ms(), |c| c.now_ms())
+}
 
 /// The default number of denied keys remembered.
 pub(crate) const DEFAULT_BLOCK_CACHE_SIZE: usize = 10_000;
@@ -197,6 +211,16 @@ impl BlockCache {
         if self.generation() != generation {
             self.entries.remove(&cache_key);
         }
+    }
+}
+
+impl Resets for BlockCache {
+    fn reset(&self, key: &str) {
+        BlockCache::reset(self, key);
+    }
+
+    fn reset_all(&self) {
+        BlockCache::reset_all(self);
     }
 }
 

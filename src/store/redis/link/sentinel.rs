@@ -15,20 +15,19 @@ use std::{
 
 use parking_lot::Mutex;
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, IntoConnectionInfo, RedisError,
+    AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, RedisError,
     aio::MultiplexedConnection,
     sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType},
 };
 
 #[cfg(feature = "tls")]
-use super::connect::TlsConfig;
-use super::{
-    Link, RedisConnect, RedisStore, SCRIPT,
-    connect::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, check_scheme, unreachable},
-    function::Mode,
-    store_error,
+use crate::store::redis::wire::TlsConfig;
+use crate::{
+    StoreError, StoreErrorKind,
+    store::redis::wire::{
+        CONNECTION_TIMEOUT, RESPONSE_TIMEOUT, check_scheme, reply, script::SCRIPT, store_error,
+    },
 };
-use crate::{StoreError, StoreErrorKind};
 
 /// After failing to find a master, calls fail at once for this long instead of each
 /// asking the sentinels again.
@@ -167,67 +166,6 @@ impl fmt::Debug for SentinelConfig {
     }
 }
 
-impl RedisStore {
-    /// Connects to the master that Redis Sentinel names `master_name` (feature
-    /// `sentinel`), and follows it through failovers.
-    ///
-    /// When the master's connection breaks or it answers `READONLY` (it was demoted), the
-    /// next call asks the sentinels again and connects to the new master, loading the
-    /// script there; decisions meanwhile fail and the layer's
-    /// [`FailurePolicy`](crate::FailurePolicy) answers them. Replication is asynchronous,
-    /// so counts the old master had not yet sent to its replica are lost at a failover.
-    ///
-    /// With [`in_background`](RedisConnect::in_background), sentinels or a master that
-    /// cannot be reached yet do not stop the service from starting.
-    ///
-    /// # Errors
-    ///
-    /// When a URL is invalid, no sentinel answers, or the master cannot be reached now.
-    pub fn connect_sentinel(config: &SentinelConfig) -> RedisConnect {
-        RedisConnect::sentinel(config)
-    }
-
-    /// [`connect_sentinel`](Self::connect_sentinel); `background`: see
-    /// [`RedisConnect::in_background`].
-    pub(super) async fn connect_sentinel_with(
-        config: &SentinelConfig,
-        background: bool,
-    ) -> Result<Self, StoreError> {
-        let sentinel = SentinelConnection {
-            client: tokio::sync::Mutex::new(config.client()?),
-            current: Mutex::new(Current::default()),
-        };
-        // Found now, so that a wrong name or unreachable sentinels fail at startup.
-        let unreached = match sentinel.connect().await {
-            Ok(()) => None,
-            Err(error) if background && unreachable(&error) => Some(error),
-            Err(error) => return Err(error),
-        };
-        let sentinel = Arc::new(sentinel);
-        let watched = Arc::downgrade(&sentinel);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(WATCH_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                // Ends with the last clone of the store.
-                let Some(sentinel) = watched.upgrade() else {
-                    break;
-                };
-                sentinel.watch().await;
-            }
-        });
-        // Resets are heard on whichever master the sentinels name (a PUBLISH on the master
-        // also reaches its replicas, so a subscription to a demoted one still hears it).
-        let nodes = super::invalidate::Nodes::Sentinel(sentinel.clone());
-        let store = Self::new(Link::Sentinel(sentinel).into());
-        if let Some(error) = unreached {
-            store.connection.connect_in_background(&error);
-        }
-        Ok(store.with_reset_source(nodes))
-    }
-}
-
 /// The sentinel client and the connection to the master it last named.
 pub(crate) struct SentinelConnection {
     /// Locked while asking the sentinels, so that one call at a time does.
@@ -263,13 +201,39 @@ impl Current {
 }
 
 impl SentinelConnection {
+    /// Not connected yet: [`connect`](Self::connect) finds the master.
+    pub(crate) fn new(config: &SentinelConfig) -> Result<Self, StoreError> {
+        Ok(Self {
+            client: tokio::sync::Mutex::new(config.client()?),
+            current: Mutex::new(Current::default()),
+        })
+    }
+
+    /// Asks the sentinels every [`WATCH_EVERY`] whether the master moved, until the last
+    /// clone of the store is gone.
+    pub(crate) fn watch_in_background(self: &Arc<Self>) {
+        let watched = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(WATCH_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                // Ends with the last clone of the store.
+                let Some(sentinel) = watched.upgrade() else {
+                    break;
+                };
+                sentinel.watch().await;
+            }
+        });
+    }
+
     /// Finds the master and connects to it, when not connected.
-    pub(super) async fn connect(&self) -> Result<(), StoreError> {
+    pub(crate) async fn connect(&self) -> Result<(), StoreError> {
         self.connection().await.map(|_| ())
     }
 
     /// The current master's connection, asking the sentinels when there is none.
-    async fn connection(&self) -> Result<(u64, MultiplexedConnection), StoreError> {
+    pub(crate) async fn connection(&self) -> Result<(u64, MultiplexedConnection), StoreError> {
         if let Some(ready) = self.current.lock().ready() {
             return ready;
         }
@@ -335,47 +299,17 @@ impl SentinelConnection {
         }
     }
 
-    /// `PING`s the master: a connection found broken is dropped, and the next call finds the
-    /// master again.
-    pub(super) async fn ping(&self) {
-        if let Ok((generation, mut connection)) = self.connection().await {
-            let result: Result<(), RedisError> =
-                redis::cmd("PING").query_async(&mut connection).await;
-            if let Err(error) = &result
-                && lost_master(error)
-            {
-                self.forget(generation);
-            }
-        }
-    }
-
     /// A client for the master the sentinels name now.
-    pub(super) async fn master_client(&self) -> Option<redis::Client> {
+    pub(crate) async fn master_client(&self) -> Option<redis::Client> {
         self.client.lock().await.async_get_client().await.ok()
     }
 
-    /// Sends one command to the master.
-    pub(super) async fn query(&self, cmd: &Cmd) -> Result<redis::Value, StoreError> {
-        let (generation, mut connection) = self.connection().await?;
-        let result = cmd.query_async(&mut connection).await;
-        if let Err(error) = &result
-            && lost_master(error)
-        {
+    /// Drops connection `generation` when `error` shows it no longer leads to a master
+    /// (the next call asks the sentinels again).
+    pub(crate) fn failed(&self, generation: u64, error: &RedisError) {
+        if lost_master(error) {
             self.forget(generation);
         }
-        result.map_err(store_error)
-    }
-
-    /// Runs a script call on the master.
-    pub(super) async fn evalsha(&self, mode: &Mode, call: &Cmd) -> Result<Vec<i64>, StoreError> {
-        let (generation, mut connection) = self.connection().await?;
-        let result = mode.run(&mut connection, call).await;
-        if let Err(error) = &result
-            && lost_master(error)
-        {
-            self.forget(generation);
-        }
-        result.map_err(store_error)
     }
 }
 
@@ -387,5 +321,5 @@ fn lost_master(error: &RedisError) -> bool {
         || error.is_timeout()
         || error.is_unrecoverable_error()
         // The command or a write inside the script on a demoted master.
-        || super::reply::read_only(error)
+        || reply::read_only(error)
 }
