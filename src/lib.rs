@@ -171,11 +171,10 @@ mod rejection;
 pub mod rules;
 mod service;
 pub mod store;
-mod wait;
 
 pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
-pub use count_after::CountAfterLayer;
+pub use decide::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY};
 pub use decision::{Decision, LimitDecision};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
@@ -190,7 +189,6 @@ pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
-pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY};
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -8,8 +8,7 @@ use http::Request;
 use crate::{
     Decision, FailurePolicy, Limit, Rules, StoreError,
     key::{Key, KeyError, KeyExtractor},
-    plan::Chosen,
-    rules::Cell,
+    rules::{Cell, Chosen},
     store::{Guarded, Store},
 };
 

@@ -43,7 +43,6 @@ use smallvec::SmallVec;
 use crate::{
     Adjustment, Decision, Limit, LimitDecision,
     key::Key,
-    rules::Active,
     store::{Check, Guarded},
 };
 
@@ -125,8 +124,12 @@ impl Waiting {
     /// A place in line for a request of `key` and `cost` that `decision` denied under
     /// `limits`, when it may wait: its `retry_after` is within `max_wait`, it can fit at
     /// all, and neither bound is reached.
+    /// The request asks `store` again after its wait (`local`: the failure policy's
+    /// local store, answering for the layer's).
     pub(crate) fn admit(
         self: &Arc<Self>,
+        store: &Guarded,
+        local: bool,
         key: &Key,
         limits: &[Limit],
         cost: u32,
@@ -144,6 +147,8 @@ impl Waiting {
         Some(Ticket {
             place,
             kind: Kind::Retry(retry_ms),
+            store: store.clone(),
+            local,
         })
     }
 
@@ -151,8 +156,12 @@ impl Waiting {
     /// allows it after [`Decision::wait`]), when neither bound is reached; the decision
     /// back when one is (the caller gives the units back: see [`release`] and
     /// [`refused`]).
+    /// `store` reserved them (`local` as for [`admit`](Self::admit)), and gets them
+    /// back if the request is dropped while it waits.
     pub(crate) fn admit_reserved(
         self: &Arc<Self>,
+        store: &Guarded,
+        local: bool,
         key: &Key,
         decision: Decision,
     ) -> Result<Ticket, Decision> {
@@ -160,6 +169,8 @@ impl Waiting {
             Some(place) => Ok(Ticket {
                 place,
                 kind: Kind::Reserved(decision),
+                store: store.clone(),
+                local,
             }),
             None => Err(decision),
         }
@@ -254,6 +265,18 @@ pub(crate) fn release(
     }
 }
 
+/// Which round of asking an answer is from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Round {
+    /// The request's first: a denial may still wait its turn.
+    First,
+    /// After waiting its turn: a denial is final.
+    Waited,
+    /// After waiting its turn in the failure policy's local store (the shared store had
+    /// failed): the answer is that store's.
+    WaitedLocal,
+}
+
 /// A place in line: given back when dropped (the request was answered, or its client
 /// hung up).
 struct Place {
@@ -298,6 +321,10 @@ impl Drop for Place {
 pub(crate) struct Ticket {
     place: Place,
     kind: Kind,
+    /// The store it asks again, or gives its reservation back to.
+    store: Guarded,
+    /// That store is the failure policy's local one.
+    local: bool,
 }
 
 enum Kind {
@@ -312,7 +339,7 @@ enum Kind {
 struct Reservation {
     place: Place,
     store: Guarded,
-    rules: Arc<Active>,
+    limits: Arc<[Limit]>,
     key: Key,
     cost: u32,
     decision: Decision,
@@ -326,7 +353,7 @@ impl Drop for Reservation {
         if self.armed && last {
             release(
                 &self.store,
-                self.rules.limits(),
+                &self.limits,
                 &self.key,
                 self.cost,
                 &self.decision,
@@ -336,14 +363,25 @@ impl Drop for Reservation {
 }
 
 impl Ticket {
-    /// The wait, as a [`Check`] under the same `rules`. Reserved: sleeps the reservation's
+    /// The round the answer after the wait is settled in.
+    pub(crate) fn round(&self) -> Round {
+        if self.local {
+            Round::WaitedLocal
+        } else {
+            Round::Waited
+        }
+    }
+
+    /// The wait, as a [`Check`] under the same `limits`. Reserved: sleeps the reservation's
     /// wait and answers its decision (allowed now) without asking the store; dropped
     /// before then, it gives the units back as the [module docs](self) say. Denied:
     /// sleeps `retry_after`, asks the store again and, while it is denied and the new
     /// `retry_after` still ends within `max_wait` of the first denial, sleeps again. The
     /// place is given back when the check ends or is dropped.
-    pub(crate) fn wait(self, store: Guarded, rules: Arc<Active>, key: Key, cost: u32) -> Check {
-        let Self { place, kind } = self;
+    pub(crate) fn wait(self, limits: Arc<[Limit]>, key: Key, cost: u32) -> Check {
+        let Self {
+            place, kind, store, ..
+        } = self;
         let retry_ms = match kind {
             Kind::Retry(retry_ms) => retry_ms,
             Kind::Reserved(decision) => {
@@ -352,7 +390,7 @@ impl Ticket {
                     let mut reservation = Reservation {
                         place,
                         store,
-                        rules,
+                        limits,
                         key,
                         cost,
                         decision,
@@ -373,7 +411,7 @@ impl Ticket {
             let mut sleep = Duration::from_millis(retry_ms);
             loop {
                 tokio::time::sleep(sleep).await;
-                let result = match store.check_now(&key, rules.limits(), cost) {
+                let result = match store.check_now(&key, &limits, cost) {
                     Ok(result) => result,
                     Err(check) => check.await,
                 };
@@ -400,6 +438,10 @@ mod tests {
     use super::*;
     use crate::LimitDecision;
 
+    fn store() -> Guarded {
+        Guarded::new(Arc::new(crate::MemoryStore::new()), None, None)
+    }
+
     fn denied(retry_after_ms: u64) -> Decision {
         Decision::new(vec![LimitDecision::deny(5, 0, 1_000, retry_after_ms)])
     }
@@ -409,7 +451,8 @@ mod tests {
         let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 10, 10));
         let (a, b) = (Key::new("a"), Key::new("b"));
         let reserved = Decision::new(vec![LimitDecision::allow(1, 0, 100)]).with_wait(50);
-        let place = |key: &Key| match waiting.admit_reserved(key, reserved.clone()) {
+        let place = |key: &Key| match waiting.admit_reserved(&store(), false, key, reserved.clone())
+        {
             Ok(ticket) => ticket.place,
             Err(_) => panic!("a place for {key:?}"),
         };
@@ -435,10 +478,16 @@ mod tests {
         let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 3, 2));
         let limits = [Limit::fixed_window(5, Duration::from_secs(1)).unwrap()];
         let (a, b) = (Key::new("a"), Key::new("b"));
-        let admit = |key: &Key, retry| waiting.admit(key, &limits, 1, &denied(retry));
+        let store = store();
+        let admit =
+            |key: &Key, retry| waiting.admit(&store, false, key, &limits, 1, &denied(retry));
         // Only a wait within max_wait, and never for a request that cannot fit.
         assert!(admit(&a, 1_001).is_none());
-        assert!(waiting.admit(&a, &limits, 6, &denied(10)).is_none());
+        assert!(
+            waiting
+                .admit(&store, false, &a, &limits, 6, &denied(10))
+                .is_none()
+        );
         let a1 = admit(&a, 1_000).unwrap();
         let a2 = admit(&a, 10).unwrap();
         assert!(admit(&a, 10).is_none(), "two per key");

@@ -1,0 +1,284 @@
+//! [`Rules`]: a layer's changeable configuration, as a value.
+
+use std::sync::Arc;
+
+use crate::{ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans};
+
+/// A layer's changeable configuration: its limits and policies. Built with
+/// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`].
+#[derive(Debug, Clone)]
+pub struct Rules {
+    limits: Arc<[Limit]>,
+    /// Decided and counted, never enforced: see [`with_shadow_limits`](Self::with_shadow_limits).
+    shadow_limits: Arc<[Limit]>,
+    /// Every limit is a shadow one: see [`with_shadow`](Self::with_shadow).
+    shadow: bool,
+    on_store_error: FailurePolicy,
+    on_missing_key: MissingKey,
+    headers: HeaderStyle,
+    /// Limits chosen per request: see [`with_plans`](Self::with_plans).
+    plans: Option<Plans>,
+}
+
+impl Rules {
+    /// `limits` (at least one) with the default policies: fail open, reject requests
+    /// without a key, the IETF fields.
+    ///
+    /// # Errors
+    ///
+    /// See [`with_limits`](Self::with_limits).
+    pub fn new(limits: impl IntoIterator<Item = Limit>) -> Result<Self, ConfigError> {
+        Self {
+            limits: Arc::from([]),
+            shadow_limits: Arc::from([]),
+            shadow: false,
+            on_store_error: FailurePolicy::default(),
+            on_missing_key: MissingKey::default(),
+            headers: HeaderStyle::default(),
+            plans: None,
+        }
+        .with_limits(limits)
+    }
+
+    /// The same rules with these limits instead (all must allow a request, as for
+    /// [`RateLimitLayer::limit`](crate::RateLimitLayer::limit); equal limits count once).
+    ///
+    /// # Errors
+    ///
+    /// No limit at all (field `limits`), or two different limits with the same state
+    /// (field `name`): two [carried-over](crate::OnChange::CarryOver) limits with one
+    /// name, algorithm and window.
+    pub fn with_limits(
+        mut self,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Self, ConfigError> {
+        let limits = unique(limits)?;
+        if limits.is_empty() && self.shadow_limits.is_empty() {
+            return Err(ConfigError::new("limits", "must hold at least one limit"));
+        }
+        disjoint(&limits, &self.shadow_limits)?;
+        self.limits = limits.into();
+        Ok(self)
+    }
+
+    /// The same rules with these shadow limits instead (none by default): each request
+    /// is decided and counted on them as usual, but never rejected by them; a request
+    /// they would reject is counted as `would_reject` in the metrics (feature `metrics`)
+    /// and logged at `info`. They are decided in a store call of their own, so the
+    /// enforced limits count exactly as if they were absent, and they see every request
+    /// that reaches the layer with a key, as a layer in front of this one would. See
+    /// [Shadow mode](crate#shadow-mode).
+    ///
+    /// # Errors
+    ///
+    /// A shadow limit with the state of an enforced one (field `shadow_limits`: they
+    /// would count each request twice), or two shadow limits sharing one state (as for
+    /// [`with_limits`](Self::with_limits)).
+    pub fn with_shadow_limits(
+        mut self,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Self, ConfigError> {
+        let shadow = unique(limits)?;
+        if shadow.is_empty() && self.limits.is_empty() {
+            return Err(ConfigError::new("limits", "must hold at least one limit"));
+        }
+        disjoint(&self.limits, &shadow)?;
+        self.shadow_limits = shadow.into();
+        Ok(self)
+    }
+
+    /// The same rules with every limit in shadow (`true`) or not: no request is
+    /// rejected for its rate, and each one a limit would reject is counted as
+    /// `would_reject` and logged. All limits are still decided together, in one store
+    /// call. See [Shadow mode](crate#shadow-mode).
+    pub fn with_shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
+    /// The same rules with this failure policy. See [`FailurePolicy`].
+    pub fn with_on_store_error(mut self, policy: FailurePolicy) -> Self {
+        self.on_store_error = policy;
+        self
+    }
+
+    /// The same rules with this missing-key policy. See [`MissingKey`].
+    pub fn with_on_missing_key(mut self, policy: MissingKey) -> Self {
+        self.on_missing_key = policy;
+        self
+    }
+
+    /// The same rules with these rate-limit fields. See [`HeaderStyle`].
+    pub fn with_headers(mut self, style: HeaderStyle) -> Self {
+        self.headers = style;
+        self
+    }
+
+    /// The same rules with these [plans](crate::plan): each request is decided under the
+    /// limits of the plan their resolver picks, or under these rules' limits when it
+    /// picks none and there is no default plan.
+    pub fn with_plans(mut self, plans: Plans) -> Self {
+        self.plans = Some(plans);
+        self
+    }
+
+    /// The same rules without plans: every request is decided under the limits.
+    pub fn without_plans(mut self) -> Self {
+        self.plans = None;
+        self
+    }
+
+    /// The plans, if any. See [`with_plans`](Self::with_plans).
+    pub fn plans(&self) -> Option<&Plans> {
+        self.plans.as_ref()
+    }
+
+    /// These rules with a plan's (stored) limits in place of their own, and no plans.
+    pub(crate) fn for_plan(&self, limits: Arc<[Limit]>) -> Self {
+        Self {
+            limits,
+            plans: None,
+            ..self.clone()
+        }
+    }
+
+    /// The limits, in the order they are reported.
+    pub fn limits(&self) -> &[Limit] {
+        &self.limits
+    }
+
+    /// The shadow limits. See [`with_shadow_limits`](Self::with_shadow_limits).
+    pub fn shadow_limits(&self) -> &[Limit] {
+        &self.shadow_limits
+    }
+
+    /// Whether every limit is in shadow. See [`with_shadow`](Self::with_shadow).
+    pub fn is_shadow(&self) -> bool {
+        self.shadow
+    }
+
+    /// Every limit, enforced then shadow: what the store keeps state for.
+    pub(crate) fn all_limits(&self) -> Arc<[Limit]> {
+        if self.shadow_limits.is_empty() {
+            return self.limits.clone();
+        }
+        self.limits
+            .iter()
+            .chain(self.shadow_limits.iter())
+            .cloned()
+            .collect()
+    }
+
+    /// [`all_limits`](Self::all_limits), and every plan's limits as they are stored
+    /// (each plan's state apart): every limit that may hold state for a key.
+    pub(crate) fn every_stored_limit(&self) -> Arc<[Limit]> {
+        let all = self.all_limits();
+        let Some(plans) = &self.plans else {
+            return all;
+        };
+        let planned = plans.plans().iter().filter_map(|p| p.stored_limits());
+        all.iter()
+            .cloned()
+            .chain(planned.flat_map(|l| l.to_vec()))
+            .collect()
+    }
+
+    /// The failure policy.
+    pub fn on_store_error(&self) -> &FailurePolicy {
+        &self.on_store_error
+    }
+
+    /// The missing-key policy.
+    pub fn on_missing_key(&self) -> MissingKey {
+        self.on_missing_key
+    }
+
+    /// The rate-limit fields.
+    pub fn headers(&self) -> HeaderStyle {
+        self.headers
+    }
+
+    /// `limits` with the rest of these rules, for the layer's builder (which cannot fail):
+    /// a limit with the same state as one present replaces it.
+    pub(crate) fn push_limit(&mut self, limit: Limit) {
+        self.shadow_limits = without(&self.shadow_limits, &limit);
+        self.limits = pushed(&self.limits, limit);
+    }
+
+    /// A shadow limit, for the layer's builder: an enforced limit with the same state
+    /// becomes this shadow one (so no state is counted twice).
+    pub(crate) fn push_shadow_limit(&mut self, limit: Limit) {
+        self.limits = without(&self.limits, &limit);
+        self.shadow_limits = pushed(&self.shadow_limits, limit);
+    }
+}
+
+/// `limits` plus `limit`, which replaces one with the same state.
+fn pushed(limits: &[Limit], limit: Limit) -> Arc<[Limit]> {
+    let mut limits = limits.to_vec();
+    match limits.iter_mut().find(|l| l.id() == limit.id()) {
+        Some(same) => *same = limit,
+        None => limits.push(limit),
+    }
+    limits.into()
+}
+
+/// `limits` without the one with `limit`'s state.
+fn without(limits: &Arc<[Limit]>, limit: &Limit) -> Arc<[Limit]> {
+    if limits.iter().all(|l| l.id() != limit.id()) {
+        return limits.clone();
+    }
+    limits
+        .iter()
+        .filter(|l| l.id() != limit.id())
+        .cloned()
+        .collect()
+}
+
+/// `limits` with equal ones counted once; two different ones with one state refused.
+pub(crate) fn unique(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limit>, ConfigError> {
+    let mut unique: Vec<Limit> = Vec::new();
+    for limit in limits {
+        match unique.iter().find(|l| l.id() == limit.id()) {
+            Some(same) if *same == limit => {}
+            Some(same)
+                if same.lockout() != limit.lockout()
+                    && same.clone().with_lockout_ms(0) == limit.clone().with_lockout_ms(0) =>
+            {
+                return Err(ConfigError::new(
+                    "lockout",
+                    format!(
+                        "{limit:?} differs from another limit only in its lockout: they would \
+                         share one state; keep one"
+                    ),
+                ));
+            }
+            Some(_) => {
+                return Err(ConfigError::new(
+                    "name",
+                    format!(
+                        "{:?} is carried over by two different limits with the same \
+                         algorithm and window: they would share one state",
+                        limit.name().unwrap_or_default()
+                    ),
+                ));
+            }
+            None => unique.push(limit),
+        }
+    }
+    Ok(unique)
+}
+
+/// Refuses a shadow limit with the state of an enforced one.
+fn disjoint(enforced: &[Limit], shadow: &[Limit]) -> Result<(), ConfigError> {
+    match shadow
+        .iter()
+        .find(|s| enforced.iter().any(|e| e.id() == s.id()))
+    {
+        Some(both) => Err(ConfigError::new(
+            "shadow_limits",
+            format!("{both:?} has the state of an enforced limit: each request would count twice"),
+        )),
+        None => Ok(()),
+    }
+}
