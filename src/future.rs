@@ -167,7 +167,7 @@ where
 {
     let Pending {
         mut service,
-        request,
+        mut request,
         asked,
         ..
     } = pending;
@@ -176,7 +176,12 @@ where
             response: Some(response),
         },
         Next::Call(decision, charged) => State::Calling {
-            future: service.call(request),
+            future: {
+                if let Some(decision) = &decision {
+                    crate::service::inform(&mut request, decision, rules);
+                }
+                service.call(request)
+            },
             fields: decision.map(|decision| (decision, rules.clone())),
             charged,
         },

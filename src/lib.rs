@@ -175,7 +175,7 @@ pub mod store;
 pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
 pub use decide::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY};
-pub use decision::{Decision, LimitDecision};
+pub use decision::{Decision, LimitDecision, RateLimitInfo};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;

@@ -10,7 +10,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::{
-    MissingKey, RequestCost,
+    Decision, MissingKey, RateLimitInfo, RequestCost,
     count_after::{Recount, UpFront},
     decide::{Asked, Next, Shared, settle, wait::Round},
     future::{Pending, ResponseFuture},
@@ -141,7 +141,7 @@ fn start<S, ReqB, ResB, R, M>(
     shared: &Arc<Shared<R>>,
     rules: &Arc<Active>,
     recount: &M,
-    request: Request<ReqB>,
+    mut request: Request<ReqB>,
     asked: Asked,
 ) -> ResponseFuture<S, ReqB, R, M>
 where
@@ -164,6 +164,9 @@ where
             match next {
                 Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
                 Next::Call(decision, charged) => {
+                    if let Some(decision) = &decision {
+                        inform(&mut request, decision, rules);
+                    }
                     // Nothing to write: the response needs neither the decision nor the rules.
                     let fields = decision
                         .filter(|_| rules.headers.writes_when_allowed())
@@ -253,6 +256,14 @@ impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
             }
         }
     }
+}
+
+/// Tells the inner service what was decided: [`RateLimitInfo`] in the request's
+/// extensions.
+#[inline]
+pub(crate) fn inform<ReqB>(request: &mut Request<ReqB>, decision: &Decision, rules: &Active) {
+    let info = RateLimitInfo::new(decision.clone(), rules.plan.clone());
+    request.extensions_mut().insert(info);
 }
 
 /// The service that was polled ready, for a request that waits for the store; its clone

@@ -52,12 +52,9 @@ fn hourly(n: u32) -> Limit {
 
 /// A handler answering the status in `x-status` (200 without), and `x-tokens: <n>` when
 /// the request asks for it with `x-tokens`.
-fn handler() -> impl Service<
-    Request<Body>,
-    Response = Response<Body>,
-    Error = Infallible,
-    Future = impl Send,
-> + Clone
+fn handler()
+-> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future = impl Send>
++ Clone
 + Send {
     service_fn(|request: Request<Body>| async move {
         let status = request
@@ -81,9 +78,10 @@ where
 {
     let mut request = Request::new(Body::empty());
     for (name, value) in headers {
-        request
-            .headers_mut()
-            .insert(HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
+        request.headers_mut().insert(
+            HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            value.parse().unwrap(),
+        );
     }
     tokio::time::timeout(Duration::from_secs(10), service.clone().oneshot(request))
         .await
@@ -128,7 +126,10 @@ async fn count_after_decides_under_plans(store: impl Store + Clone) {
     for _ in 0..4 {
         assert_eq!(send(&service, &pro_fails).await, StatusCode::UNAUTHORIZED);
     }
-    assert_eq!(send(&service, &pro_fails).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        send(&service, &pro_fails).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
 
     // Plans set at run time apply to the count-after layer too.
     let team = Plans::new([Plan::new("team", [hourly(1)]).unwrap()])
@@ -137,8 +138,14 @@ async fn count_after_decides_under_plans(store: impl Store + Clone) {
     rules.set(rules.rules().with_plans(team));
     let team_fails = [("x-plan", "team"), ("x-status", "401")];
     assert_eq!(send(&service, &team_fails).await, StatusCode::UNAUTHORIZED);
-    assert_eq!(send(&service, &team_fails).await, StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(send(&service, &[("x-plan", "team")]).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        send(&service, &team_fails).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&service, &[("x-plan", "team")]).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
 }
 
 #[tokio::test]
@@ -175,7 +182,10 @@ async fn count_after_waits_for_its_reservation(store: impl Store + Clone) {
     let started = Instant::now();
     assert_eq!(send(&service, &[("x-tokens", "0")]).await, StatusCode::OK);
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(900), "reserved: waited {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(900),
+        "reserved: waited {waited:?}"
+    );
     // The reserved unit came back: the next one waits a second, not two.
     let mut left = Duration::ZERO;
     for _ in 0..100 {
@@ -260,7 +270,10 @@ async fn the_local_fallback_reserves_and_waits() {
     for _ in 0..3 {
         statuses.push(send(&service, &[]).await);
     }
-    assert!(statuses.contains(&StatusCode::TOO_MANY_REQUESTS), "{statuses:?}");
+    assert!(
+        statuses.contains(&StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
 }
 
 /// With the store down, a count-after layer settles the local fallback's charges there:
@@ -279,10 +292,72 @@ async fn count_after_settles_in_the_local_fallback() {
         assert_eq!(send(&service, &[]).await, StatusCode::OK);
     }
     for _ in 0..2 {
-        assert_eq!(send(&service, &[("x-status", "401")]).await, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            send(&service, &[("x-status", "401")]).await,
+            StatusCode::UNAUTHORIZED
+        );
     }
     assert_eq!(send(&service, &[]).await, StatusCode::TOO_MANY_REQUESTS);
     // The local store holds exactly the two failures.
     let peek = local.peek(&global(), &[hourly(2)], 0).await.unwrap();
     assert_eq!(peek.remaining(), Some(0));
+}
+
+/// The inner service reads what was decided from the request's extensions: the plan and
+/// what is left; a request let through without a decision carries none.
+async fn the_handler_sees_the_decision(store: impl Store + Clone) {
+    let plans = Plans::new([Plan::new("free", [hourly(3)]).unwrap()])
+        .unwrap()
+        .with_header(HeaderName::from_static("x-plan"));
+    let echo = service_fn(|request: Request<Body>| async move {
+        let info = request
+            .extensions()
+            .get::<tollgate::RateLimitInfo>()
+            .cloned();
+        let text = match info {
+            Some(info) => format!(
+                "{}:{}",
+                info.plan().unwrap_or("-"),
+                info.decision().remaining().unwrap()
+            ),
+            None => "none".to_owned(),
+        };
+        Ok::<_, Infallible>(Response::new(Body::from(text)))
+    });
+    let service = RateLimitLayer::new(hourly(5))
+        .key(tollgate::key::HeaderKey::new("x-user").unwrap())
+        .on_missing_key(tollgate::MissingKey::Allow)
+        .store(store)
+        .timeout(Some(Duration::from_secs(5)))
+        .plans(plans)
+        .layer(echo);
+    let body = |headers: &'static [(&'static str, &'static str)]| {
+        let service = service.clone();
+        async move {
+            let mut request = Request::new(Body::empty());
+            for (name, value) in headers {
+                request.headers_mut().insert(*name, value.parse().unwrap());
+            }
+            let response = service.oneshot(request).await.unwrap();
+            let bytes = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            String::from_utf8(bytes.to_vec()).unwrap()
+        }
+    };
+    assert_eq!(body(&[("x-user", "a"), ("x-plan", "free")]).await, "free:2");
+    assert_eq!(body(&[("x-user", "a")]).await, "-:4");
+    assert_eq!(body(&[]).await, "none");
+}
+
+#[tokio::test]
+async fn the_handler_sees_the_decision_memory() {
+    the_handler_sees_the_decision(memory()).await;
+}
+
+#[tokio::test]
+async fn the_handler_sees_the_decision_redis() {
+    let server = support::RedisServer::start();
+    the_handler_sees_the_decision(redis(&server, "info").await).await;
 }
