@@ -11,24 +11,19 @@ use tower_layer::Layer;
 use http::{HeaderMap, Response};
 
 use crate::{
-    FailurePolicy, Limit, MissingKey,
-    breaker::{Breaker, CircuitBreaker},
+    CircuitBreaker, FailurePolicy, Limit, MissingKey,
     count_after::{CountWhen, LateCost, TrailerCost, UpFront},
-    decide::{
-        Shared,
-        wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Waiting},
-    },
+    decide::Shared,
     headers::HeaderStyle,
     key::PeerIp,
     limiter::Limiter,
     rejection::DefaultRejection,
     rules::{Cell, Rules, RulesHandle},
     service::RateLimit,
-    store::{Guarded, MemoryStore, Store},
+    store::{MemoryStore, Store},
 };
-
-/// The default time a store call may take before the failure policy applies.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+#[cfg(doc)]
+use crate::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 
 /// The name of a layer that was not given one with [`RateLimitLayer::name`].
 pub const DEFAULT_NAME: &str = "default";
@@ -60,27 +55,10 @@ struct Settings {
     /// rules in force.
     rules: Rules,
     store: Arc<dyn Store>,
-    timeout: Option<Duration>,
     name: Arc<str>,
-    breaker: Option<Arc<Breaker>>,
     /// Shared by clones of the layer made since its last builder call: they are one layer
     /// to a [`RulesHandle`]. A builder call starts a new one.
     cell: Arc<OnceLock<Arc<Cell>>>,
-    /// How long a denied request may wait, and how many may wait per layer and per key.
-    max_wait: Option<Duration>,
-    max_waiters: (usize, usize),
-    /// The line of waiting requests, built from the three above; shared by clones.
-    waiting: Option<Arc<Waiting>>,
-}
-
-impl Settings {
-    /// A new line after a change of `max_wait` or `max_waiters`.
-    fn waiting_changed(&mut self) {
-        self.waiting = self.max_wait.map(|max_wait| {
-            let (total, per_key) = self.max_waiters;
-            Arc::new(Waiting::new(max_wait, total, per_key))
-        });
-    }
 }
 
 impl Settings {
@@ -169,13 +147,8 @@ impl RateLimitLayer {
             settings: Settings {
                 rules: Rules::new([limit]).expect("one limit is a valid rule set"),
                 store: Arc::new(MemoryStore::new()),
-                timeout: Some(DEFAULT_TIMEOUT),
                 name: Arc::from(DEFAULT_NAME),
-                breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
                 cell: Arc::default(),
-                max_wait: None,
-                max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
-                waiting: None,
             },
         }
     }
@@ -272,7 +245,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// ([`DEFAULT_TIMEOUT`] by default; `None` waits for the store as long as it takes).
     /// A call that timed out is never retried: it may already have counted.
     pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.settings.timeout = timeout;
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_timeout(timeout);
         self
     }
 
@@ -281,7 +255,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// ([`CircuitBreaker::default`]: open after 5 consecutive failures, probe every
     /// 500 ms); `None` asks the store every time.
     pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
-        self.settings.breaker = breaker.map(|config| Arc::new(Breaker::new(config)));
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_circuit_breaker(breaker);
         self
     }
 
@@ -324,8 +299,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// # Ok::<(), tollgate::ConfigError>(())
     /// ```
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
-        self.settings.max_wait = (!max_wait.is_zero()).then_some(max_wait);
-        self.settings.waiting_changed();
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_max_wait(Some(max_wait));
         self
     }
 
@@ -334,8 +309,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// [`DEFAULT_MAX_WAITERS_PER_KEY`] by default). Beyond either, a request is answered
     /// 429 at once.
     pub fn max_waiters(mut self, total: usize, per_key: usize) -> Self {
-        self.settings.max_waiters = (total, per_key);
-        self.settings.waiting_changed();
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_max_waiters(total, per_key);
         self
     }
 
@@ -430,12 +405,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// under this layer's rules in force, on its store. Take it once the layer is
     /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
     pub fn limiter(&self) -> Limiter<K> {
-        let store = Guarded::new(
-            self.settings.store.clone(),
-            self.settings.timeout,
-            self.settings.breaker.clone(),
-        );
-        Limiter::new(self.key.clone(), self.settings.cell().clone(), store)
+        Limiter::new(self.key.clone(), self.settings.cell().clone())
     }
 }
 
@@ -446,15 +416,9 @@ impl<S, K, C: Clone, R: Clone, M: Clone> Layer<S> for RateLimitLayer<K, C, R, M>
         let settings = &self.settings;
         let shared = Shared {
             rules: settings.cell().clone(),
-            store: Guarded::new(
-                settings.store.clone(),
-                settings.timeout,
-                settings.breaker.clone(),
-            ),
             rejection: self.rejection.clone(),
             name: settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&settings.name),
-            waiting: settings.waiting.clone(),
         };
         RateLimit::new(
             inner,

@@ -361,3 +361,24 @@ async fn the_handler_sees_the_decision_redis() {
     let server = support::RedisServer::start();
     the_handler_sees_the_decision(redis(&server, "info").await).await;
 }
+
+/// `max_wait` is part of the rules: a `RulesHandle` turns waiting on and off while the
+/// layer serves, and the layer's other settings stay.
+#[tokio::test]
+async fn max_wait_changes_at_run_time() {
+    let layer = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
+        .key(GlobalKey)
+        .store(memory());
+    let rules = layer.rules_handle();
+    let service = layer.layer(handler());
+    assert_eq!(send(&service, &[]).await, StatusCode::OK);
+    assert_eq!(send(&service, &[]).await, StatusCode::TOO_MANY_REQUESTS);
+    rules.set(rules.rules().with_max_wait(Some(Duration::from_secs(2))));
+    let started = Instant::now();
+    assert_eq!(send(&service, &[]).await, StatusCode::OK);
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    rules.set(rules.rules().with_max_wait(None));
+    let started = Instant::now();
+    assert_eq!(send(&service, &[]).await, StatusCode::TOO_MANY_REQUESTS);
+    assert!(started.elapsed() < Duration::from_millis(500));
+}

@@ -17,7 +17,7 @@ use http::Response;
 pub(crate) use self::settle::settle;
 use self::{
     shadow::{Answers, Checks},
-    wait::{Ticket, Waiting},
+    wait::Ticket,
 };
 use crate::{
     Decision, Limit, StoreError,
@@ -25,21 +25,17 @@ use crate::{
     key::Key,
     metrics::{LayerMetrics, Timer},
     rules::{Active, Cell},
-    store::{Check, Guarded},
+    store::Check,
 };
 
 /// What a [`RateLimit`](crate::RateLimit) service shares with its response futures.
 pub(crate) struct Shared<R> {
     /// The rules in force: each request reads them once, as it arrives.
     pub(crate) rules: Arc<Cell>,
-    /// The layer's store, under its timeout and circuit breaker.
-    pub(crate) store: Guarded,
     pub(crate) rejection: R,
     /// The layer's name: the `route` label of its metrics.
     pub(crate) name: Arc<str>,
     pub(crate) metrics: LayerMetrics,
-    /// Denied requests may wait ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
-    pub(crate) waiting: Option<Arc<Waiting>>,
 }
 
 /// How the store was asked about a request: what [`settle`] needs besides its answer.
@@ -94,51 +90,49 @@ impl<R> Shared<R> {
     #[inline(always)]
     pub(crate) fn start(&self, rules: &Active, asked: &Asked) -> Result<Answer, Asking> {
         match rules.shadow() {
-            None => match self.ask(&asked.key, rules.limits(), asked.cost) {
+            None => match ask(rules, &asked.key, rules.limits(), asked.cost) {
                 Ok(result) => Ok(Answer::One(result)),
                 Err(check) => Err(Asking::One(check)),
             },
-            Some(shadow) => self.start_shadowed(rules.limits(), shadow, asked),
-        }
-    }
-
-    /// [`start`](Self::start) for rules with shadow limits. Out of line, so that layers
-    /// without shadow limits pay one branch for them.
-    #[inline(never)]
-    fn start_shadowed(
-        &self,
-        enforced: &[Limit],
-        shadow: &[Limit],
-        asked: &Asked,
-    ) -> Result<Answer, Asking> {
-        let enforced = (!enforced.is_empty()).then(|| self.ask(&asked.key, enforced, asked.cost));
-        let shadow = self.store.check_now(&asked.key, shadow, asked.cost);
-        Checks::start(enforced, shadow)
-            .map(Answer::Shadowed)
-            .map_err(Asking::Both)
-    }
-
-    /// Asks the store about a request's enforced limits: for a reservation when the layer
-    /// lets requests wait and its line has room ([`wait`]), else a plain check.
-    #[inline(always)]
-    fn ask(
-        &self,
-        key: &Key,
-        limits: &[Limit],
-        cost: u32,
-    ) -> Result<Result<Decision, StoreError>, Check> {
-        match &self.waiting {
-            Some(waiting) if waiting.has_room(key) => {
-                self.store
-                    .reserve_now(key, limits, cost, waiting.max_wait_ms())
-            }
-            _ => self.store.check_now(key, limits, cost),
+            Some(shadow) => start_shadowed(rules, shadow, asked),
         }
     }
 
     /// The wait of a request that `ticket` gave a place in line, then the store's fresh
     /// answer (or the reservation's), as a call to wait for.
     pub(crate) fn wait(&self, ticket: Ticket, rules: &Active, asked: &Asked) -> Asking {
+        let _ = self;
         Asking::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost))
+    }
+}
+
+/// [`Shared::start`] for rules with shadow limits. Out of line, so that layers without
+/// shadow limits pay one branch for them.
+#[inline(never)]
+fn start_shadowed(rules: &Active, shadow: &[Limit], asked: &Asked) -> Result<Answer, Asking> {
+    let enforced = rules.limits();
+    let enforced = (!enforced.is_empty()).then(|| ask(rules, &asked.key, enforced, asked.cost));
+    let shadow = rules.store.check_now(&asked.key, shadow, asked.cost);
+    Checks::start(enforced, shadow)
+        .map(Answer::Shadowed)
+        .map_err(Asking::Both)
+}
+
+/// Asks the store about a request's enforced limits: for a reservation when the rules let
+/// requests wait and the line has room ([`wait`]), else a plain check.
+#[inline(always)]
+fn ask(
+    rules: &Active,
+    key: &Key,
+    limits: &[Limit],
+    cost: u32,
+) -> Result<Result<Decision, StoreError>, Check> {
+    match &rules.waiting {
+        Some(waiting) if waiting.has_room(key) => {
+            rules
+                .store
+                .reserve_now(key, limits, cost, waiting.max_wait_ms())
+        }
+        _ => rules.store.check_now(key, limits, cost),
     }
 }

@@ -38,7 +38,7 @@ where
             let asker = Asker {
                 store: match (&rules.local, local) {
                     (Some(store), true) => store,
-                    _ => &shared.store,
+                    _ => &rules.store,
                 },
                 allowed: Recorded::Allowed,
                 may_wait: round == Round::First,
@@ -84,7 +84,7 @@ where
         Some(result) => {
             let failed = result.is_err();
             let asker = Asker {
-                store: &shared.store,
+                store: &rules.store,
                 allowed,
                 may_wait: true,
                 local: false,
@@ -138,13 +138,13 @@ fn charge<ResB, R>(
     let enforced = enforced_at.map(|at| {
         let store = match (&rules.local, local) {
             (Some(store), true) => store,
-            _ => &shared.store,
+            _ => &rules.store,
         };
         (store.clone(), rules.limits().clone(), at)
     });
     let shadow = shadow_at
         .zip(rules.shadow())
-        .map(|(at, limits)| (shared.store.clone(), limits.clone(), at));
+        .map(|(at, limits)| (rules.store.clone(), limits.clone(), at));
     let charged = Charged::new(
         shared.name.clone(),
         asked.key.clone(),
@@ -227,7 +227,7 @@ where
         Ok(decision) => {
             // A request that waits is counted once it is answered.
             if asker.may_wait
-                && let Some(waiting) = &shared.waiting
+                && let Some(waiting) = &rules.waiting
                 && let Some(ticket) = waiting.admit(
                     asker.store,
                     asker.local,
@@ -281,7 +281,7 @@ where
     let Ok(decision) = result else {
         return act(shared, rules, &final_round, result, request, asked);
     };
-    let (decision, alone) = match &shared.waiting {
+    let (decision, alone) = match &rules.waiting {
         Some(waiting) => {
             let alone = waiting.none_reserved(&asked.key);
             match waiting.admit_reserved(asker.store, asker.local, &asked.key, decision) {
@@ -340,7 +340,7 @@ where
         _ => return Next::Answer(shared.rejection.store_failed(request, error)),
     };
     let may_wait = asker.may_wait;
-    let answer = match &shared.waiting {
+    let answer = match &rules.waiting {
         Some(waiting) if may_wait && waiting.has_room(key) => {
             local.reserve_now(key, rules.limits(), *cost, waiting.max_wait_ms())
         }

@@ -46,17 +46,18 @@ use crate::{
     store::{Check, Guarded},
 };
 
-/// The default bound on waiting requests per layer.
-pub const DEFAULT_MAX_WAITERS: usize = 1024;
-/// The default bound on waiting requests per key.
-pub const DEFAULT_MAX_WAITERS_PER_KEY: usize = 16;
-
-/// A layer's line of waiting requests: its bounds and who is in it. Shared by the
-/// layer's clones and every service it makes.
+/// A layer's line of waiting requests, under the bounds of one version of its rules.
 pub(crate) struct Waiting {
     max_wait_ms: u64,
     max_waiters: usize,
     max_per_key: usize,
+    queue: Arc<Queue>,
+}
+
+/// Who waits in a layer's line: shared by the layer's clones, every service it makes and
+/// every version of its rules, so that a change of the rules keeps the waiters' places.
+#[derive(Debug, Default)]
+pub(crate) struct Queue {
     waiters: AtomicUsize,
     /// Waiters per key; touched only by requests that wait (and, while anybody waits, by
     /// the look for room before a reservation).
@@ -79,19 +80,23 @@ impl fmt::Debug for Waiting {
             .field("max_wait", &Duration::from_millis(self.max_wait_ms))
             .field("max_waiters", &self.max_waiters)
             .field("max_waiters_per_key", &self.max_per_key)
-            .field("waiting", &self.waiters.load(Ordering::Relaxed))
+            .field("waiting", &self.queue.waiters.load(Ordering::Relaxed))
             .finish()
     }
 }
 
 impl Waiting {
-    pub(crate) fn new(max_wait: Duration, max_waiters: usize, max_per_key: usize) -> Self {
+    pub(crate) fn new(
+        queue: Arc<Queue>,
+        max_wait: Duration,
+        max_waiters: usize,
+        max_per_key: usize,
+    ) -> Self {
         Self {
             max_wait_ms: u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX),
             max_waiters,
             max_per_key,
-            waiters: AtomicUsize::new(0),
-            per_key: Mutex::default(),
+            queue,
         }
     }
 
@@ -105,10 +110,11 @@ impl Waiting {
     /// (No lock while nobody waits.)
     #[inline]
     pub(crate) fn has_room(&self, key: &Key) -> bool {
-        let waiting = self.waiters.load(Ordering::Acquire);
+        let waiting = self.queue.waiters.load(Ordering::Acquire);
         waiting == 0
             || (waiting < self.max_waiters
                 && self
+                    .queue
                     .per_key
                     .lock()
                     .get(key)
@@ -118,7 +124,7 @@ impl Waiting {
     /// How many requests wait now.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.waiters.load(Ordering::Relaxed)
+        self.queue.waiters.load(Ordering::Relaxed)
     }
 
     /// A place in line for a request of `key` and `cost` that `decision` denied under
@@ -179,11 +185,11 @@ impl Waiting {
     /// Takes a place for `key` (numbered as the key's latest reservation when
     /// `reserved`), unless a bound is reached.
     fn take_place(self: &Arc<Self>, key: &Key, reserved: bool) -> Option<Place> {
-        if self.waiters.fetch_add(1, Ordering::AcqRel) >= self.max_waiters {
-            self.waiters.fetch_sub(1, Ordering::AcqRel);
+        if self.queue.waiters.fetch_add(1, Ordering::AcqRel) >= self.max_waiters {
+            self.queue.waiters.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        let mut per_key = self.per_key.lock();
+        let mut per_key = self.queue.per_key.lock();
         if !per_key.contains_key(key) {
             per_key.insert(key.clone(), Line::default());
         }
@@ -193,7 +199,7 @@ impl Waiting {
                 per_key.remove(key);
             }
             drop(per_key);
-            self.waiters.fetch_sub(1, Ordering::AcqRel);
+            self.queue.waiters.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
         line.waiters += 1;
@@ -213,7 +219,8 @@ impl Waiting {
 
     /// Whether `key` has no live reservation in line.
     pub(crate) fn none_reserved(&self, key: &Key) -> bool {
-        self.per_key
+        self.queue
+            .per_key
             .lock()
             .get(key)
             .is_none_or(|line| line.reserved.is_empty())
@@ -292,7 +299,7 @@ impl Place {
         let Some(seq) = self.seq.take() else {
             return false;
         };
-        let mut per_key = self.waiting.per_key.lock();
+        let mut per_key = self.waiting.queue.per_key.lock();
         let Some(line) = per_key.get_mut(&self.key) else {
             return false;
         };
@@ -305,7 +312,7 @@ impl Place {
 impl Drop for Place {
     fn drop(&mut self) {
         self.leave_reserved();
-        let mut per_key = self.waiting.per_key.lock();
+        let mut per_key = self.waiting.queue.per_key.lock();
         if let Some(line) = per_key.get_mut(&self.key) {
             line.waiters -= 1;
             if line.waiters == 0 {
@@ -313,7 +320,7 @@ impl Drop for Place {
             }
         }
         drop(per_key);
-        self.waiting.waiters.fetch_sub(1, Ordering::AcqRel);
+        self.waiting.queue.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -448,7 +455,7 @@ mod tests {
 
     #[test]
     fn only_the_latest_reservation_of_a_key_is_the_last() {
-        let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 10, 10));
+        let waiting = Arc::new(Waiting::new(Arc::default(), Duration::from_secs(1), 10, 10));
         let (a, b) = (Key::new("a"), Key::new("b"));
         let reserved = Decision::new(vec![LimitDecision::allow(1, 0, 100)]).with_wait(50);
         let place = |key: &Key| match waiting.admit_reserved(&store(), false, key, reserved.clone())
@@ -470,12 +477,12 @@ mod tests {
         assert_eq!(denied.retry_after(), Duration::from_millis(50));
         drop((first, second, other));
         assert_eq!(waiting.len(), 0);
-        assert!(waiting.per_key.lock().is_empty());
+        assert!(waiting.queue.per_key.lock().is_empty());
     }
 
     #[test]
     fn places_are_bounded_and_given_back() {
-        let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 3, 2));
+        let waiting = Arc::new(Waiting::new(Arc::default(), Duration::from_secs(1), 3, 2));
         let limits = [Limit::fixed_window(5, Duration::from_secs(1)).unwrap()];
         let (a, b) = (Key::new("a"), Key::new("b"));
         let store = store();
@@ -499,6 +506,6 @@ mod tests {
         let b2 = admit(&b, 10).unwrap();
         drop((a2, b1, b2));
         assert_eq!(waiting.len(), 0);
-        assert!(waiting.per_key.lock().is_empty());
+        assert!(waiting.queue.per_key.lock().is_empty());
     }
 }

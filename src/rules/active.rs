@@ -14,8 +14,12 @@ use futures_util::{FutureExt, future::BoxFuture};
 use http::Request;
 
 use super::set::Rules;
+use parking_lot::Mutex;
+
 use crate::{
-    FailurePolicy, Limit,
+    CircuitBreaker, FailurePolicy, Limit,
+    breaker::Breaker,
+    decide::wait::{Queue, Waiting},
     headers::HeaderWriter,
     key::Key,
     plan::{PlanRequest, Plans, Resolver},
@@ -40,10 +44,15 @@ pub(crate) struct Active {
     /// The failure policy's local store ([`FailurePolicy::Local`]), asked as the layer's
     /// store is (no timeout, no breaker: it answers at once).
     pub(crate) local: Option<Guarded>,
+    /// The layer's store under these rules' timeout and circuit breaker.
+    pub(crate) store: Guarded,
+    /// The line denied requests wait in, under these rules' bounds; `None` without
+    /// `max_wait`.
+    pub(crate) waiting: Option<Arc<Waiting>>,
 }
 
 impl Active {
-    pub(crate) fn new(rules: Rules, version: u64) -> Self {
+    pub(crate) fn new(rules: Rules, version: u64, lasting: &Lasting) -> Self {
         let limits: Arc<[Limit]> = rules.limits().into();
         let (enforced, shadow) = if rules.is_shadow() {
             (Arc::from([]), Some(rules.all_limits()))
@@ -54,13 +63,29 @@ impl Active {
         };
         let plans = rules
             .plans()
-            .map(|plans| Box::new(PlanTable::new(plans, &rules, version)));
+            .map(|plans| Box::new(PlanTable::new(plans, &rules, version, lasting)));
         let local = match rules.on_store_error() {
             FailurePolicy::Local(store) => Some(Guarded::new(Arc::new(store.clone()), None, None)),
             _ => None,
         };
+        let store = Guarded::new(
+            lasting.store.clone(),
+            rules.timeout(),
+            lasting.breaker(rules.circuit_breaker()),
+        );
+        let waiting = rules.max_wait().map(|max_wait| {
+            let (total, per_key) = rules.max_waiters();
+            Arc::new(Waiting::new(
+                lasting.queue.clone(),
+                max_wait,
+                total,
+                per_key,
+            ))
+        });
         Self {
             headers: HeaderWriter::new(rules.headers(), &enforced),
+            store,
+            waiting,
             rules,
             version,
             enforced,
@@ -72,8 +97,8 @@ impl Active {
     }
 
     /// The rules of the plan `plan`: `rules` holds its limits; its fields name it.
-    pub(crate) fn for_plan(rules: Rules, version: u64, plan: &Arc<str>) -> Self {
-        let mut active = Self::new(rules, version);
+    pub(crate) fn for_plan(rules: Rules, version: u64, plan: &Arc<str>, lasting: &Lasting) -> Self {
+        let mut active = Self::new(rules, version, lasting);
         active.headers = HeaderWriter::for_plan(active.rules.headers(), &active.enforced, plan);
         active.plan = Some(plan.clone());
         active
@@ -124,18 +149,50 @@ pub(crate) struct Cell {
     /// version of the rules it holds (one relaxed-cost load per request, where loading
     /// `active` itself would cost arc-swap's debt protocol) and reloads only when it grew.
     pub(crate) current: AtomicU64,
+    /// What outlives a change of the rules.
+    pub(crate) lasting: Lasting,
+    /// Orders concurrent [`RulesHandle::set`](crate::RulesHandle::set) calls: versions
+    /// only grow.
+    pub(crate) next_version: AtomicU64,
+}
+
+/// What a layer keeps across changes of its rules: its store, its line of waiting
+/// requests, and its circuit breaker (while its settings stay the same).
+pub(crate) struct Lasting {
     /// The layer's store, told about new limits (see [`Store::limits_changed`]).
     pub(crate) store: Arc<dyn Store>,
-    /// Orders concurrent [`RulesHandle::set`] calls: versions only grow.
-    pub(crate) next_version: AtomicU64,
+    queue: Arc<Queue>,
+    breaker: Mutex<Option<(CircuitBreaker, Arc<Breaker>)>>,
+}
+
+impl Lasting {
+    /// The breaker for `config`: the one in use when its settings are the same, else a
+    /// new, closed one.
+    fn breaker(&self, config: Option<CircuitBreaker>) -> Option<Arc<Breaker>> {
+        let config = config?;
+        let mut held = self.breaker.lock();
+        match &*held {
+            Some((same, breaker)) if *same == config => Some(breaker.clone()),
+            _ => {
+                let breaker = Arc::new(Breaker::new(config));
+                *held = Some((config, breaker.clone()));
+                Some(breaker)
+            }
+        }
+    }
 }
 
 impl Cell {
     pub(crate) fn new(rules: Rules, store: Arc<dyn Store>) -> Arc<Self> {
-        Arc::new(Self {
-            active: ArcSwap::from_pointee(Active::new(rules, 1)),
-            current: AtomicU64::new(1),
+        let lasting = Lasting {
             store,
+            queue: Arc::default(),
+            breaker: Mutex::default(),
+        };
+        Arc::new(Self {
+            active: ArcSwap::from_pointee(Active::new(rules, 1, &lasting)),
+            current: AtomicU64::new(1),
+            lasting,
             next_version: AtomicU64::new(2),
         })
     }
@@ -185,7 +242,7 @@ pub(crate) enum Chosen<'a> {
 impl PlanTable {
     /// The table of `plans` for a layer under `rules`, with version `version`: each plan's
     /// rules are the layer's with the plan's limits (and its fields' writer).
-    pub(crate) fn new(plans: &Plans, rules: &Rules, version: u64) -> Self {
+    pub(crate) fn new(plans: &Plans, rules: &Rules, version: u64, lasting: &Lasting) -> Self {
         let entries = plans
             .plans
             .iter()
@@ -193,7 +250,9 @@ impl PlanTable {
                 let entry = match plan.stored_limits() {
                     Some(limits) => {
                         let rules = rules.for_plan(limits);
-                        Entry::Limited(Arc::new(Active::for_plan(rules, version, &plan.name)))
+                        Entry::Limited(Arc::new(Active::for_plan(
+                            rules, version, &plan.name, lasting,
+                        )))
                     }
                     None => Entry::Unlimited,
                 };
@@ -260,5 +319,30 @@ impl Future for Resolving {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.0.poll_unpin(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_breaker_outlives_rules_that_keep_its_settings() {
+        let lasting = Lasting {
+            store: Arc::new(crate::MemoryStore::new()),
+            queue: Arc::default(),
+            breaker: Mutex::default(),
+        };
+        let config = CircuitBreaker::default();
+        let first = lasting.breaker(Some(config)).unwrap();
+        let same = lasting.breaker(Some(config)).unwrap();
+        assert!(Arc::ptr_eq(&first, &same));
+        let other = lasting
+            .breaker(Some(config.with_cooldown(Duration::from_secs(9))))
+            .unwrap();
+        assert!(!Arc::ptr_eq(&first, &other));
+        assert!(lasting.breaker(None).is_none());
     }
 }

@@ -47,12 +47,12 @@ impl RulesHandle {
     pub fn set(&self, rules: Rules) -> u64 {
         // The memory store learns when the plans' state expires too.
         let all = rules.every_stored_limit();
-        self.cell.store.limits_changed(&all);
+        self.cell.lasting.store.limits_changed(&all);
         if let FailurePolicy::Local(store) = rules.on_store_error() {
             store.limits_changed(&all);
         }
         let version = self.cell.next_version.fetch_add(1, Ordering::Relaxed);
-        let active = Arc::new(Active::new(rules, version));
+        let active = Arc::new(Active::new(rules, version, &self.cell.lasting));
         // Two concurrent sets: the later version wins, whichever stores last.
         self.cell.active.rcu(|current| {
             if current.version > version {

@@ -29,7 +29,7 @@
 
 mod active;
 mod handle;
-mod set;
+pub(crate) mod set;
 
 pub(crate) use active::{Active, Cell, Chosen, Resolving};
 pub use handle::RulesHandle;

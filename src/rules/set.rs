@@ -1,8 +1,15 @@
 //! [`Rules`]: a layer's changeable configuration, as a value.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
-use crate::{ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans};
+use crate::{CircuitBreaker, ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans};
+
+/// The default time a store call may take before the failure policy applies.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+/// The default bound on waiting requests per layer.
+pub const DEFAULT_MAX_WAITERS: usize = 1024;
+/// The default bound on waiting requests per key.
+pub const DEFAULT_MAX_WAITERS_PER_KEY: usize = 16;
 
 /// A layer's changeable configuration: its limits and policies. Built with
 /// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`].
@@ -18,6 +25,12 @@ pub struct Rules {
     headers: HeaderStyle,
     /// Limits chosen per request: see [`with_plans`](Self::with_plans).
     plans: Option<Plans>,
+    timeout: Option<Duration>,
+    circuit_breaker: Option<CircuitBreaker>,
+    /// `None`: denials are answered at once.
+    max_wait: Option<Duration>,
+    /// Per layer, per key.
+    max_waiters: (usize, usize),
 }
 
 impl Rules {
@@ -36,6 +49,10 @@ impl Rules {
             on_missing_key: MissingKey::default(),
             headers: HeaderStyle::default(),
             plans: None,
+            timeout: Some(DEFAULT_TIMEOUT),
+            circuit_breaker: Some(CircuitBreaker::default()),
+            max_wait: None,
+            max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
         }
         .with_limits(limits)
     }
@@ -126,6 +143,57 @@ impl Rules {
     pub fn without_plans(mut self) -> Self {
         self.plans = None;
         self
+    }
+
+    /// The same rules with this store timeout: how long a store call may take before the
+    /// failure policy applies ([`DEFAULT_TIMEOUT`] by default; `None` waits as long as it
+    /// takes). See [`RateLimitLayer::timeout`](crate::RateLimitLayer::timeout).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The same rules with this circuit breaker (`None`: none). A change of its settings
+    /// starts it closed; rules that keep them keep its state. See
+    /// [`RateLimitLayer::circuit_breaker`](crate::RateLimitLayer::circuit_breaker).
+    pub fn with_circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+        self.circuit_breaker = breaker;
+        self
+    }
+
+    /// The same rules letting a denied request wait up to `max_wait` (`None`: answered
+    /// at once). Requests waiting when it changes keep their place. See
+    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait).
+    pub fn with_max_wait(mut self, max_wait: Option<Duration>) -> Self {
+        self.max_wait = max_wait.filter(|wait| !wait.is_zero());
+        self
+    }
+
+    /// The same rules with these bounds on waiting requests: `total` per layer, `per_key`
+    /// per key. See [`RateLimitLayer::max_waiters`](crate::RateLimitLayer::max_waiters).
+    pub fn with_max_waiters(mut self, total: usize, per_key: usize) -> Self {
+        self.max_waiters = (total, per_key);
+        self
+    }
+
+    /// The store timeout. See [`with_timeout`](Self::with_timeout).
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// The circuit breaker's settings. See [`with_circuit_breaker`](Self::with_circuit_breaker).
+    pub fn circuit_breaker(&self) -> Option<CircuitBreaker> {
+        self.circuit_breaker
+    }
+
+    /// The longest wait. See [`with_max_wait`](Self::with_max_wait).
+    pub fn max_wait(&self) -> Option<Duration> {
+        self.max_wait
+    }
+
+    /// The bounds on waiting requests, per layer and per key.
+    pub fn max_waiters(&self) -> (usize, usize) {
+        self.max_waiters
     }
 
     /// The plans, if any. See [`with_plans`](Self::with_plans).
