@@ -219,7 +219,8 @@ impl Decision {
 /// What a [`RateLimitLayer`](crate::RateLimitLayer) decided for a request, in the
 /// request's extensions for the inner service (as express-rate-limit's `req.rateLimit`):
 /// the decision (limit, remaining, reset per limit) and the [plan](crate::plan) it was
-/// decided under. Set on every request the store allowed; absent on one let through
+/// decided under. With [`RateLimitLayer::request_info`](crate::RateLimitLayer::request_info),
+/// set on every request the store allowed; absent on one let through
 /// without a decision (no key with [`MissingKey::Allow`](crate::MissingKey::Allow), a
 /// failing store under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow), an
 /// unlimited plan).

@@ -169,7 +169,7 @@ where
         mut service,
         mut request,
         asked,
-        ..
+        round,
     } = pending;
     match next {
         Next::Answer(response) => State::Ready {
@@ -177,7 +177,9 @@ where
         },
         Next::Call(decision, charged) => State::Calling {
             future: {
-                if let Some(decision) = &decision {
+                if rules.rules.request_info()
+                    && let Some(decision) = &decision
+                {
                     crate::service::inform(&mut request, decision, rules);
                 }
                 service.call(request)
@@ -194,6 +196,12 @@ where
                 rules: rules.clone(),
             }
         }
+        Next::Ask(asking) => State::Asking {
+            asking,
+            pending: Some(Pending::new(service, request, asked, round)),
+            shared: shared.clone(),
+            rules: rules.clone(),
+        },
     }
 }
 
@@ -208,26 +216,8 @@ where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     R: OnRejection<ReqB, ResB>,
 {
-    match shared.start(rules, &pending.asked) {
-        Ok(answer) => {
-            let next = settle(
-                shared,
-                rules,
-                answer,
-                &pending.request,
-                &pending.asked,
-                pending.round,
-                counts,
-            );
-            proceed(next, shared, rules, pending)
-        }
-        Err(asking) => State::Asking {
-            asking,
-            pending: Some(pending),
-            shared: shared.clone(),
-            rules: rules.clone(),
-        },
-    }
+    let next = shared.decide(rules, &pending.request, &pending.asked, counts);
+    proceed(next, shared, rules, pending)
 }
 
 impl<S, ReqB, R, M> fmt::Debug for ResponseFuture<S, ReqB, R, M>

@@ -314,6 +314,15 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
         self
     }
 
+    /// Puts a [`RateLimitInfo`](crate::RateLimitInfo) (the decision and its plan) in the
+    /// extensions of each request the store allowed, for the inner service (a handler
+    /// that shows a client its budget). Off by default. See [`Rules::with_request_info`].
+    pub fn request_info(mut self, on: bool) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_request_info(on);
+        self
+    }
+
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
     pub fn headers(mut self, style: HeaderStyle) -> Self {
         let settings = self.settings.changed();

@@ -12,7 +12,7 @@ use tower_service::Service;
 use crate::{
     Decision, MissingKey, RateLimitInfo, RequestCost,
     count_after::{Recount, UpFront},
-    decide::{Asked, Next, Shared, settle, wait::Round},
+    decide::{Asked, Next, Shared, wait::Round},
     future::{Pending, ResponseFuture},
     key::{KeyError, KeyExtractor},
     metrics,
@@ -149,39 +149,31 @@ where
     R: OnRejection<ReqB, ResB>,
     M: Recount<ResB>,
 {
-    match shared.start(rules, &asked) {
+    match shared.decide(rules, &request, &asked, M::AFTER) {
         // Decided already: the memory store, a block-cache hit, an open circuit.
-        Ok(answer) => {
-            let next = settle(
-                shared,
-                rules,
-                answer,
-                &request,
-                &asked,
-                Round::First,
-                M::AFTER,
-            );
-            match next {
-                Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
-                Next::Call(decision, charged) => {
-                    if let Some(decision) = &decision {
-                        inform(&mut request, decision, rules);
-                    }
-                    // Nothing to write: the response needs neither the decision nor the rules.
-                    let fields = decision
-                        .filter(|_| rules.headers.writes_when_allowed())
-                        .map(|decision| (decision, rules.clone()));
-                    ResponseFuture::calling(inner.call(request), fields, charged, recount.clone())
-                }
-                Next::Wait(ticket) => {
-                    let round = ticket.round();
-                    let asking = shared.wait(*ticket, rules, &asked);
-                    let pending = Pending::new(take_ready(inner), request, asked, round);
-                    ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
-                }
+        Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
+        Next::Call(Some(decision), charged) => {
+            if rules.rules.request_info() {
+                inform(&mut request, &decision, rules);
             }
+            // Nothing to write: the response needs neither the decision nor the rules.
+            let fields = if rules.headers.writes_when_allowed() {
+                Some((decision, rules.clone()))
+            } else {
+                None
+            };
+            ResponseFuture::calling(inner.call(request), fields, charged, recount.clone())
         }
-        Err(asking) => {
+        Next::Call(None, charged) => {
+            ResponseFuture::calling(inner.call(request), None, charged, recount.clone())
+        }
+        Next::Wait(ticket) => {
+            let round = ticket.round();
+            let asking = shared.wait(*ticket, rules, &asked);
+            let pending = Pending::new(take_ready(inner), request, asked, round);
+            ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
+        }
+        Next::Ask(asking) => {
             let pending = Pending::new(take_ready(inner), request, asked, Round::First);
             ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
         }
@@ -260,7 +252,7 @@ impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
 
 /// Tells the inner service what was decided: [`RateLimitInfo`] in the request's
 /// extensions.
-#[inline]
+#[inline(never)]
 pub(crate) fn inform<ReqB>(request: &mut Request<ReqB>, decision: &Decision, rules: &Active) {
     let info = RateLimitInfo::new(decision.clone(), rules.plan.clone());
     request.extensions_mut().insert(info);

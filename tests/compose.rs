@@ -330,6 +330,7 @@ async fn the_handler_sees_the_decision(store: impl Store + Clone) {
         .store(store)
         .timeout(Some(Duration::from_secs(5)))
         .plans(plans)
+        .request_info(true)
         .layer(echo);
     let body = |headers: &'static [(&'static str, &'static str)]| {
         let service = service.clone();

@@ -12,9 +12,10 @@ pub(crate) mod wait;
 
 use std::sync::Arc;
 
-use http::Response;
+use http::{Request, Response};
 
 pub(crate) use self::settle::settle;
+use self::{settle::settle_one, wait::Round};
 use self::{
     shadow::{Answers, Checks},
     wait::Ticket,
@@ -24,6 +25,7 @@ use crate::{
     count_after::Charged,
     key::Key,
     metrics::{LayerMetrics, Timer},
+    rejection::OnRejection,
     rules::{Active, Cell},
     store::Check,
 };
@@ -80,21 +82,67 @@ pub(crate) enum Next<ResB> {
     /// Denied, but may wait its turn: see [`wait`]. Boxed, so that the variant costs the
     /// other answers nothing.
     Wait(Box<Ticket>),
+    /// The store is still deciding: wait for this call, then [`settle`] its answer.
+    /// (Never from [`settle`].)
+    Ask(Asking),
 }
 
 impl<R> Shared<R> {
-    /// Asks the store about a request under `rules` (a plan's, or the layer's): its
-    /// enforced limits for a reservation when the layer lets requests wait and its line
-    /// has room, else for a plain check; its shadow limits, if any, in a call of their
-    /// own beside it. The answer if it is there at once, else the call to wait for.
+    /// Decides a request under `rules` (a plan's, or the layer's), the one entry for
+    /// every new request: asks the store about its enforced limits, for a reservation
+    /// when the rules let requests wait and the line has room, else for a plain check,
+    /// and about its shadow limits, if any, in a call of their own beside it; then
+    /// [`settle`]s the answer if it is there at once. Else [`Next::Ask`]: the call to
+    /// wait for, whose answer the caller settles. (Not a `Result`: wrapping the answer
+    /// would cost every request a copy of it.)
     #[inline(always)]
-    pub(crate) fn start(&self, rules: &Active, asked: &Asked) -> Result<Answer, Asking> {
+    pub(crate) fn decide<ReqB, ResB>(
+        &self,
+        rules: &Active,
+        request: &Request<ReqB>,
+        asked: &Asked,
+        counts: bool,
+    ) -> Next<ResB>
+    where
+        R: OnRejection<ReqB, ResB>,
+    {
         match rules.shadow() {
             None => match ask(rules, &asked.key, rules.limits(), asked.cost) {
-                Ok(result) => Ok(Answer::One(result)),
-                Err(check) => Err(Asking::One(check)),
+                Ok(result) => settle_one(self, rules, result, request, asked, Round::First, counts),
+                Err(check) => Next::Ask(Asking::One(check)),
             },
-            Some(shadow) => start_shadowed(rules, shadow, asked),
+            Some(shadow) => self.decide_shadowed(rules, shadow, request, asked, counts),
+        }
+    }
+
+    /// [`decide`](Self::decide) for rules with shadow limits. Out of line, so that layers
+    /// without shadow limits pay one branch for them.
+    #[inline(never)]
+    fn decide_shadowed<ReqB, ResB>(
+        &self,
+        rules: &Active,
+        shadow: &[Limit],
+        request: &Request<ReqB>,
+        asked: &Asked,
+        counts: bool,
+    ) -> Next<ResB>
+    where
+        R: OnRejection<ReqB, ResB>,
+    {
+        let enforced = rules.limits();
+        let enforced = (!enforced.is_empty()).then(|| ask(rules, &asked.key, enforced, asked.cost));
+        let shadow = rules.store.check_now(&asked.key, shadow, asked.cost);
+        match Checks::start(enforced, shadow) {
+            Ok(answers) => settle(
+                self,
+                rules,
+                Answer::Shadowed(answers),
+                request,
+                asked,
+                Round::First,
+                counts,
+            ),
+            Err(checks) => Next::Ask(Asking::Both(checks)),
         }
     }
 
@@ -104,18 +152,6 @@ impl<R> Shared<R> {
         let _ = self;
         Asking::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost))
     }
-}
-
-/// [`Shared::start`] for rules with shadow limits. Out of line, so that layers without
-/// shadow limits pay one branch for them.
-#[inline(never)]
-fn start_shadowed(rules: &Active, shadow: &[Limit], asked: &Asked) -> Result<Answer, Asking> {
-    let enforced = rules.limits();
-    let enforced = (!enforced.is_empty()).then(|| ask(rules, &asked.key, enforced, asked.cost));
-    let shadow = rules.store.check_now(&asked.key, shadow, asked.cost);
-    Checks::start(enforced, shadow)
-        .map(Answer::Shadowed)
-        .map_err(Asking::Both)
 }
 
 /// Asks the store about a request's enforced limits: for a reservation when the rules let

@@ -33,26 +33,41 @@ where
     R: OnRejection<ReqB, ResB>,
 {
     match answer {
-        Answer::One(result) => {
-            let local = round == Round::WaitedLocal;
-            let asker = Asker {
-                store: match (&rules.local, local) {
-                    (Some(store), true) => store,
-                    _ => &rules.store,
-                },
-                allowed: Recorded::Allowed,
-                may_wait: round == Round::First,
-                local,
-            };
-            let failed = result.is_err();
-            let next = act(shared, rules, &asker, result, request, asked);
-            if counts {
-                charge(shared, rules, next, None, failed || local, asked)
-            } else {
-                next
-            }
-        }
+        Answer::One(result) => settle_one(shared, rules, result, request, asked, round, counts),
         Answer::Shadowed(answers) => shadowed(shared, rules, answers, request, asked, counts),
+    }
+}
+
+/// [`settle`] for the answer of one store call (rules without shadow limits).
+#[inline(always)]
+pub(crate) fn settle_one<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    result: Result<Decision, StoreError>,
+    request: &Request<ReqB>,
+    asked: &Asked,
+    round: Round,
+    counts: bool,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    let local = round == Round::WaitedLocal;
+    let asker = Asker {
+        store: match (&rules.local, local) {
+            (Some(store), true) => store,
+            _ => &rules.store,
+        },
+        allowed: Recorded::Allowed,
+        may_wait: round == Round::First,
+        local,
+    };
+    let failed = result.is_err();
+    let next = act(shared, rules, &asker, result, request, asked);
+    if counts {
+        charge(shared, rules, next, None, failed || local, asked)
+    } else {
+        next
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Rules {
     max_wait: Option<Duration>,
     /// Per layer, per key.
     max_waiters: (usize, usize),
+    /// [`RateLimitInfo`](crate::RateLimitInfo) in allowed requests' extensions.
+    request_info: bool,
 }
 
 impl Rules {
@@ -53,6 +55,7 @@ impl Rules {
             circuit_breaker: Some(CircuitBreaker::default()),
             max_wait: None,
             max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
+            request_info: false,
         }
         .with_limits(limits)
     }
@@ -174,6 +177,21 @@ impl Rules {
     pub fn with_max_waiters(mut self, total: usize, per_key: usize) -> Self {
         self.max_waiters = (total, per_key);
         self
+    }
+
+    /// The same rules putting a [`RateLimitInfo`](crate::RateLimitInfo) (the decision and
+    /// the plan) in the extensions of each request the store allowed (`true`), for the
+    /// inner service to read; off by default (it costs an allowed request an allocation).
+    pub fn with_request_info(mut self, on: bool) -> Self {
+        self.request_info = on;
+        self
+    }
+
+    /// Whether allowed requests carry a [`RateLimitInfo`](crate::RateLimitInfo). See
+    /// [`with_request_info`](Self::with_request_info).
+    #[inline]
+    pub fn request_info(&self) -> bool {
+        self.request_info
     }
 
     /// The store timeout. See [`with_timeout`](Self::with_timeout).
