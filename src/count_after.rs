@@ -31,10 +31,13 @@
 //!   sent after the response is decided after it (with coalescing off, it may overtake).
 //!   A failed adjustment is logged at `warn` and changes nothing.
 //! - The response's rate-limit fields are those of the up-front decision.
-//! - A count-after layer decides under the layer's own limits and shadow limits: it does
-//!   not apply [plans](crate::plan) or [`max_wait`](crate::RateLimitLayer::max_wait)
-//!   (a waiting request would hold its charge across the wait). Put plans, or waiting,
-//!   in a layer of their own.
+//! - It composes with every other feature of the layer: a request is decided under its
+//!   [plan](crate::plan)'s limits and charged there; its [shadow limits](crate#shadow-mode)
+//!   are charged and settled alike; with [`max_wait`](crate::RateLimitLayer::max_wait) a
+//!   request that waited keeps the charge it waited for (a reserved one, from the moment
+//!   it was reserved), so **kept + in flight + reserved units are at most the limit**;
+//!   a request the [local fallback](crate::FailurePolicy::Local) decided is settled in
+//!   that store.
 //! - The store must implement [`Store::adjust`](crate::Store::adjust) (the memory and
 //!   Redis stores do) and say when it decided
 //!   ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms)); otherwise units stay
@@ -56,31 +59,30 @@
 
 use std::{
     fmt,
-    future::Future,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
 };
 
-use http::{HeaderMap, Request, Response};
+use http::{HeaderMap, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
-use tower_layer::Layer;
-use tower_service::Service;
 
 use crate::{
-    Adjustment, Decision, Limit, MissingKey, RateLimitLayer, RequestCost, StoreError,
-    decide::{Answers, Asked, Checks, Next, Shared, settle, settle_shadowed},
-    key::{Key, KeyExtractor},
-    metrics,
-    rejection::OnRejection,
-    rules::Active,
+    Adjustment, Decision, Limit, StoreError,
+    key::Key,
     store::{Check, Guarded},
 };
 
-/// Decides, from the response, what a request finally costs. Implemented by
-/// [`CountWhen`], [`LateCost`] and [`TrailerCost`], made by the layer's builder methods.
+/// Decides, from the response, what a request finally costs: the last type parameter of
+/// [`RateLimitLayer`](crate::RateLimitLayer). [`UpFront`] (the default) keeps the
+/// up-front charge; [`CountWhen`], [`LateCost`] and [`TrailerCost`] count after the
+/// response, made by the layer's builder methods.
 pub trait Recount<B>: Clone + Send + Sync + 'static {
+    /// Whether the layer settles charges after the response: `false` only for
+    /// [`UpFront`], whose requests then carry no charge at all.
+    const AFTER: bool = true;
+
     /// The body of the responses the service answers with.
     type Body;
 
@@ -89,10 +91,25 @@ pub trait Recount<B>: Clone + Send + Sync + 'static {
     fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<Self::Body>;
 }
 
+/// Counts a request up front, when it is decided, and never after: the default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UpFront;
+
+impl<B> Recount<B> for UpFront {
+    const AFTER: bool = false;
+
+    type Body = B;
+
+    #[inline(always)]
+    fn finish(&self, response: Response<B>, _charged: Option<Charged>) -> Response<B> {
+        response
+    }
+}
+
 /// Keeps a request's units only when the predicate holds on its response. Made by
 /// [`RateLimitLayer::count_when`].
 #[derive(Clone, Copy)]
-pub struct CountWhen<P>(P);
+pub struct CountWhen<P>(pub(crate) P);
 
 // By hand: closures are not `Debug`.
 impl<F> fmt::Debug for CountWhen<F> {
@@ -119,7 +136,7 @@ where
 /// Charges what the response says the request cost (`None`: its up-front cost). Made by
 /// [`RateLimitLayer::late_cost`].
 #[derive(Clone, Copy)]
-pub struct LateCost<F>(F);
+pub struct LateCost<F>(pub(crate) F);
 
 // By hand: closures are not `Debug`.
 impl<F> fmt::Debug for LateCost<F> {
@@ -148,7 +165,7 @@ where
 /// (`grpc-status` in its headers) is read at once, its headers as its trailers. Made by
 /// [`RateLimitLayer::late_cost_from_trailers`]; responses get a [`CountedBody`].
 #[derive(Clone, Copy)]
-pub struct TrailerCost<F>(F);
+pub struct TrailerCost<F>(pub(crate) F);
 
 // By hand: closures are not `Debug`.
 impl<F> fmt::Debug for TrailerCost<F> {
@@ -257,22 +274,19 @@ where
     }
 }
 
-/// What a layer's services share for their adjustments.
-#[derive(Debug)]
-struct After {
-    store: Guarded,
-    name: Arc<str>,
-}
+/// One store's charge of a request: the store, the limits charged, and when.
+pub(crate) type Charge = (Guarded, Arc<[Limit]>, u64);
 
 /// A request's up-front charge, until its response settles it: dropped unsettled, the
 /// units stay spent.
 pub struct Charged {
-    after: Arc<After>,
+    /// The layer's name, for the log.
+    layer: Arc<str>,
     key: Key,
     cost: u32,
-    /// The limits charged, and when: the enforced ones and the shadow ones (each only
-    /// when its call allowed the request).
-    charges: [Option<(Arc<[Limit]>, u64)>; 2],
+    /// The store and limits charged, and when: the enforced ones and the shadow ones
+    /// (each only when its call allowed the request).
+    charges: [Option<Charge>; 2],
 }
 
 impl fmt::Debug for Charged {
@@ -285,6 +299,15 @@ impl fmt::Debug for Charged {
 }
 
 impl Charged {
+    pub(crate) fn new(layer: Arc<str>, key: Key, cost: u32, charges: [Option<Charge>; 2]) -> Self {
+        Self {
+            layer,
+            key,
+            cost,
+            charges,
+        }
+    }
+
     /// The units charged up front.
     pub fn cost(&self) -> u32 {
         self.cost
@@ -306,11 +329,11 @@ impl Charged {
                 None
             }
         };
-        for (limits, at) in self.charges.iter().flatten() {
+        for (store, limits, at) in self.charges.iter().flatten() {
             let Some(adjustment) = adjustment(*at) else {
                 continue;
             };
-            match self.after.store.adjust_now(&self.key, limits, adjustment) {
+            match store.adjust_now(&self.key, limits, adjustment) {
                 Ok(result) => self.report(result),
                 Err(check) => self.wait(check),
             }
@@ -322,17 +345,17 @@ impl Charged {
     fn wait(&self, check: Check) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(
-                layer = &*self.after.name,
+                layer = &*self.layer,
                 "rate limit adjustment dropped: no runtime"
             );
             return;
         };
-        let after = self.after.clone();
+        let layer = self.layer.clone();
         let key = self.key.redacted().to_string();
         runtime.spawn(async move {
             if let Err(error) = check.await {
                 let error = error.chain();
-                tracing::warn!(error = %error, key, layer = &*after.name, "rate limit adjustment failed");
+                tracing::warn!(error = %error, key, layer = &*layer, "rate limit adjustment failed");
             }
         });
     }
@@ -341,396 +364,7 @@ impl Charged {
         if let Err(error) = result {
             let error = error.chain();
             let key = self.key.redacted();
-            tracing::warn!(error = %error, key = %key, layer = &*self.after.name, "rate limit adjustment failed");
-        }
-    }
-}
-
-/// [`RateLimitLayer`] whose requests are counted after their response: see the
-/// [module docs](self). Made by [`RateLimitLayer::count_when`],
-/// [`late_cost`](RateLimitLayer::late_cost) and
-/// [`late_cost_from_trailers`](RateLimitLayer::late_cost_from_trailers).
-#[derive(Debug, Clone)]
-pub struct CountAfterLayer<K, C, R, M> {
-    layer: RateLimitLayer<K, C, R>,
-    recount: M,
-}
-
-impl<K, C, R> RateLimitLayer<K, C, R> {
-    /// Keeps a request's units spent only when `predicate` holds on its response (say,
-    /// only failed logins count). The request is still checked first, so a key over its
-    /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
-    /// while requests are in flight, and what a dropped response or an error counts.
-    pub fn count_when<P, B>(self, predicate: P) -> CountAfterLayer<K, C, R, CountWhen<P>>
-    where
-        P: Fn(&Response<B>) -> bool,
-    {
-        CountAfterLayer {
-            layer: self,
-            recount: CountWhen(predicate),
-        }
-    }
-
-    /// Charges what `cost` reads from the response (say, a header with the tokens a
-    /// request used): the difference to the up-front [cost](Self::cost) is given back or
-    /// charged late, even over the limit. `None` keeps the up-front cost. See
-    /// [`count_after`](crate::count_after).
-    pub fn late_cost<F, B>(self, cost: F) -> CountAfterLayer<K, C, R, LateCost<F>>
-    where
-        F: Fn(&Response<B>) -> Option<u32>,
-    {
-        CountAfterLayer {
-            layer: self,
-            recount: LateCost(cost),
-        }
-    }
-
-    /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
-    /// the tokens used, or `grpc-status` to count only failed calls), read when the body
-    /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
-    /// response (`grpc-status` in its headers, as tonic answers an error) is read at
-    /// once, its headers standing for its trailers. The service answers with a
-    /// [`CountedBody`].
-    pub fn late_cost_from_trailers<F>(self, cost: F) -> CountAfterLayer<K, C, R, TrailerCost<F>>
-    where
-        F: Fn(Option<&HeaderMap>) -> Option<u32>,
-    {
-        CountAfterLayer {
-            layer: self,
-            recount: TrailerCost(cost),
-        }
-    }
-}
-
-impl<S, K, C: Clone, R: Clone, M: Clone> Layer<S> for CountAfterLayer<K, C, R, M> {
-    type Service = CountAfter<S, K, C, R, M>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        // Without `max_wait`: a waiting request would hold its charge across the wait,
-        // which the count-after bound does not cover (see `count_when`).
-        let (key, cost, shared) = self.layer.parts_waiting(false);
-        let rules = shared.rules.active.load_full();
-        if rules.has_plans() {
-            tracing::warn!(
-                layer = &*shared.name,
-                "a count-after layer decides under its own limits: its plans are not applied"
-            );
-        }
-        let after = Arc::new(After {
-            store: shared.store.clone(),
-            name: shared.name.clone(),
-        });
-        CountAfter {
-            inner,
-            key,
-            cost,
-            shared,
-            rules,
-            after,
-            recount: self.recount.clone(),
-        }
-    }
-}
-
-/// The service of a [`CountAfterLayer`].
-pub struct CountAfter<S, K, C, R, M> {
-    inner: S,
-    key: Arc<K>,
-    cost: C,
-    shared: Arc<Shared<R>>,
-    rules: Arc<Active>,
-    after: Arc<After>,
-    recount: M,
-}
-
-impl<S: Clone, K, C: Clone, R, M: Clone> Clone for CountAfter<S, K, C, R, M> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-            key: self.key.clone(),
-            cost: self.cost.clone(),
-            shared: self.shared.clone(),
-            rules: self.rules.clone(),
-            after: self.after.clone(),
-            recount: self.recount.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R, M> fmt::Debug for CountAfter<S, K, C, R, M> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CountAfter")
-            .field("inner", &self.inner)
-            .field("key", &self.key)
-            .field("cost", &self.cost)
-            .field("limits", self.rules.limits())
-            .finish_non_exhaustive()
-    }
-}
-
-impl<S, K, C, R, M, ReqB, ResB> Service<Request<ReqB>> for CountAfter<S, K, C, R, M>
-where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
-    K: KeyExtractor<ReqB>,
-    C: RequestCost<ReqB> + Clone,
-    R: OnRejection<ReqB, ResB>,
-    M: Recount<ResB>,
-{
-    type Response = Response<M::Body>;
-    type Error = S::Error;
-    type Future = CountAfterFuture<S, ReqB, R, M>;
-
-    #[inline]
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        self.shared.rules.refresh(&mut self.rules);
-        let parts = Parts {
-            shared: self.shared.clone(),
-            rules: self.rules.clone(),
-            after: self.after.clone(),
-            recount: self.recount.clone(),
-        };
-        let key = match self.key.extract(&request) {
-            Ok(key) => key,
-            Err(error) => {
-                self.shared.metrics.request(metrics::Outcome::KeyMissing);
-                let state = match self.rules.rules.on_missing_key() {
-                    MissingKey::Allow => State::Calling {
-                        future: self.inner.call(request),
-                        decision: None,
-                        charged: None,
-                    },
-                    MissingKey::Reject => {
-                        let response = self.shared.rejection.key_missing(&request, &error);
-                        State::Ready {
-                            response: Some(response),
-                        }
-                    }
-                };
-                return CountAfterFuture { state, parts };
-            }
-        };
-        let cost = self.cost.cost(&request);
-        let asked = Asked {
-            key,
-            cost,
-            timer: metrics::Timer::start(),
-        };
-        let waiting = match self.rules.shadow() {
-            None => match self
-                .shared
-                .store
-                .check_now(&asked.key, self.rules.limits(), cost)
-            {
-                Ok(result) => {
-                    let (next, charged) = parts.settle(Answer::One(result), &request, asked);
-                    let state = parts.next(next, charged, || self.inner.call(request));
-                    return CountAfterFuture { state, parts };
-                }
-                Err(check) => Waiting::One(check),
-            },
-            Some(shadow) => {
-                match Checks::start(&self.shared.store, &asked, self.rules.limits(), &shadow[..]) {
-                    Ok(answers) => {
-                        let (next, charged) =
-                            parts.settle(Answer::Shadowed(answers), &request, asked);
-                        let state = parts.next(next, charged, || self.inner.call(request));
-                        return CountAfterFuture { state, parts };
-                    }
-                    Err(checks) => Waiting::Both(checks),
-                }
-            }
-        };
-        let clone = self.inner.clone();
-        let service = std::mem::replace(&mut self.inner, clone);
-        CountAfterFuture {
-            state: State::Checking {
-                waiting,
-                pending: Some((service, request, asked)),
-            },
-            parts,
-        }
-    }
-}
-
-/// The store's answer about a request: one call, or the enforced and shadow calls.
-enum Answer {
-    One(Result<Decision, StoreError>),
-    Shadowed(Answers),
-}
-
-/// The store call a request waits for.
-enum Waiting {
-    One(Check),
-    Both(Checks),
-}
-
-/// What a [`CountAfterFuture`] holds besides its state.
-struct Parts<R, M> {
-    shared: Arc<Shared<R>>,
-    rules: Arc<Active>,
-    after: Arc<After>,
-    recount: M,
-}
-
-impl<R, M> Parts<R, M> {
-    /// [`settle`] (or [`settle_shadowed`]), and the charge to settle after the response
-    /// when the store charged the request.
-    fn settle<ReqB, ResB>(
-        &self,
-        answer: Answer,
-        request: &Request<ReqB>,
-        asked: Asked,
-    ) -> (Next<ResB>, Option<Charged>)
-    where
-        R: OnRejection<ReqB, ResB>,
-    {
-        let charged_at = |result: &Result<Decision, StoreError>| match result {
-            Ok(decision) if decision.is_allowed() => decision.decided_at_ms(),
-            _ => None,
-        };
-        let (next, charges) = match answer {
-            Answer::One(result) => {
-                let at = charged_at(&result);
-                let next = settle(&self.shared, &self.rules, result, request, &asked, false);
-                let enforced = at.map(|at| (self.rules.limits().clone(), at));
-                (next, [enforced, None])
-            }
-            Answer::Shadowed(answers) => {
-                let enforced = answers
-                    .enforced
-                    .as_ref()
-                    .and_then(charged_at)
-                    .map(|at| (self.rules.limits().clone(), at));
-                let shadow = charged_at(&answers.shadow)
-                    .zip(self.rules.shadow())
-                    .map(|(at, limits)| (limits.clone(), at));
-                let next = settle_shadowed(&self.shared, &self.rules, answers, request, &asked);
-                (next, [enforced, shadow])
-            }
-        };
-        // Called without a decision too: a layer whose limits are all in shadow.
-        let charged =
-            (charges.iter().any(Option::is_some) && matches!(next, Next::Call(_))).then(|| {
-                Charged {
-                    after: self.after.clone(),
-                    key: asked.key,
-                    cost: asked.cost,
-                    charges,
-                }
-            });
-        (next, charged)
-    }
-
-    fn next<F: Future, ResB, P>(
-        &self,
-        next: Next<ResB>,
-        charged: Option<Charged>,
-        call: impl FnOnce() -> F,
-    ) -> State<F, Response<ResB>, P> {
-        match next {
-            Next::Answer(response) => State::Ready {
-                response: Some(response),
-            },
-            Next::Call(decision) => State::Calling {
-                future: call(),
-                decision,
-                charged,
-            },
-            // Never: a count-after layer is built without `max_wait` (`parts_waiting`).
-            Next::Wait(_) => unreachable!("a count-after layer never waits"),
-        }
-    }
-}
-
-pin_project! {
-    /// The response future of [`CountAfter`].
-    pub struct CountAfterFuture<S, ReqB, R, M>
-    where
-        S: Service<Request<ReqB>>,
-    {
-        #[pin]
-        state: State<S::Future, S::Response, (S, Request<ReqB>, Asked)>,
-        parts: Parts<R, M>,
-    }
-}
-
-pin_project! {
-    #[project = StateProj]
-    enum State<F, T, P = ()> {
-        Checking {
-            waiting: Waiting,
-            pending: Option<P>,
-        },
-        Calling {
-            #[pin]
-            future: F,
-            decision: Option<Decision>,
-            charged: Option<Charged>,
-        },
-        Ready {
-            response: Option<T>,
-        },
-    }
-}
-
-impl<S, ReqB, R, M> fmt::Debug for CountAfterFuture<S, ReqB, R, M>
-where
-    S: Service<Request<ReqB>>,
-{
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CountAfterFuture").finish_non_exhaustive()
-    }
-}
-
-impl<S, ReqB, R, M, ResB> Future for CountAfterFuture<S, ReqB, R, M>
-where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
-    R: OnRejection<ReqB, ResB>,
-    M: Recount<ResB>,
-{
-    type Output = Result<Response<M::Body>, S::Error>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.project();
-        loop {
-            match this.state.as_mut().project() {
-                StateProj::Checking { waiting, pending } => {
-                    let answer = match waiting {
-                        Waiting::One(check) => Answer::One(ready!(Pin::new(check).poll(cx))),
-                        Waiting::Both(checks) => {
-                            Answer::Shadowed(ready!(Pin::new(checks).poll(cx)))
-                        }
-                    };
-                    let (mut service, request, asked) =
-                        pending.take().expect("polled after completion");
-                    let (next, charged) = this.parts.settle(answer, &request, asked);
-                    let state = this.parts.next(next, charged, || service.call(request));
-                    this.state.set(state);
-                }
-                StateProj::Calling {
-                    future,
-                    decision,
-                    charged,
-                } => {
-                    // An error keeps the charge: `charged` is dropped unsettled.
-                    let mut response = ready!(future.poll(cx))?;
-                    if let Some(decision) = decision.take() {
-                        this.parts
-                            .rules
-                            .headers
-                            .write(response.headers_mut(), &decision);
-                    }
-                    return Poll::Ready(Ok(this.parts.recount.finish(response, charged.take())));
-                }
-                StateProj::Ready { response } => {
-                    let response = response.take().expect("polled after completion");
-                    return Poll::Ready(Ok(this.parts.recount.finish(response, None)));
-                }
-            }
+            tracing::warn!(error = %error, key = %key, layer = &*self.layer, "rate limit adjustment failed");
         }
     }
 }

@@ -1,6 +1,6 @@
 //! [`Decision`]: what a store decided for one request.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use smallvec::SmallVec;
 
@@ -213,5 +213,46 @@ impl Decision {
     /// Units remaining under the most restrictive limit.
     pub fn remaining(&self) -> Option<u64> {
         self.tightest().map(|l| l.remaining)
+    }
+}
+
+/// What a [`RateLimitLayer`](crate::RateLimitLayer) decided for a request, in the
+/// request's extensions for the inner service (as express-rate-limit's `req.rateLimit`):
+/// the decision (limit, remaining, reset per limit) and the [plan](crate::plan) it was
+/// decided under. With [`RateLimitLayer::request_info`](crate::RateLimitLayer::request_info),
+/// set on every request the store allowed; absent on one let through
+/// without a decision (no key with [`MissingKey::Allow`](crate::MissingKey::Allow), a
+/// failing store under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow), an
+/// unlimited plan).
+///
+/// ```
+/// use axum::{Extension, Router, routing::get};
+/// use tollgate::RateLimitInfo;
+///
+/// async fn handler(Extension(info): Extension<RateLimitInfo>) -> String {
+///     format!("{:?} left", info.decision().remaining())
+/// }
+/// let app: Router = Router::new().route("/", get(handler));
+/// # let _ = app;
+/// ```
+#[derive(Debug, Clone)]
+pub struct RateLimitInfo {
+    decision: Decision,
+    plan: Option<Arc<str>>,
+}
+
+impl RateLimitInfo {
+    pub(crate) fn new(decision: Decision, plan: Option<Arc<str>>) -> Self {
+        Self { decision, plan }
+    }
+
+    /// The decision: per limit, its quota, what is left and when it is restored.
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+
+    /// The name of the plan the request was decided under, if the layer has plans.
+    pub fn plan(&self) -> Option<&str> {
+        self.plan.as_deref()
     }
 }

@@ -1,70 +1,65 @@
-//! [`ResponseFuture`]: waits for the store's decision, then answers or calls the inner
-//! service.
+//! [`ResponseFuture`]: waits for the store's decision (a plan lookup first, a wait in
+//! line after), then answers or calls the inner service.
 
 use std::{
     fmt,
     future::Future,
-    ops::ControlFlow,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
 };
 
-use futures_util::FutureExt;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::{
-    Decision,
-    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
-    plan::{self, Chosen, Resolving, Started},
+    Decision, RateLimitInfo,
+    count_after::{Charged, Recount, UpFront},
+    decide::{Asked, Asking, Next, Shared, settle, wait::Round},
+    metrics::Outcome,
     rejection::OnRejection,
-    rules::Active,
-    store::Check,
-    wait::Ticket,
+    rules::{Active, Chosen, Resolving},
 };
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit).
-    pub struct ResponseFuture<S, ReqB, R>
+    pub struct ResponseFuture<S, ReqB, R, M = UpFront>
     where
         S: Service<Request<ReqB>>,
     {
         #[pin]
-        state: State<S, ReqB>,
-        // Set while checking.
-        shared: Option<Arc<Shared<R>>>,
-        // The rules the request is decided and answered under: set while checking, and
-        // while calling with a decision whose fields the response gets.
-        rules: Option<Arc<Active>>,
+        state: State<S, ReqB, R>,
+        recount: M,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, ReqB>
+    enum State<S, ReqB, R>
     where
         S: Service<Request<ReqB>>,
     {
-        Checking {
-            check: Check,
+        // Waiting for the store (or for its turn in line), under `rules`.
+        Asking {
+            asking: Asking,
             pending: Option<Pending<S, ReqB>>,
+            shared: Arc<Shared<R>>,
+            rules: Arc<Active>,
         },
-        // A layer with plans, waiting for a plan lookup (`rules` are the layer's).
+        // A layer with plans, waiting for a plan lookup (`layer`: the layer's rules).
         Resolving {
             resolving: Resolving,
             pending: Option<Pending<S, ReqB>>,
-        },
-        // A layer with shadow limits: its two store calls.
-        Shadowing {
-            checks: Checks,
-            pending: Option<Pending<S, ReqB>>,
+            shared: Arc<Shared<R>>,
+            layer: Arc<Active>,
         },
         Calling {
             #[pin]
             future: S::Future,
-            decision: Option<Decision>,
+            // The decision whose fields the response gets, as these rules write them.
+            fields: Option<(Decision, Arc<Active>)>,
+            charged: Option<Box<Charged>>,
         },
         Ready {
             response: Option<S::Response>,
@@ -72,162 +67,168 @@ pin_project! {
     }
 }
 
-/// What a checking request needs once the store has decided.
+/// What a request that waits for the store needs once it has answered.
 pub(crate) struct Pending<S, ReqB> {
-    pub(crate) service: S,
-    pub(crate) request: Request<ReqB>,
-    pub(crate) asked: Asked,
-    /// It [waited](crate::wait) its turn already: a denial now is final.
-    pub(crate) waited: bool,
+    service: S,
+    request: Request<ReqB>,
+    asked: Asked,
+    round: Round,
 }
 
-impl<S, ReqB, R> ResponseFuture<S, ReqB, R>
+impl<S, ReqB> Pending<S, ReqB> {
+    pub(crate) fn new(service: S, request: Request<ReqB>, asked: Asked, round: Round) -> Self {
+        Self {
+            service,
+            request,
+            asked,
+            round,
+        }
+    }
+}
+
+impl<S, ReqB, R, M> ResponseFuture<S, ReqB, R, M>
 where
     S: Service<Request<ReqB>>,
 {
-    pub(crate) fn checking(
-        check: Check,
+    pub(crate) fn asking(
+        asking: Asking,
         pending: Pending<S, ReqB>,
-        shared: Arc<Shared<R>>,
-        rules: Arc<Active>,
+        shared: &Arc<Shared<R>>,
+        rules: &Arc<Active>,
+        recount: M,
     ) -> Self {
         Self {
-            state: State::Checking {
-                check,
+            state: State::Asking {
+                asking,
                 pending: Some(pending),
+                shared: shared.clone(),
+                rules: rules.clone(),
             },
-            shared: Some(shared),
-            rules: Some(rules),
-        }
-    }
-
-    pub(crate) fn shadowing(
-        checks: Checks,
-        pending: Pending<S, ReqB>,
-        shared: Arc<Shared<R>>,
-        rules: Arc<Active>,
-    ) -> Self {
-        Self {
-            state: State::Shadowing {
-                checks,
-                pending: Some(pending),
-            },
-            shared: Some(shared),
-            rules: Some(rules),
+            recount,
         }
     }
 
     pub(crate) fn resolving(
         resolving: Resolving,
         pending: Pending<S, ReqB>,
-        shared: Arc<Shared<R>>,
-        rules: Arc<Active>,
+        shared: &Arc<Shared<R>>,
+        layer: Arc<Active>,
+        recount: M,
     ) -> Self {
         Self {
             state: State::Resolving {
                 resolving,
                 pending: Some(pending),
+                shared: shared.clone(),
+                layer,
             },
-            shared: Some(shared),
-            rules: Some(rules),
+            recount,
         }
     }
 
-    pub(crate) fn unlimited(future: S::Future) -> Self {
+    /// The inner service's future, whose response gets the `fields` of a decision and
+    /// settles the `charged` units.
+    pub(crate) fn calling(
+        future: S::Future,
+        fields: Option<(Decision, Arc<Active>)>,
+        charged: Option<Box<Charged>>,
+        recount: M,
+    ) -> Self {
         Self {
             state: State::Calling {
                 future,
-                decision: None,
+                fields,
+                charged,
             },
-            shared: None,
-            rules: None,
+            recount,
         }
     }
 
-    /// The inner service's future, whose response gets `decision`'s fields as `rules`
-    /// write them.
-    pub(crate) fn calling(future: S::Future, decision: Decision, rules: Arc<Active>) -> Self {
-        Self {
-            state: State::Calling {
-                future,
-                decision: Some(decision),
-            },
-            shared: None,
-            rules: Some(rules),
-        }
-    }
-
-    pub(crate) fn ready(response: S::Response) -> Self {
+    pub(crate) fn ready(response: S::Response, recount: M) -> Self {
         Self {
             state: State::Ready {
                 response: Some(response),
             },
-            shared: None,
-            rules: None,
+            recount,
         }
     }
 }
 
-/// The state of a denied request that waits its turn ([`wait`](crate::wait)): the wait
-/// and the store's fresh answer, as a check.
-fn wait<S, ReqB, R>(
-    ticket: Ticket,
-    shared: &Shared<R>,
-    rules: &Arc<Active>,
-    service: S,
-    request: Request<ReqB>,
-    asked: Asked,
-) -> State<S, ReqB>
-where
-    S: Service<Request<ReqB>>,
-{
-    let check = ticket.wait(
-        shared.store.clone(),
-        rules.clone(),
-        asked.key.clone(),
-        asked.cost,
-    );
-    State::Checking {
-        check,
-        pending: Some(Pending {
-            service,
-            request,
-            asked,
-            waited: true,
-        }),
-    }
-}
-
-/// What a waiting request does once settled: the answer to give now (`Break`), or the
-/// state to go on in (calling the inner service, or waiting its turn).
-fn proceed<S, ReqB, R, ResB>(
+/// The state a request goes on in once settled under `rules`: answered, calling the
+/// inner service, or waiting its turn.
+fn proceed<S, ReqB, ResB, R>(
     next: Next<ResB>,
-    shared: &Shared<R>,
+    shared: &Arc<Shared<R>>,
     rules: &Arc<Active>,
     pending: Pending<S, ReqB>,
-) -> ControlFlow<Response<ResB>, State<S, ReqB>>
+) -> State<S, ReqB, R>
 where
-    S: Service<Request<ReqB>>,
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
     let Pending {
         mut service,
-        request,
+        mut request,
         asked,
-        ..
+        round,
     } = pending;
     match next {
-        Next::Answer(response) => ControlFlow::Break(response),
-        Next::Call(decision) => ControlFlow::Continue(State::Calling {
-            future: service.call(request),
-            decision,
-        }),
+        Next::Answer(response) => State::Ready {
+            response: Some(response),
+        },
+        Next::Call(decision, charged) => State::Calling {
+            future: {
+                if rules.rules.request_info()
+                    && let Some(decision) = &decision
+                {
+                    inform(&mut request, decision, rules);
+                }
+                service.call(request)
+            },
+            fields: decision.map(|decision| (decision, rules.clone())),
+            charged,
+        },
         Next::Wait(ticket) => {
-            ControlFlow::Continue(wait(*ticket, shared, rules, service, request, asked))
+            let round = ticket.round();
+            State::Asking {
+                asking: shared.wait(*ticket, rules, &asked),
+                pending: Some(Pending::new(service, request, asked, round)),
+                shared: shared.clone(),
+                rules: rules.clone(),
+            }
         }
+        Next::Ask(asking) => State::Asking {
+            asking,
+            pending: Some(Pending::new(service, request, asked, round)),
+            shared: shared.clone(),
+            rules: rules.clone(),
+        },
     }
 }
 
-impl<S, ReqB, R> fmt::Debug for ResponseFuture<S, ReqB, R>
+/// Tells the inner service what was decided: [`RateLimitInfo`] in the request's
+/// extensions.
+#[inline(never)]
+pub(crate) fn inform<ReqB>(request: &mut Request<ReqB>, decision: &Decision, rules: &Active) {
+    let info = RateLimitInfo::new(decision.clone(), rules.plan.clone());
+    request.extensions_mut().insert(info);
+}
+
+/// Asks the store about `pending` under `rules` (its plan's, once known).
+fn start<S, ReqB, ResB, R>(
+    shared: &Arc<Shared<R>>,
+    rules: &Arc<Active>,
+    pending: Pending<S, ReqB>,
+    counts: bool,
+) -> State<S, ReqB, R>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    R: OnRejection<ReqB, ResB>,
+{
+    let next = shared.decide(rules, &pending.request, &pending.asked, counts);
+    proceed(next, shared, rules, pending)
+}
+
+impl<S, ReqB, R, M> fmt::Debug for ResponseFuture<S, ReqB, R, M>
 where
     S: Service<Request<ReqB>>,
 {
@@ -236,97 +237,79 @@ where
     }
 }
 
-impl<S, ReqB, R, ResB> Future for ResponseFuture<S, ReqB, R>
+impl<S, ReqB, R, M, ResB> Future for ResponseFuture<S, ReqB, R, M>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     R: OnRejection<ReqB, ResB>,
+    M: Recount<ResB>,
 {
-    type Output = Result<Response<ResB>, S::Error>;
+    type Output = Result<Response<M::Body>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            match this.state.as_mut().project() {
-                StateProj::Checking { check, pending } => {
-                    let shared = this.shared.as_ref().expect("checking without config");
-                    let rules = this.rules.as_ref().expect("checking without rules");
-                    // The store's timeout and circuit breaker are inside `check`.
-                    let result = ready!(check.poll_unpin(cx));
+            let state = match this.state.as_mut().project() {
+                StateProj::Asking {
+                    asking,
+                    pending,
+                    shared,
+                    rules,
+                } => {
+                    // The store's timeout and circuit breaker are inside `asking`.
+                    let answer = ready!(asking.poll(cx));
                     let pending = pending.take().expect("polled after completion");
                     let next = settle(
                         shared,
                         rules,
-                        result,
+                        answer,
                         &pending.request,
                         &pending.asked,
-                        pending.waited,
+                        pending.round,
+                        M::AFTER,
                     );
-                    match proceed(next, shared, rules, pending) {
-                        ControlFlow::Break(response) => return Poll::Ready(Ok(response)),
-                        ControlFlow::Continue(state) => this.state.set(state),
-                    }
+                    proceed(next, shared, rules, pending)
                 }
-                StateProj::Resolving { resolving, pending } => {
-                    let shared = this.shared.as_ref().expect("resolving without config");
+                StateProj::Resolving {
+                    resolving,
+                    pending,
+                    shared,
+                    layer,
+                } => {
                     let name = ready!(Pin::new(resolving).poll(cx));
-                    let layer = this.rules.take().expect("resolving without rules");
                     let mut pending = pending.take().expect("polled after completion");
-                    let rules = match layer.named(name.as_deref()) {
-                        Chosen::Layer => layer.clone(),
-                        Chosen::Plan(rules) => rules.clone(),
-                        Chosen::Unlimited(name) => {
-                            plan::unlimited(shared, name);
-                            let future = pending.service.call(pending.request);
-                            this.state.set(State::Calling {
-                                future,
-                                decision: None,
-                            });
-                            continue;
-                        }
-                    };
-                    let started = plan::start(shared, &rules, &pending.request, &pending.asked);
-                    *this.rules = Some(rules);
-                    match started {
-                        Started::Next(next) => {
-                            let rules = this.rules.as_ref().expect("rules set above");
-                            match proceed(next, shared, rules, pending) {
-                                ControlFlow::Break(response) => return Poll::Ready(Ok(response)),
-                                ControlFlow::Continue(state) => this.state.set(state),
+                    match layer.named(name.as_deref()) {
+                        Chosen::Layer => start(shared, layer, pending, M::AFTER),
+                        Chosen::Plan(rules) => start(shared, rules, pending, M::AFTER),
+                        Chosen::Unlimited(plan) => {
+                            shared.metrics.request(Outcome::Allowed);
+                            shared.metrics.plan(plan, Outcome::Allowed);
+                            State::Calling {
+                                future: pending.service.call(pending.request),
+                                fields: None,
+                                charged: None,
                             }
                         }
-                        Started::Check(check) => this.state.set(State::Checking {
-                            check,
-                            pending: Some(pending),
-                        }),
-                        Started::Checks(checks) => this.state.set(State::Shadowing {
-                            checks,
-                            pending: Some(pending),
-                        }),
                     }
                 }
-                StateProj::Shadowing { checks, pending } => {
-                    let shared = this.shared.as_ref().expect("checking without config");
-                    let rules = this.rules.as_ref().expect("checking without rules");
-                    let answers = ready!(Pin::new(checks).poll(cx));
-                    let pending = pending.take().expect("polled after completion");
-                    let next =
-                        settle_shadowed(shared, rules, answers, &pending.request, &pending.asked);
-                    match proceed(next, shared, rules, pending) {
-                        ControlFlow::Break(response) => return Poll::Ready(Ok(response)),
-                        ControlFlow::Continue(state) => this.state.set(state),
-                    }
-                }
-                StateProj::Calling { future, decision } => {
+                StateProj::Calling {
+                    future,
+                    fields,
+                    charged,
+                } => {
+                    // An error keeps the charge: `charged` is dropped unsettled.
                     let mut response = ready!(future.poll(cx))?;
-                    if let (Some(decision), Some(rules)) = (decision.take(), this.rules.as_ref()) {
+                    if let Some((decision, rules)) = fields.take() {
                         rules.headers.write(response.headers_mut(), &decision);
                     }
-                    return Poll::Ready(Ok(response));
+                    let charged = charged.take().map(|charged| *charged);
+                    return Poll::Ready(Ok(this.recount.finish(response, charged)));
                 }
                 StateProj::Ready { response } => {
-                    return Poll::Ready(Ok(response.take().expect("polled after completion")));
+                    let response = response.take().expect("polled after completion");
+                    return Poll::Ready(Ok(this.recount.finish(response, None)));
                 }
-            }
+            };
+            this.state.set(state);
         }
     }
 }

@@ -8,9 +8,11 @@ use std::{
 
 use tower_layer::Layer;
 
+use http::{HeaderMap, Response};
+
 use crate::{
-    FailurePolicy, Limit, MissingKey,
-    breaker::{Breaker, CircuitBreaker},
+    CircuitBreaker, FailurePolicy, Limit, MissingKey,
+    count_after::{CountWhen, LateCost, TrailerCost, UpFront},
     decide::Shared,
     headers::HeaderStyle,
     key::PeerIp,
@@ -18,12 +20,10 @@ use crate::{
     rejection::DefaultRejection,
     rules::{Cell, Rules, RulesHandle},
     service::RateLimit,
-    store::{Guarded, MemoryStore, Store},
-    wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Waiting},
+    store::{MemoryStore, Store},
 };
-
-/// The default time a store call may take before the failure policy applies.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+#[cfg(doc)]
+use crate::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 
 /// The name of a layer that was not given one with [`RateLimitLayer::name`].
 pub const DEFAULT_NAME: &str = "default";
@@ -38,10 +38,13 @@ pub const DEFAULT_NAME: &str = "default";
 /// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
 /// of the same kind and their limits are equal and equally [named](crate::Limit::named),
 /// so name the limits differently to keep them apart.
-pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection> {
+pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront> {
     key: Arc<K>,
     cost: C,
     rejection: R,
+    /// How requests are counted: up front, or after their response
+    /// ([`count_when`](Self::count_when), [`late_cost`](Self::late_cost)).
+    recount: M,
     /// Everything that does not change the layer's type.
     settings: Settings,
 }
@@ -52,27 +55,10 @@ struct Settings {
     /// rules in force.
     rules: Rules,
     store: Arc<dyn Store>,
-    timeout: Option<Duration>,
     name: Arc<str>,
-    breaker: Option<Arc<Breaker>>,
     /// Shared by clones of the layer made since its last builder call: they are one layer
     /// to a [`RulesHandle`]. A builder call starts a new one.
     cell: Arc<OnceLock<Arc<Cell>>>,
-    /// How long a denied request may wait, and how many may wait per layer and per key.
-    max_wait: Option<Duration>,
-    max_waiters: (usize, usize),
-    /// The line of waiting requests, built from the three above; shared by clones.
-    waiting: Option<Arc<Waiting>>,
-}
-
-impl Settings {
-    /// A new line after a change of `max_wait` or `max_waiters`.
-    fn waiting_changed(&mut self) {
-        self.waiting = self.max_wait.map(|max_wait| {
-            let (total, per_key) = self.max_waiters;
-            Arc::new(Waiting::new(max_wait, total, per_key))
-        });
-    }
 }
 
 impl Settings {
@@ -124,23 +110,27 @@ fn warn_connecting(layer: &str, policy: &FailurePolicy) {
 }
 
 // By hand: the key extractor is shared through an `Arc`, so it need not be `Clone`.
-impl<K, C: Clone, R: Clone> Clone for RateLimitLayer<K, C, R> {
+impl<K, C: Clone, R: Clone, M: Clone> Clone for RateLimitLayer<K, C, R, M> {
     fn clone(&self) -> Self {
         Self {
             key: self.key.clone(),
             cost: self.cost.clone(),
             rejection: self.rejection.clone(),
+            recount: self.recount.clone(),
             settings: self.settings.clone(),
         }
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<K, C, R> {
+impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, M: fmt::Debug> fmt::Debug
+    for RateLimitLayer<K, C, R, M>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("key", &self.key)
             .field("cost", &self.cost)
             .field("rejection", &self.rejection)
+            .field("recount", &self.recount)
             .field("settings", &self.settings)
             .finish()
     }
@@ -153,22 +143,18 @@ impl RateLimitLayer {
             key: Arc::new(PeerIp::new()),
             cost: 1,
             rejection: DefaultRejection::new(),
+            recount: UpFront,
             settings: Settings {
                 rules: Rules::new([limit]).expect("one limit is a valid rule set"),
                 store: Arc::new(MemoryStore::new()),
-                timeout: Some(DEFAULT_TIMEOUT),
                 name: Arc::from(DEFAULT_NAME),
-                breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
                 cell: Arc::default(),
-                max_wait: None,
-                max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
-                waiting: None,
             },
         }
     }
 }
 
-impl<K, C, R> RateLimitLayer<K, C, R> {
+impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Adds another limit. A request passes only when every limit has room, and a denied
     /// request consumes nothing from any of them; all are decided in one store call.
     /// Adding a limit equal to one already present changes nothing; one with the same
@@ -207,22 +193,24 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     }
 
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
-    pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R> {
+    pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M> {
         RateLimitLayer {
             key: Arc::new(key),
             cost: self.cost,
             rejection: self.rejection,
+            recount: self.recount,
             settings: self.settings,
         }
     }
 
     /// Charges each request `cost` units: a fixed `u32` or a closure
     /// `Fn(&Request<B>) -> u32`. See [`RequestCost`](crate::RequestCost).
-    pub fn cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R> {
+    pub fn cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M> {
         RateLimitLayer {
             key: self.key,
             cost,
             rejection: self.rejection,
+            recount: self.recount,
             settings: self.settings,
         }
     }
@@ -257,7 +245,8 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// ([`DEFAULT_TIMEOUT`] by default; `None` waits for the store as long as it takes).
     /// A call that timed out is never retried: it may already have counted.
     pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.settings.timeout = timeout;
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_timeout(timeout);
         self
     }
 
@@ -266,7 +255,8 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// ([`CircuitBreaker::default`]: open after 5 consecutive failures, probe every
     /// 500 ms); `None` asks the store every time.
     pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
-        self.settings.breaker = breaker.map(|config| Arc::new(Breaker::new(config)));
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_circuit_breaker(breaker);
         self
     }
 
@@ -309,8 +299,8 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// # Ok::<(), tollgate::ConfigError>(())
     /// ```
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
-        self.settings.max_wait = (!max_wait.is_zero()).then_some(max_wait);
-        self.settings.waiting_changed();
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_max_wait(Some(max_wait));
         self
     }
 
@@ -319,8 +309,17 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// [`DEFAULT_MAX_WAITERS_PER_KEY`] by default). Beyond either, a request is answered
     /// 429 at once.
     pub fn max_waiters(mut self, total: usize, per_key: usize) -> Self {
-        self.settings.max_waiters = (total, per_key);
-        self.settings.waiting_changed();
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_max_waiters(total, per_key);
+        self
+    }
+
+    /// Puts a [`RateLimitInfo`](crate::RateLimitInfo) (the decision and its plan) in the
+    /// extensions of each request the store allowed, for the inner service (a handler
+    /// that shows a client its budget). Off by default. See [`Rules::with_request_info`].
+    pub fn request_info(mut self, on: bool) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_request_info(on);
         self
     }
 
@@ -333,11 +332,57 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
 
     /// Builds the answers to rejected requests with `rejection`. See
     /// [`OnRejection`](crate::OnRejection).
-    pub fn on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2> {
+    pub fn on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M> {
         RateLimitLayer {
             key: self.key,
             cost: self.cost,
             rejection,
+            recount: self.recount,
+            settings: self.settings,
+        }
+    }
+
+    /// Keeps a request's units spent only when `predicate` holds on its response (say,
+    /// only failed logins count). The request is still checked first, so a key over its
+    /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
+    /// while requests are in flight, and what a dropped response or an error counts.
+    pub fn count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
+    where
+        P: Fn(&Response<B>) -> bool,
+    {
+        self.recount(CountWhen(predicate))
+    }
+
+    /// Charges what `cost` reads from the response (say, a header with the tokens a
+    /// request used): the difference to the up-front [cost](Self::cost) is given back or
+    /// charged late, even over the limit. `None` keeps the up-front cost. See
+    /// [`count_after`](crate::count_after).
+    pub fn late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
+    where
+        F: Fn(&Response<B>) -> Option<u32>,
+    {
+        self.recount(LateCost(cost))
+    }
+
+    /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
+    /// the tokens used, or `grpc-status` to count only failed calls), read when the body
+    /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
+    /// response (`grpc-status` in its headers, as tonic answers an error) is read at
+    /// once, its headers standing for its trailers. The service answers with a
+    /// [`CountedBody`](crate::count_after::CountedBody).
+    pub fn late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
+    where
+        F: Fn(Option<&HeaderMap>) -> Option<u32>,
+    {
+        self.recount(TrailerCost(cost))
+    }
+
+    fn recount<M2>(self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
+        RateLimitLayer {
+            key: self.key,
+            cost: self.cost,
+            rejection: self.rejection,
+            recount,
             settings: self.settings,
         }
     }
@@ -369,51 +414,28 @@ impl<K, C, R> RateLimitLayer<K, C, R> {
     /// under this layer's rules in force, on its store. Take it once the layer is
     /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
     pub fn limiter(&self) -> Limiter<K> {
-        let store = Guarded::new(
-            self.settings.store.clone(),
-            self.settings.timeout,
-            self.settings.breaker.clone(),
-        );
-        Limiter::new(self.key.clone(), self.settings.cell().clone(), store)
+        Limiter::new(self.key.clone(), self.settings.cell().clone())
     }
 }
 
-impl<K, C: Clone, R: Clone> RateLimitLayer<K, C, R> {
-    /// What a service made by this layer holds: the key extractor, the cost, and the
-    /// state its response futures share (also for [`CountAfterLayer`](crate::count_after::CountAfterLayer)).
-    pub(crate) fn parts(&self) -> (Arc<K>, C, Arc<Shared<R>>) {
-        self.parts_waiting(true)
-    }
-
-    /// [`parts`](Self::parts), with the layer's [`max_wait`](Self::max_wait) or without
-    /// it (`wait` false: denials are answered at once).
-    pub(crate) fn parts_waiting(&self, wait: bool) -> (Arc<K>, C, Arc<Shared<R>>) {
-        let shared = Shared {
-            rules: self.settings.cell().clone(),
-            store: Guarded::new(
-                self.settings.store.clone(),
-                self.settings.timeout,
-                self.settings.breaker.clone(),
-            ),
-            rejection: self.rejection.clone(),
-            name: self.settings.name.clone(),
-            metrics: crate::metrics::LayerMetrics::new(&self.settings.name),
-            waiting: if wait {
-                self.settings.waiting.clone()
-            } else {
-                None
-            },
-        };
-        (self.key.clone(), self.cost.clone(), Arc::new(shared))
-    }
-}
-
-impl<S, K, C: Clone, R: Clone> Layer<S> for RateLimitLayer<K, C, R> {
-    type Service = RateLimit<S, K, C, R>;
+impl<S, K, C: Clone, R: Clone, M: Clone> Layer<S> for RateLimitLayer<K, C, R, M> {
+    type Service = RateLimit<S, K, C, R, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let (key, cost, shared) = self.parts();
-        RateLimit::from_parts(inner, key, cost, shared)
+        let settings = &self.settings;
+        let shared = Shared {
+            rules: settings.cell().clone(),
+            rejection: self.rejection.clone(),
+            name: settings.name.clone(),
+            metrics: crate::metrics::LayerMetrics::new(&settings.name),
+        };
+        RateLimit::new(
+            inner,
+            self.key.clone(),
+            self.cost.clone(),
+            self.recount.clone(),
+            Arc::new(shared),
+        )
     }
 }
 

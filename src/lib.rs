@@ -176,26 +176,24 @@ mod rejection;
 pub mod rules;
 mod service;
 pub mod store;
-mod wait;
 
 pub use adjustment::Adjustment;
 pub use breaker::CircuitBreaker;
-pub use count_after::CountAfterLayer;
-pub use decision::{Decision, LimitDecision};
+pub use decision::{Decision, LimitDecision, RateLimitInfo};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use in_flight::InFlightLayer;
-pub use layer::{DEFAULT_NAME, DEFAULT_TIMEOUT, RateLimitLayer};
+pub use layer::{DEFAULT_NAME, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
 pub use limiter::Limiter;
 pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
+pub use rules::set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
 pub use store::{MemoryStore, Store};
-pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY};
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

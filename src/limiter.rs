@@ -8,9 +8,8 @@ use http::Request;
 use crate::{
     Decision, FailurePolicy, Limit, Rules, StoreError,
     key::{Key, KeyError, KeyExtractor},
-    plan::Chosen,
-    rules::Cell,
-    store::{Guarded, Store},
+    rules::{Cell, Chosen},
+    store::Store,
 };
 
 /// A handle on a [`RateLimitLayer`](crate::RateLimitLayer)'s budgets: what a key has
@@ -47,12 +46,11 @@ use crate::{
 pub struct Limiter<K> {
     key: Arc<K>,
     cell: Arc<Cell>,
-    store: Guarded,
 }
 
 impl<K> Limiter<K> {
-    pub(crate) fn new(key: Arc<K>, cell: Arc<Cell>, store: Guarded) -> Self {
-        Self { key, cell, store }
+    pub(crate) fn new(key: Arc<K>, cell: Arc<Cell>) -> Self {
+        Self { key, cell }
     }
 
     /// The key the layer would count `request` against (its extractor's answer).
@@ -137,7 +135,7 @@ impl<K> Limiter<K> {
         let check = if limits.is_empty() {
             None
         } else {
-            Some(self.store.peek(key, limits, cost))
+            Some(self.cell.active.load().store.peek(key, limits, cost))
         };
         async move {
             match check {
@@ -161,7 +159,7 @@ impl<K> Limiter<K> {
     pub fn reset(&self, key: &Key) -> impl Future<Output = Result<(), StoreError>> + Send + use<K> {
         let rules = self.cell.active.load();
         let limits = rules.rules.every_stored_limit();
-        let reset = self.store.reset(key, &limits);
+        let reset = rules.store.reset(key, &limits);
         let local = match rules.rules.on_store_error() {
             FailurePolicy::Local(store) => Some(store.reset(key, &limits)),
             _ => None,
@@ -180,7 +178,6 @@ impl<K> Clone for Limiter<K> {
         Self {
             key: self.key.clone(),
             cell: self.cell.clone(),
-            store: self.store.clone(),
         }
     }
 }

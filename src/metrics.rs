@@ -209,6 +209,22 @@ impl LayerMetrics {
         #[cfg(not(feature = "metrics"))]
         let _ = (outcome, timer);
     }
+
+    /// Counts a request decided under the plan `plan` in [`PLAN_REQUESTS_TOTAL`] (its
+    /// outcome was counted for the layer already).
+    #[inline]
+    pub(crate) fn plan(&self, plan: &str, outcome: Outcome) {
+        #[cfg(feature = "metrics")]
+        ::metrics::counter!(
+            PLAN_REQUESTS_TOTAL,
+            "route" => self.route.to_string(),
+            "plan" => plan.to_owned(),
+            "outcome" => outcome.as_str(),
+        )
+        .increment(1);
+        #[cfg(not(feature = "metrics"))]
+        let _ = (plan, outcome);
+    }
 }
 
 #[cfg(all(test, feature = "metrics"))]

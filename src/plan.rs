@@ -51,35 +51,23 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::{
-    fmt,
-    future::Future,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
-    time::Duration,
-};
+use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use futures_util::{FutureExt, future::BoxFuture};
 use http::{Extensions, HeaderMap, HeaderName, Method, Request, Uri};
 use quick_cache::sync::Cache;
 
 use crate::{
-    ConfigError, Limit, Rules,
+    ConfigError, Limit,
     clock::{Clock, MonotonicClock},
-    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
     key::Key,
-    metrics::Outcome,
-    rejection::OnRejection,
-    rules::Active,
-    store::Check,
 };
 
 /// A named set of limits, or unlimited: one tier of a product. See the
 /// [module docs](crate::plan).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
-    name: Arc<str>,
+    pub(crate) name: Arc<str>,
     /// `None`: unlimited.
     limits: Option<Arc<[Limit]>>,
     shared_state: bool,
@@ -185,9 +173,9 @@ fn plan_name(name: String) -> Result<Arc<str>, ConfigError> {
 /// the [module docs](crate::plan).
 #[derive(Debug, Clone)]
 pub struct Plans {
-    plans: Arc<[Plan]>,
-    default: Option<Arc<str>>,
-    resolver: Resolver,
+    pub(crate) plans: Arc<[Plan]>,
+    pub(crate) default: Option<Arc<str>>,
+    pub(crate) resolver: Resolver,
 }
 
 impl Plans {
@@ -333,7 +321,7 @@ type Lookup = dyn Fn(Key) -> BoxFuture<'static, Result<Option<String>, BoxError>
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Clone)]
-enum Resolver {
+pub(crate) enum Resolver {
     /// Every request gets the default plan.
     None,
     Header(HeaderName),
@@ -438,7 +426,7 @@ impl PlanLookup {
     }
 
     /// The cached answer for `key`, if fresh: `Some(None)` is a cached "default plan".
-    fn cached(&self, key: &Key) -> Option<Option<Arc<str>>> {
+    pub(crate) fn cached(&self, key: &Key) -> Option<Option<Arc<str>>> {
         let cached = self.cache.get(key)?;
         (self.clock.now_ms() < cached.expires_ms).then_some(cached.plan)
     }
@@ -447,7 +435,7 @@ impl PlanLookup {
     /// request per key looks up at a time: the others that miss meanwhile wait for its
     /// answer (quick_cache's placeholder), so a cold key costs the database one query
     /// however many requests it has at once.
-    fn resolve(&self, key: Key) -> BoxFuture<'static, Option<Arc<str>>> {
+    pub(crate) fn resolve(&self, key: Key) -> BoxFuture<'static, Option<Arc<str>>> {
         let this = self.clone();
         async move {
             let cache = this.cache.clone();
@@ -498,180 +486,6 @@ impl fmt::Debug for PlanLookup {
             .field("cached", &self.cache.len())
             .finish_non_exhaustive()
     }
-}
-
-/// A layer's plans as requests use them: each with its rules prepared once.
-#[derive(Debug)]
-pub(crate) struct PlanTable {
-    entries: Vec<(Arc<str>, Entry)>,
-    /// The index of the default plan in `entries`; `None`: the layer's own limits.
-    default: Option<usize>,
-    resolver: Resolver,
-}
-
-#[derive(Debug)]
-enum Entry {
-    Limited(Arc<Active>),
-    Unlimited,
-}
-
-/// The plan a request is decided under.
-pub(crate) enum Chosen<'a> {
-    /// The layer's own limits (no plan, and no default plan).
-    Layer,
-    /// A plan with limits: its rules.
-    Plan(&'a Arc<Active>),
-    /// An unlimited plan (its name): no store call.
-    Unlimited(&'a Arc<str>),
-}
-
-impl PlanTable {
-    /// The table of `plans` for a layer under `rules`, with version `version`: each plan's
-    /// rules are the layer's with the plan's limits (and its fields' writer).
-    pub(crate) fn new(plans: &Plans, rules: &Rules, version: u64) -> Self {
-        let entries = plans
-            .plans
-            .iter()
-            .map(|plan| {
-                let entry = match plan.stored_limits() {
-                    Some(limits) => {
-                        let rules = rules.for_plan(limits);
-                        Entry::Limited(Arc::new(Active::for_plan(rules, version, &plan.name)))
-                    }
-                    None => Entry::Unlimited,
-                };
-                (plan.name.clone(), entry)
-            })
-            .collect::<Vec<_>>();
-        let default = plans
-            .default
-            .as_ref()
-            .and_then(|name| entries.iter().position(|(n, _)| n == name));
-        Self {
-            entries,
-            default,
-            resolver: plans.resolver.clone(),
-        }
-    }
-
-    /// The plan of `request`, counted against `key`, or the lookup to wait for.
-    pub(crate) fn choose<B>(
-        &self,
-        request: &Request<B>,
-        key: &Key,
-    ) -> Result<Chosen<'_>, Resolving> {
-        Ok(match &self.resolver {
-            Resolver::None => self.named(None),
-            Resolver::Header(name) => {
-                self.named(request.headers().get(name).and_then(|v| v.to_str().ok()))
-            }
-            Resolver::Sync(resolve) => self.named(resolve(&PlanRequest::new(request, key))),
-            Resolver::Lookup(lookup) => match lookup.cached(key) {
-                Some(plan) => self.named(plan.as_deref()),
-                None => return Err(Resolving(lookup.resolve(key.clone()))),
-            },
-        })
-    }
-
-    /// The plan called `name`; the default one for `None` or an unknown name.
-    pub(crate) fn named(&self, name: Option<&str>) -> Chosen<'_> {
-        let found = name.and_then(|name| self.entries.iter().position(|(n, _)| &**n == name));
-        if found.is_none()
-            && let Some(name) = name
-        {
-            tracing::debug!(
-                plan = name,
-                "rate limit plan unknown; using the default plan"
-            );
-        }
-        match found.or(self.default) {
-            None => Chosen::Layer,
-            Some(index) => match &self.entries[index].1 {
-                Entry::Limited(rules) => Chosen::Plan(rules),
-                Entry::Unlimited => Chosen::Unlimited(&self.entries[index].0),
-            },
-        }
-    }
-}
-
-/// An async plan lookup in flight: its answer is the plan's name, `None` for the
-/// default plan.
-pub(crate) struct Resolving(BoxFuture<'static, Option<Arc<str>>>);
-
-impl Future for Resolving {
-    type Output = Option<Arc<str>>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.0.poll_unpin(cx)
-    }
-}
-
-/// Counts a request let through by the unlimited plan `plan`: `allowed`, without a
-/// store call.
-pub(crate) fn unlimited<R>(shared: &Shared<R>, plan: &str) {
-    shared.metrics.request(Outcome::Allowed);
-    #[cfg(feature = "metrics")]
-    record(&shared.name, plan, Outcome::Allowed);
-    #[cfg(not(feature = "metrics"))]
-    let _ = plan;
-}
-
-/// How a request decided under `rules` goes on once its plan is known: the `rest` of
-/// [`RateLimit::call`](crate::RateLimit) for a request whose plan lookup had to be
-/// waited for.
-pub(crate) enum Started<ResB> {
-    /// Decided at once.
-    Next(Next<ResB>),
-    /// Waiting for the store.
-    Check(Check),
-    /// Waiting for the store, on enforced and shadow limits.
-    Checks(Checks),
-}
-
-/// Asks the store about `request` under `rules` (a plan's, or the layer's).
-pub(crate) fn start<ReqB, ResB, R>(
-    shared: &Shared<R>,
-    rules: &Active,
-    request: &Request<ReqB>,
-    asked: &Asked,
-) -> Started<ResB>
-where
-    R: OnRejection<ReqB, ResB>,
-{
-    if let Some(shadow) = rules.shadow() {
-        return match Checks::start(&shared.store, asked, rules.limits(), shadow) {
-            Ok(answers) => Started::Next(settle_shadowed(shared, rules, answers, request, asked)),
-            Err(checks) => Started::Checks(checks),
-        };
-    }
-    match shared.ask(&asked.key, rules.limits(), asked.cost) {
-        Ok(result) => Started::Next(settle(shared, rules, result, request, asked, false)),
-        Err(check) => Started::Check(check),
-    }
-}
-
-/// Counts a request decided under `rules` in `tollgate_plan_requests_total` if they are
-/// a plan's. Nothing without the feature `metrics`.
-#[inline]
-pub(crate) fn decided<R>(shared: &Shared<R>, rules: &Active, outcome: Outcome) {
-    #[cfg(feature = "metrics")]
-    if let Some(plan) = &rules.plan {
-        record(&shared.name, plan, outcome);
-    }
-    #[cfg(not(feature = "metrics"))]
-    let _ = (shared, rules, outcome);
-}
-
-/// Counts a request decided under a plan in `tollgate_plan_requests_total`.
-#[cfg(feature = "metrics")]
-pub(crate) fn record(route: &str, plan: &str, outcome: Outcome) {
-    ::metrics::counter!(
-        crate::metrics::PLAN_REQUESTS_TOTAL,
-        "route" => route.to_owned(),
-        "plan" => plan.to_owned(),
-        "outcome" => outcome.as_str(),
-    )
-    .increment(1);
 }
 
 #[cfg(test)]

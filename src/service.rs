@@ -11,14 +11,13 @@ use tower_service::Service;
 
 use crate::{
     MissingKey, RequestCost,
-    decide::{Asked, Checks, Next, Shared, settle, settle_shadowed},
-    future::{Pending, ResponseFuture},
-    key::KeyExtractor,
+    count_after::{Recount, UpFront},
+    decide::{Asked, Next, Shared, wait::Round},
+    future::{Pending, ResponseFuture, inform},
+    key::{KeyError, KeyExtractor},
     metrics,
-    plan::{self, Chosen},
     rejection::OnRejection,
-    rules::Active,
-    wait::Ticket,
+    rules::{Active, Chosen},
 };
 
 /// Rate-limits the requests to `S`. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -26,22 +25,24 @@ use crate::{
 /// Being rate-limited is an answer, not an error: `Error = S::Error`, so an infallible
 /// service stays infallible and axum needs no `HandleErrorLayer`. `poll_ready` only asks
 /// the inner service; limits never show as back-pressure.
-pub struct RateLimit<S, K, C, R> {
+pub struct RateLimit<S, K, C, R, M = UpFront> {
     inner: S,
     key: Arc<K>,
     cost: C,
+    recount: M,
     shared: Arc<Shared<R>>,
     /// The rules this service last saw in force, refreshed when a newer version exists.
     rules: Arc<Active>,
 }
 
-impl<S, K, C, R> RateLimit<S, K, C, R> {
-    pub(crate) fn from_parts(inner: S, key: Arc<K>, cost: C, shared: Arc<Shared<R>>) -> Self {
+impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
+    pub(crate) fn new(inner: S, key: Arc<K>, cost: C, recount: M, shared: Arc<Shared<R>>) -> Self {
         let rules = shared.rules.active.load_full();
         Self {
             inner,
             key,
             cost,
+            recount,
             shared,
             rules,
         }
@@ -63,19 +64,20 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
     }
 }
 
-impl<S: Clone, K, C: Clone, R> Clone for RateLimit<S, K, C, R> {
+impl<S: Clone, K, C: Clone, R, M: Clone> Clone for RateLimit<S, K, C, R, M> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             key: self.key.clone(),
             cost: self.cost.clone(),
+            recount: self.recount.clone(),
             shared: self.shared.clone(),
             rules: self.rules.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R> fmt::Debug for RateLimit<S, K, C, R> {
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R, M> fmt::Debug for RateLimit<S, K, C, R, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -86,81 +88,17 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R> fmt::Debug for RateLimit<S,
     }
 }
 
-/// Acts on a decision made at once: the service that was polled ready takes the request
-/// now, so neither it nor the request has to wait in the future. A macro, not a method:
-/// moving the request into a call cost a request ~35 instructions even when inlined.
-macro_rules! answer_now {
-    ($this:ident, $next:expr, $request:ident, $asked:ident) => {
-        match $next {
-            Next::Answer(response) => ResponseFuture::ready(response),
-            Next::Wait(ticket) => $this.waiting(*ticket, $request, &$asked),
-            // Nothing to write: the response needs neither the decision nor the rules.
-            Next::Call(Some(decision)) if $this.rules.headers.writes_when_allowed() => {
-                ResponseFuture::calling($this.inner.call($request), decision, $this.rules.clone())
-            }
-            Next::Call(_) => ResponseFuture::unlimited($this.inner.call($request)),
-        }
-    };
-}
-
-/// Decides a request with its key, cost and timer under the rules the service holds: the
-/// rest of `call`, and of `planned` once the plan's rules are held. A macro for the reason
-/// `answer_now!` is one: a request moved into a method costs a copy.
-macro_rules! decide {
-    ($this:ident, $request:ident, $key:ident, $cost:ident, $timer:ident) => {{
-        let shared = &$this.shared;
-        let rules = &$this.rules;
-        if rules.shadow().is_some() {
-            $this.shadowed(
-                $request,
-                Asked {
-                    key: $key,
-                    cost: $cost,
-                    timer: $timer,
-                },
-            )
-        } else {
-            let check = shared.ask(&$key, rules.limits(), $cost);
-            let asked = Asked {
-                key: $key,
-                cost: $cost,
-                timer: $timer,
-            };
-            match check {
-                // Decided already: the memory store, a block-cache hit, an open circuit.
-                Ok(result) => {
-                    let next = settle(shared, rules, result, &$request, &asked, false);
-                    answer_now!($this, next, $request, asked)
-                }
-                Err(check) => {
-                    let pending = Pending {
-                        service: $this.take_ready(),
-                        request: $request,
-                        asked,
-                        waited: false,
-                    };
-                    ResponseFuture::checking(
-                        check,
-                        pending,
-                        $this.shared.clone(),
-                        $this.rules.clone(),
-                    )
-                }
-            }
-        }
-    }};
-}
-
-impl<S, K, C, R, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, R>
+impl<S, K, C, R, M, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, R, M>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
     C: RequestCost<ReqB> + Clone,
     R: OnRejection<ReqB, ResB>,
+    M: Recount<ResB>,
 {
-    type Response = Response<ResB>;
+    type Response = Response<M::Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB, R>;
+    type Future = ResponseFuture<S, ReqB, R, M>;
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -171,32 +109,78 @@ where
         // The rules this request is decided, answered and given its fields under, even
         // when they change before it is done.
         self.shared.rules.refresh(&mut self.rules);
-        let shared = &self.shared;
-        let rules = &self.rules;
         let key = match self.key.extract(&request) {
             Ok(key) => key,
-            Err(error) => {
-                shared.metrics.request(metrics::Outcome::KeyMissing);
-                return match rules.rules.on_missing_key() {
-                    MissingKey::Allow => ResponseFuture::unlimited(self.inner.call(request)),
-                    MissingKey::Reject => {
-                        tracing::debug!(%error, "rate limit key missing; rejecting");
-                        let response = shared.rejection.key_missing(&request, &error);
-                        ResponseFuture::ready(response)
-                    }
-                };
-            }
+            Err(error) => return self.key_missing(request, &error),
         };
-        let cost = self.cost.cost(&request);
-        let timer = metrics::Timer::start();
-        if rules.has_plans() {
-            return self.planned(request, Asked { key, cost, timer });
+        let asked = Asked {
+            key,
+            cost: self.cost.cost(&request),
+            timer: metrics::Timer::start(),
+        };
+        if self.rules.has_plans() {
+            return self.planned(request, asked);
         }
-        decide!(self, request, key, cost, timer)
+        let Self {
+            inner,
+            recount,
+            shared,
+            rules,
+            ..
+        } = self;
+        start(inner, shared, rules, recount, request, asked)
     }
 }
 
-impl<S, K, C, R> RateLimit<S, K, C, R> {
+/// A request with its key, decided under `rules` (the layer's, or its plan's): the
+/// store call, then the answer now or the future that waits for it. The one path every
+/// request of a [`RateLimit`] takes, whatever the layer combines.
+#[inline(always)]
+fn start<S, ReqB, ResB, R, M>(
+    inner: &mut S,
+    shared: &Arc<Shared<R>>,
+    rules: &Arc<Active>,
+    recount: &M,
+    mut request: Request<ReqB>,
+    asked: Asked,
+) -> ResponseFuture<S, ReqB, R, M>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    R: OnRejection<ReqB, ResB>,
+    M: Recount<ResB>,
+{
+    match shared.decide(rules, &request, &asked, M::AFTER) {
+        // Decided already: the memory store, a block-cache hit, an open circuit.
+        Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
+        Next::Call(Some(decision), charged) => {
+            if rules.rules.request_info() {
+                inform(&mut request, &decision, rules);
+            }
+            // Nothing to write: the response needs neither the decision nor the rules.
+            let fields = if rules.headers.writes_when_allowed() {
+                Some((decision, rules.clone()))
+            } else {
+                None
+            };
+            ResponseFuture::calling(inner.call(request), fields, charged, recount.clone())
+        }
+        Next::Call(None, charged) => {
+            ResponseFuture::calling(inner.call(request), None, charged, recount.clone())
+        }
+        Next::Wait(ticket) => {
+            let round = ticket.round();
+            let asking = shared.wait(*ticket, rules, &asked);
+            let pending = Pending::new(take_ready(inner), request, asked, round);
+            ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
+        }
+        Next::Ask(asking) => {
+            let pending = Pending::new(take_ready(inner), request, asked, Round::First);
+            ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
+        }
+    }
+}
+
+impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
     /// [`call`](Service::call) for a layer with [plans](crate::plan): decides the request
     /// under its plan's rules. Out of line, so that layers without plans pay one branch
     /// for them.
@@ -205,111 +189,70 @@ impl<S, K, C, R> RateLimit<S, K, C, R> {
         &mut self,
         request: Request<ReqB>,
         asked: Asked,
-    ) -> ResponseFuture<S, ReqB, R>
+    ) -> ResponseFuture<S, ReqB, R, M>
     where
         S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
         R: OnRejection<ReqB, ResB>,
+        M: Recount<ResB>,
     {
         let layer = self.rules.clone();
         let rules = match layer.choose(&request, &asked.key) {
-            Ok(Chosen::Layer) => layer.clone(),
-            Ok(Chosen::Plan(rules)) => rules.clone(),
+            Ok(Chosen::Layer) => &layer,
+            Ok(Chosen::Plan(rules)) => rules,
             Ok(Chosen::Unlimited(plan)) => {
-                plan::unlimited(&self.shared, plan);
-                return ResponseFuture::unlimited(self.inner.call(request));
+                self.shared.metrics.request(metrics::Outcome::Allowed);
+                self.shared.metrics.plan(plan, metrics::Outcome::Allowed);
+                let future = self.inner.call(request);
+                return ResponseFuture::calling(future, None, None, self.recount.clone());
             }
             Err(resolving) => {
-                let pending = Pending {
-                    service: self.take_ready(),
-                    request,
-                    asked,
-                    waited: false,
-                };
-                return ResponseFuture::resolving(resolving, pending, self.shared.clone(), layer);
+                let pending =
+                    Pending::new(take_ready(&mut self.inner), request, asked, Round::First);
+                let recount = self.recount.clone();
+                return ResponseFuture::resolving(resolving, pending, &self.shared, layer, recount);
             }
         };
-        // Decided and answered under the plan's rules; the service goes on holding the
-        // layer's.
-        self.rules = rules;
-        let Asked { key, cost, timer } = asked;
-        let future = decide!(self, request, key, cost, timer);
-        self.rules = layer;
-        future
+        start(
+            &mut self.inner,
+            &self.shared,
+            rules,
+            &self.recount,
+            request,
+            asked,
+        )
     }
 
-    /// [`call`](Service::call) for a layer with shadow limits: two store calls, made
-    /// together, then the same settling. Out of line, so that layers without shadow
-    /// limits pay one branch for it.
+    /// [`call`](Service::call) for a request without a key: the missing-key policy. Out
+    /// of line: rare.
     #[inline(never)]
-    fn shadowed<ReqB, ResB>(
+    fn key_missing<ReqB, ResB>(
         &mut self,
         request: Request<ReqB>,
-        asked: Asked,
-    ) -> ResponseFuture<S, ReqB, R>
+        error: &KeyError,
+    ) -> ResponseFuture<S, ReqB, R, M>
     where
-        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+        S: Service<Request<ReqB>, Response = Response<ResB>>,
         R: OnRejection<ReqB, ResB>,
+        M: Clone,
     {
-        let shared = &self.shared;
-        let rules = &self.rules;
-        let shadow = rules.shadow().map_or(&[][..], |limits| &limits[..]);
-        let checks = match Checks::start(&shared.store, &asked, rules.limits(), shadow) {
-            Ok(answers) => {
-                let next = settle_shadowed(shared, rules, answers, &request, &asked);
-                return answer_now!(self, next, request, asked);
+        self.shared.metrics.request(metrics::Outcome::KeyMissing);
+        match self.rules.rules.on_missing_key() {
+            MissingKey::Allow => {
+                let future = self.inner.call(request);
+                ResponseFuture::calling(future, None, None, self.recount.clone())
             }
-            Err(checks) => checks,
-        };
-        let pending = Pending {
-            service: self.take_ready(),
-            request,
-            asked,
-            waited: false,
-        };
-        ResponseFuture::shadowing(checks, pending, self.shared.clone(), self.rules.clone())
+            MissingKey::Reject => {
+                tracing::debug!(%error, "rate limit key missing; rejecting");
+                let response = self.shared.rejection.key_missing(&request, error);
+                ResponseFuture::ready(response, self.recount.clone())
+            }
+        }
     }
+}
 
-    /// A denied request that waits its turn ([`wait`](crate::wait)): out of line, as it is
-    /// rare.
-    #[inline(never)]
-    fn waiting<ReqB>(
-        &mut self,
-        ticket: Ticket,
-        request: Request<ReqB>,
-        asked: &Asked,
-    ) -> ResponseFuture<S, ReqB, R>
-    where
-        S: Service<Request<ReqB>> + Clone,
-    {
-        let check = ticket.wait(
-            self.shared.store.clone(),
-            self.rules.clone(),
-            asked.key.clone(),
-            asked.cost,
-        );
-        // Borrowed, not moved: a move in one arm of `answer_now!` would cost every
-        // request a drop flag.
-        let asked = Asked {
-            key: asked.key.clone(),
-            cost: asked.cost,
-            timer: asked.timer,
-        };
-        let pending = Pending {
-            service: self.take_ready(),
-            request,
-            asked,
-            waited: true,
-        };
-        ResponseFuture::checking(check, pending, self.shared.clone(), self.rules.clone())
-    }
-
-    /// The service that was polled ready, for a request that waits for the store; its
-    /// clone goes on serving.
-    fn take_ready(&mut self) -> S
-    where
-        S: Clone,
-    {
-        let clone = self.inner.clone();
-        std::mem::replace(&mut self.inner, clone)
-    }
+/// The service that was polled ready, for a request that waits for the store; its clone
+/// goes on serving.
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
 }

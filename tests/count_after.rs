@@ -96,6 +96,8 @@ async fn only_failed_logins_count(store: impl Store + Clone) {
         let layer = RateLimitLayer::new(limit.clone())
             .key(HeaderKey::new("x-user").unwrap())
             .store(store.clone())
+            // Generous: a refund that timed out would stay spent (a loaded CI machine).
+            .timeout(Some(Duration::from_secs(5)))
             .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
         let addr = serve(Router::new().route("/login", post(login)).layer(layer)).await;
         let user = format!("user{i}");
@@ -249,6 +251,7 @@ async fn a_dropped_response_and_an_error_keep_the_units() {
     let layer = RateLimitLayer::new(Limit::fixed_window(2, HOUR).unwrap())
         .key(HeaderKey::new("x-user").unwrap())
         .store(memory())
+        .timeout(Some(Duration::from_secs(5)))
         .count_when(|_: &Response<Body>| false);
     // Debug, though a closure is not.
     assert!(format!("{layer:?}").contains("CountWhen(..)"));
@@ -306,6 +309,7 @@ async fn late_cost_from_a_header(store: impl Store + Clone) {
     let layer = RateLimitLayer::new(limit)
         .key(GlobalKey)
         .store(store)
+        .timeout(Some(Duration::from_secs(5)))
         .late_cost(|response: &Response<Body>| {
             response
                 .headers()
@@ -456,6 +460,7 @@ async fn late_cost_from_grpc_trailers(store: impl Store) {
     let layer = RateLimitLayer::new(Limit::fixed_window(5, HOUR).unwrap())
         .key(HeaderKey::new("x-api-key").unwrap())
         .store(store)
+        .timeout(Some(Duration::from_secs(5)))
         .late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
             trailers?.get("x-tokens-used")?.to_str().ok()?.parse().ok()
         });
@@ -579,6 +584,7 @@ async fn shadow_limits_are_refunded_too() {
         .shadow_limit(shadow.clone())
         .key(GlobalKey)
         .store(store.clone())
+        .timeout(Some(Duration::from_secs(5)))
         .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
     let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
         let status = if request.uri().path() == "/fail" {
@@ -618,6 +624,7 @@ async fn shadow_limits_are_refunded_too() {
         .shadow(true)
         .key(GlobalKey)
         .store(store.clone())
+        .timeout(Some(Duration::from_secs(5)))
         .count_when(|_: &Response<Body>| false)
         .layer(service_fn(|_: Request<Body>| async {
             Ok::<_, Infallible>(Response::new(Body::empty()))
@@ -643,6 +650,7 @@ async fn grpc_calls_count_by_status(count_failures: bool) {
     let layer = RateLimitLayer::new(Limit::fixed_window(3, HOUR).unwrap())
         .key(HeaderKey::new("x-api-key").unwrap())
         .store(memory())
+        .timeout(Some(Duration::from_secs(5)))
         .late_cost_from_trailers(move |trailers: Option<&http::HeaderMap>| {
             let ok = trailers?.get("grpc-status")? == "0";
             // None keeps the unit, Some(0) gives it back.

@@ -1,45 +1,15 @@
-//! [`Rules`] and [`RulesHandle`]: the part of a layer's configuration that can change while
-//! it serves (its limits and [shadow](crate#shadow-mode) limits, failure policy,
-//! missing-key policy and header style), swapped atomically.
-//!
-//! Each request reads the rules once, when it arrives, and is decided, answered and given
-//! its headers under that one set: a change never shows half-applied to a request, and
-//! requests in flight finish under the rules they started with. The rules sit in an
-//! [`arc_swap::ArcSwap`]; each service keeps the set it last saw and compares one version
-//! number per request, so reading them costs a request no lock and no shared counter.
-//!
-//! ```
-//! use std::time::Duration;
-//! use tollgate::{Limit, OnChange, RateLimitLayer, Rules};
-//!
-//! let per_minute = |n| -> Result<Limit, tollgate::ConfigError> {
-//!     Limit::token_bucket(n, Duration::from_secs(60))?
-//!         .named("api")?
-//!         .on_change(OnChange::CarryOver)
-//! };
-//! let layer = RateLimitLayer::new(per_minute(100)?);
-//! let rules = layer.rules_handle();
-//! // Later, from a config reload: the next request is decided under 200/min, with the
-//! // tokens its client has left.
-//! let version = rules.set(rules.rules().with_limits([per_minute(200)?])?);
-//! assert_eq!(version, 2);
-//! assert_eq!(layer.limits()[0].limit(), 200);
-//! # Ok::<(), tollgate::ConfigError>(())
-//! ```
+//! [`Rules`]: a layer's changeable configuration, as a value.
 
-use std::{
-    fmt,
-    sync::{Arc, atomic::AtomicU64, atomic::Ordering},
-};
+use std::{sync::Arc, time::Duration};
 
-use arc_swap::ArcSwap;
+use crate::{CircuitBreaker, ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans};
 
-use crate::{
-    ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans,
-    headers::HeaderWriter,
-    plan::{Chosen, PlanTable, Resolving},
-    store::Store,
-};
+/// The default time a store call may take before the failure policy applies.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+/// The default bound on waiting requests per layer.
+pub const DEFAULT_MAX_WAITERS: usize = 1024;
+/// The default bound on waiting requests per key.
+pub const DEFAULT_MAX_WAITERS_PER_KEY: usize = 16;
 
 /// A layer's changeable configuration: its limits and policies. Built with
 /// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`].
@@ -55,6 +25,14 @@ pub struct Rules {
     headers: HeaderStyle,
     /// Limits chosen per request: see [`with_plans`](Self::with_plans).
     plans: Option<Plans>,
+    timeout: Option<Duration>,
+    circuit_breaker: Option<CircuitBreaker>,
+    /// `None`: denials are answered at once.
+    max_wait: Option<Duration>,
+    /// Per layer, per key.
+    max_waiters: (usize, usize),
+    /// [`RateLimitInfo`](crate::RateLimitInfo) in allowed requests' extensions.
+    request_info: bool,
 }
 
 impl Rules {
@@ -73,6 +51,11 @@ impl Rules {
             on_missing_key: MissingKey::default(),
             headers: HeaderStyle::default(),
             plans: None,
+            timeout: Some(DEFAULT_TIMEOUT),
+            circuit_breaker: Some(CircuitBreaker::default()),
+            max_wait: None,
+            max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
+            request_info: false,
         }
         .with_limits(limits)
     }
@@ -163,6 +146,72 @@ impl Rules {
     pub fn without_plans(mut self) -> Self {
         self.plans = None;
         self
+    }
+
+    /// The same rules with this store timeout: how long a store call may take before the
+    /// failure policy applies ([`DEFAULT_TIMEOUT`] by default; `None` waits as long as it
+    /// takes). See [`RateLimitLayer::timeout`](crate::RateLimitLayer::timeout).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The same rules with this circuit breaker (`None`: none). A change of its settings
+    /// starts it closed; rules that keep them keep its state. See
+    /// [`RateLimitLayer::circuit_breaker`](crate::RateLimitLayer::circuit_breaker).
+    pub fn with_circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+        self.circuit_breaker = breaker;
+        self
+    }
+
+    /// The same rules letting a denied request wait up to `max_wait` (`None`: answered
+    /// at once). Requests waiting when it changes keep their place. See
+    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait).
+    pub fn with_max_wait(mut self, max_wait: Option<Duration>) -> Self {
+        self.max_wait = max_wait.filter(|wait| !wait.is_zero());
+        self
+    }
+
+    /// The same rules with these bounds on waiting requests: `total` per layer, `per_key`
+    /// per key. See [`RateLimitLayer::max_waiters`](crate::RateLimitLayer::max_waiters).
+    pub fn with_max_waiters(mut self, total: usize, per_key: usize) -> Self {
+        self.max_waiters = (total, per_key);
+        self
+    }
+
+    /// The same rules putting a [`RateLimitInfo`](crate::RateLimitInfo) (the decision and
+    /// the plan) in the extensions of each request the store allowed (`true`), for the
+    /// inner service to read; off by default (it costs an allowed request an allocation).
+    pub fn with_request_info(mut self, on: bool) -> Self {
+        self.request_info = on;
+        self
+    }
+
+    /// Whether allowed requests carry a [`RateLimitInfo`](crate::RateLimitInfo). See
+    /// [`with_request_info`](Self::with_request_info).
+    #[inline]
+    pub fn request_info(&self) -> bool {
+        self.request_info
+    }
+
+    /// The store timeout. See [`with_timeout`](Self::with_timeout).
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// The circuit breaker's settings. See [`with_circuit_breaker`](Self::with_circuit_breaker).
+    pub fn circuit_breaker(&self) -> Option<CircuitBreaker> {
+        self.circuit_breaker
+    }
+
+    /// The longest wait. See [`with_max_wait`](Self::with_max_wait).
+    pub fn max_wait(&self) -> Option<Duration> {
+        self.max_wait
+    }
+
+    /// The bounds on waiting requests, per layer and per key.
+    pub fn max_waiters(&self) -> (usize, usize) {
+        self.max_waiters
     }
 
     /// The plans, if any. See [`with_plans`](Self::with_plans).
@@ -317,198 +366,5 @@ fn disjoint(enforced: &[Limit], shadow: &[Limit]) -> Result<(), ConfigError> {
             format!("{both:?} has the state of an enforced limit: each request would count twice"),
         )),
         None => Ok(()),
-    }
-}
-
-/// Rules as requests use them: with what is derived from them prepared once.
-#[derive(Debug)]
-pub(crate) struct Active {
-    pub(crate) rules: Rules,
-    pub(crate) headers: HeaderWriter,
-    pub(crate) version: u64,
-    /// The limits that reject: none when the layer is in shadow.
-    enforced: Arc<[Limit]>,
-    /// The limits decided in a store call of their own and never enforced; `None` (the
-    /// common case, which costs a request nothing more) when there are none.
-    shadow: Option<Arc<[Limit]>>,
-    /// The plans, each with its rules prepared; `None` (the common case) without plans.
-    plans: Option<Box<PlanTable>>,
-    /// The name of the plan these rules are of, for the metrics; `None` for a layer's.
-    pub(crate) plan: Option<Arc<str>>,
-}
-
-impl Active {
-    fn new(rules: Rules, version: u64) -> Self {
-        let (enforced, shadow) = if rules.shadow {
-            (Arc::from([]), Some(rules.all_limits()))
-        } else if rules.shadow_limits.is_empty() {
-            (rules.limits.clone(), None)
-        } else {
-            (rules.limits.clone(), Some(rules.shadow_limits.clone()))
-        };
-        let plans = rules
-            .plans
-            .as_ref()
-            .map(|plans| Box::new(PlanTable::new(plans, &rules, version)));
-        Self {
-            headers: HeaderWriter::new(rules.headers, &enforced),
-            rules,
-            version,
-            enforced,
-            shadow,
-            plans,
-            plan: None,
-        }
-    }
-
-    /// The rules of the plan `plan`: `rules` holds its limits; its fields name it.
-    pub(crate) fn for_plan(rules: Rules, version: u64, plan: &Arc<str>) -> Self {
-        let mut active = Self::new(rules, version);
-        active.headers = HeaderWriter::for_plan(active.rules.headers, &active.enforced, plan);
-        active.plan = Some(plan.clone());
-        active
-    }
-
-    /// Whether requests are decided under plans.
-    #[inline]
-    pub(crate) fn has_plans(&self) -> bool {
-        self.plans.is_some()
-    }
-
-    /// The plan of `request` with `key` (the layer's own limits without plans).
-    pub(crate) fn choose<B>(
-        &self,
-        request: &http::Request<B>,
-        key: &crate::key::Key,
-    ) -> Result<Chosen<'_>, Resolving> {
-        match &self.plans {
-            Some(plans) => plans.choose(request, key),
-            None => Ok(Chosen::Layer),
-        }
-    }
-
-    /// The plan called `name` once a lookup answered.
-    pub(crate) fn named(&self, name: Option<&str>) -> Chosen<'_> {
-        match &self.plans {
-            Some(plans) => plans.named(name),
-            None => Chosen::Layer,
-        }
-    }
-
-    /// The enforced limits, in the order they are reported.
-    pub(crate) fn limits(&self) -> &Arc<[Limit]> {
-        &self.enforced
-    }
-
-    /// The shadow limits, if any.
-    #[inline]
-    pub(crate) fn shadow(&self) -> Option<&Arc<[Limit]>> {
-        self.shadow.as_ref()
-    }
-}
-
-/// The rules of one layer (and all its clones and services), shared with its handles.
-pub(crate) struct Cell {
-    pub(crate) active: ArcSwap<Active>,
-    /// The version of `active`, published after it: a service compares it with the
-    /// version of the rules it holds (one relaxed-cost load per request, where loading
-    /// `active` itself would cost arc-swap's debt protocol) and reloads only when it grew.
-    current: AtomicU64,
-    /// The layer's store, told about new limits (see [`Store::limits_changed`]).
-    store: Arc<dyn Store>,
-    /// Orders concurrent [`RulesHandle::set`] calls: versions only grow.
-    next_version: AtomicU64,
-}
-
-impl Cell {
-    pub(crate) fn new(rules: Rules, store: Arc<dyn Store>) -> Arc<Self> {
-        Arc::new(Self {
-            active: ArcSwap::from_pointee(Active::new(rules, 1)),
-            current: AtomicU64::new(1),
-            store,
-            next_version: AtomicU64::new(2),
-        })
-    }
-
-    /// Replaces `held` by the rules in force if they are newer.
-    #[inline]
-    pub(crate) fn refresh(&self, held: &mut Arc<Active>) {
-        if held.version < self.current.load(Ordering::Acquire) {
-            *held = self.active.load_full();
-        }
-    }
-}
-
-/// Changes a layer's [`Rules`] while it serves: see the [module docs](crate::rules).
-///
-/// Obtained from [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle)
-/// once the layer is configured (a builder call after it gives the layer rules of its
-/// own). Clones change the same layer; it is cheap to keep in a config-reload task.
-///
-/// What happens to the budgets: a limit that does not change keeps its state; a changed
-/// one starts fresh or carries its state over, as each [`Limit`] chose with
-/// [`Limit::on_change`]. A store's state is never rewritten by a change: the new
-/// parameters apply to each key's state when its next request reads it.
-#[derive(Clone)]
-pub struct RulesHandle {
-    cell: Arc<Cell>,
-}
-
-impl RulesHandle {
-    pub(crate) fn new(cell: Arc<Cell>) -> Self {
-        Self { cell }
-    }
-
-    /// The rules in force.
-    pub fn rules(&self) -> Rules {
-        self.cell.active.load().rules.clone()
-    }
-
-    /// The version of the rules in force: 1 as built, then one more for each
-    /// [`set`](Self::set).
-    pub fn version(&self) -> u64 {
-        self.cell.active.load().version
-    }
-
-    /// Applies `rules` to every request that arrives from now on; requests in flight
-    /// finish under the rules they started with. Returns the new version.
-    pub fn set(&self, rules: Rules) -> u64 {
-        // The memory store learns when the plans' state expires too.
-        let all = rules.every_stored_limit();
-        self.cell.store.limits_changed(&all);
-        if let FailurePolicy::Local(store) = &rules.on_store_error {
-            store.limits_changed(&all);
-        }
-        let version = self.cell.next_version.fetch_add(1, Ordering::Relaxed);
-        let active = Arc::new(Active::new(rules, version));
-        // Two concurrent sets: the later version wins, whichever stores last.
-        self.cell.active.rcu(|current| {
-            if current.version > version {
-                current.clone()
-            } else {
-                active.clone()
-            }
-        });
-        // After the swap: whoever sees this version finds it (or a later one) in `active`.
-        self.cell.current.fetch_max(version, Ordering::Release);
-        version
-    }
-}
-
-impl fmt::Debug for RulesHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let active = self.cell.active.load();
-        f.debug_struct("RulesHandle")
-            .field("version", &active.version)
-            .field("rules", &active.rules)
-            .finish()
-    }
-}
-
-impl fmt::Debug for Cell {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Cell")
-            .field("active", &self.active.load())
-            .finish_non_exhaustive()
     }
 }

@@ -43,21 +43,21 @@ use smallvec::SmallVec;
 use crate::{
     Adjustment, Decision, Limit, LimitDecision,
     key::Key,
-    rules::Active,
     store::{Check, Guarded},
 };
 
-/// The default bound on waiting requests per layer.
-pub const DEFAULT_MAX_WAITERS: usize = 1024;
-/// The default bound on waiting requests per key.
-pub const DEFAULT_MAX_WAITERS_PER_KEY: usize = 16;
-
-/// A layer's line of waiting requests: its bounds and who is in it. Shared by the
-/// layer's clones and every service it makes.
+/// A layer's line of waiting requests, under the bounds of one version of its rules.
 pub(crate) struct Waiting {
     max_wait_ms: u64,
     max_waiters: usize,
     max_per_key: usize,
+    queue: Arc<Queue>,
+}
+
+/// Who waits in a layer's line: shared by the layer's clones, every service it makes and
+/// every version of its rules, so that a change of the rules keeps the waiters' places.
+#[derive(Debug, Default)]
+pub(crate) struct Queue {
     waiters: AtomicUsize,
     /// Waiters per key; touched only by requests that wait (and, while anybody waits, by
     /// the look for room before a reservation).
@@ -80,19 +80,23 @@ impl fmt::Debug for Waiting {
             .field("max_wait", &Duration::from_millis(self.max_wait_ms))
             .field("max_waiters", &self.max_waiters)
             .field("max_waiters_per_key", &self.max_per_key)
-            .field("waiting", &self.waiters.load(Ordering::Relaxed))
+            .field("waiting", &self.queue.waiters.load(Ordering::Relaxed))
             .finish()
     }
 }
 
 impl Waiting {
-    pub(crate) fn new(max_wait: Duration, max_waiters: usize, max_per_key: usize) -> Self {
+    pub(crate) fn new(
+        queue: Arc<Queue>,
+        max_wait: Duration,
+        max_waiters: usize,
+        max_per_key: usize,
+    ) -> Self {
         Self {
             max_wait_ms: u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX),
             max_waiters,
             max_per_key,
-            waiters: AtomicUsize::new(0),
-            per_key: Mutex::default(),
+            queue,
         }
     }
 
@@ -106,10 +110,11 @@ impl Waiting {
     /// (No lock while nobody waits.)
     #[inline]
     pub(crate) fn has_room(&self, key: &Key) -> bool {
-        let waiting = self.waiters.load(Ordering::Acquire);
+        let waiting = self.queue.waiters.load(Ordering::Acquire);
         waiting == 0
             || (waiting < self.max_waiters
                 && self
+                    .queue
                     .per_key
                     .lock()
                     .get(key)
@@ -119,14 +124,18 @@ impl Waiting {
     /// How many requests wait now.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.waiters.load(Ordering::Relaxed)
+        self.queue.waiters.load(Ordering::Relaxed)
     }
 
     /// A place in line for a request of `key` and `cost` that `decision` denied under
     /// `limits`, when it may wait: its `retry_after` is within `max_wait`, it can fit at
     /// all, and neither bound is reached.
+    /// The request asks `store` again after its wait (`local`: the failure policy's
+    /// local store, answering for the layer's).
     pub(crate) fn admit(
         self: &Arc<Self>,
+        store: &Guarded,
+        local: bool,
         key: &Key,
         limits: &[Limit],
         cost: u32,
@@ -144,6 +153,8 @@ impl Waiting {
         Some(Ticket {
             place,
             kind: Kind::Retry(retry_ms),
+            store: store.clone(),
+            local,
         })
     }
 
@@ -151,8 +162,12 @@ impl Waiting {
     /// allows it after [`Decision::wait`]), when neither bound is reached; the decision
     /// back when one is (the caller gives the units back: see [`release`] and
     /// [`refused`]).
+    /// `store` reserved them (`local` as for [`admit`](Self::admit)), and gets them
+    /// back if the request is dropped while it waits.
     pub(crate) fn admit_reserved(
         self: &Arc<Self>,
+        store: &Guarded,
+        local: bool,
         key: &Key,
         decision: Decision,
     ) -> Result<Ticket, Decision> {
@@ -160,6 +175,8 @@ impl Waiting {
             Some(place) => Ok(Ticket {
                 place,
                 kind: Kind::Reserved(decision),
+                store: store.clone(),
+                local,
             }),
             None => Err(decision),
         }
@@ -168,11 +185,11 @@ impl Waiting {
     /// Takes a place for `key` (numbered as the key's latest reservation when
     /// `reserved`), unless a bound is reached.
     fn take_place(self: &Arc<Self>, key: &Key, reserved: bool) -> Option<Place> {
-        if self.waiters.fetch_add(1, Ordering::AcqRel) >= self.max_waiters {
-            self.waiters.fetch_sub(1, Ordering::AcqRel);
+        if self.queue.waiters.fetch_add(1, Ordering::AcqRel) >= self.max_waiters {
+            self.queue.waiters.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        let mut per_key = self.per_key.lock();
+        let mut per_key = self.queue.per_key.lock();
         if !per_key.contains_key(key) {
             per_key.insert(key.clone(), Line::default());
         }
@@ -182,7 +199,7 @@ impl Waiting {
                 per_key.remove(key);
             }
             drop(per_key);
-            self.waiters.fetch_sub(1, Ordering::AcqRel);
+            self.queue.waiters.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
         line.waiters += 1;
@@ -202,7 +219,8 @@ impl Waiting {
 
     /// Whether `key` has no live reservation in line.
     pub(crate) fn none_reserved(&self, key: &Key) -> bool {
-        self.per_key
+        self.queue
+            .per_key
             .lock()
             .get(key)
             .is_none_or(|line| line.reserved.is_empty())
@@ -254,6 +272,18 @@ pub(crate) fn release(
     }
 }
 
+/// Which round of asking an answer is from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Round {
+    /// The request's first: a denial may still wait its turn.
+    First,
+    /// After waiting its turn: a denial is final.
+    Waited,
+    /// After waiting its turn in the failure policy's local store (the shared store had
+    /// failed): the answer is that store's.
+    WaitedLocal,
+}
+
 /// A place in line: given back when dropped (the request was answered, or its client
 /// hung up).
 struct Place {
@@ -269,7 +299,7 @@ impl Place {
         let Some(seq) = self.seq.take() else {
             return false;
         };
-        let mut per_key = self.waiting.per_key.lock();
+        let mut per_key = self.waiting.queue.per_key.lock();
         let Some(line) = per_key.get_mut(&self.key) else {
             return false;
         };
@@ -282,7 +312,7 @@ impl Place {
 impl Drop for Place {
     fn drop(&mut self) {
         self.leave_reserved();
-        let mut per_key = self.waiting.per_key.lock();
+        let mut per_key = self.waiting.queue.per_key.lock();
         if let Some(line) = per_key.get_mut(&self.key) {
             line.waiters -= 1;
             if line.waiters == 0 {
@@ -290,7 +320,7 @@ impl Drop for Place {
             }
         }
         drop(per_key);
-        self.waiting.waiters.fetch_sub(1, Ordering::AcqRel);
+        self.waiting.queue.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -298,6 +328,10 @@ impl Drop for Place {
 pub(crate) struct Ticket {
     place: Place,
     kind: Kind,
+    /// The store it asks again, or gives its reservation back to.
+    store: Guarded,
+    /// That store is the failure policy's local one.
+    local: bool,
 }
 
 enum Kind {
@@ -312,7 +346,7 @@ enum Kind {
 struct Reservation {
     place: Place,
     store: Guarded,
-    rules: Arc<Active>,
+    limits: Arc<[Limit]>,
     key: Key,
     cost: u32,
     decision: Decision,
@@ -326,7 +360,7 @@ impl Drop for Reservation {
         if self.armed && last {
             release(
                 &self.store,
-                self.rules.limits(),
+                &self.limits,
                 &self.key,
                 self.cost,
                 &self.decision,
@@ -336,14 +370,25 @@ impl Drop for Reservation {
 }
 
 impl Ticket {
-    /// The wait, as a [`Check`] under the same `rules`. Reserved: sleeps the reservation's
+    /// The round the answer after the wait is settled in.
+    pub(crate) fn round(&self) -> Round {
+        if self.local {
+            Round::WaitedLocal
+        } else {
+            Round::Waited
+        }
+    }
+
+    /// The wait, as a [`Check`] under the same `limits`. Reserved: sleeps the reservation's
     /// wait and answers its decision (allowed now) without asking the store; dropped
     /// before then, it gives the units back as the [module docs](self) say. Denied:
     /// sleeps `retry_after`, asks the store again and, while it is denied and the new
     /// `retry_after` still ends within `max_wait` of the first denial, sleeps again. The
     /// place is given back when the check ends or is dropped.
-    pub(crate) fn wait(self, store: Guarded, rules: Arc<Active>, key: Key, cost: u32) -> Check {
-        let Self { place, kind } = self;
+    pub(crate) fn wait(self, limits: Arc<[Limit]>, key: Key, cost: u32) -> Check {
+        let Self {
+            place, kind, store, ..
+        } = self;
         let retry_ms = match kind {
             Kind::Retry(retry_ms) => retry_ms,
             Kind::Reserved(decision) => {
@@ -352,7 +397,7 @@ impl Ticket {
                     let mut reservation = Reservation {
                         place,
                         store,
-                        rules,
+                        limits,
                         key,
                         cost,
                         decision,
@@ -373,7 +418,7 @@ impl Ticket {
             let mut sleep = Duration::from_millis(retry_ms);
             loop {
                 tokio::time::sleep(sleep).await;
-                let result = match store.check_now(&key, rules.limits(), cost) {
+                let result = match store.check_now(&key, &limits, cost) {
                     Ok(result) => result,
                     Err(check) => check.await,
                 };
@@ -400,16 +445,21 @@ mod tests {
     use super::*;
     use crate::LimitDecision;
 
+    fn store() -> Guarded {
+        Guarded::new(Arc::new(crate::MemoryStore::new()), None, None)
+    }
+
     fn denied(retry_after_ms: u64) -> Decision {
         Decision::new(vec![LimitDecision::deny(5, 0, 1_000, retry_after_ms)])
     }
 
     #[test]
     fn only_the_latest_reservation_of_a_key_is_the_last() {
-        let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 10, 10));
+        let waiting = Arc::new(Waiting::new(Arc::default(), Duration::from_secs(1), 10, 10));
         let (a, b) = (Key::new("a"), Key::new("b"));
         let reserved = Decision::new(vec![LimitDecision::allow(1, 0, 100)]).with_wait(50);
-        let place = |key: &Key| match waiting.admit_reserved(key, reserved.clone()) {
+        let place = |key: &Key| match waiting.admit_reserved(&store(), false, key, reserved.clone())
+        {
             Ok(ticket) => ticket.place,
             Err(_) => panic!("a place for {key:?}"),
         };
@@ -427,18 +477,24 @@ mod tests {
         assert_eq!(denied.retry_after(), Duration::from_millis(50));
         drop((first, second, other));
         assert_eq!(waiting.len(), 0);
-        assert!(waiting.per_key.lock().is_empty());
+        assert!(waiting.queue.per_key.lock().is_empty());
     }
 
     #[test]
     fn places_are_bounded_and_given_back() {
-        let waiting = Arc::new(Waiting::new(Duration::from_secs(1), 3, 2));
+        let waiting = Arc::new(Waiting::new(Arc::default(), Duration::from_secs(1), 3, 2));
         let limits = [Limit::fixed_window(5, Duration::from_secs(1)).unwrap()];
         let (a, b) = (Key::new("a"), Key::new("b"));
-        let admit = |key: &Key, retry| waiting.admit(key, &limits, 1, &denied(retry));
+        let store = store();
+        let admit =
+            |key: &Key, retry| waiting.admit(&store, false, key, &limits, 1, &denied(retry));
         // Only a wait within max_wait, and never for a request that cannot fit.
         assert!(admit(&a, 1_001).is_none());
-        assert!(waiting.admit(&a, &limits, 6, &denied(10)).is_none());
+        assert!(
+            waiting
+                .admit(&store, false, &a, &limits, 6, &denied(10))
+                .is_none()
+        );
         let a1 = admit(&a, 1_000).unwrap();
         let a2 = admit(&a, 10).unwrap();
         assert!(admit(&a, 10).is_none(), "two per key");
@@ -450,6 +506,6 @@ mod tests {
         let b2 = admit(&b, 10).unwrap();
         drop((a2, b1, b2));
         assert_eq!(waiting.len(), 0);
-        assert!(waiting.per_key.lock().is_empty());
+        assert!(waiting.queue.per_key.lock().is_empty());
     }
 }

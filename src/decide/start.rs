@@ -1,0 +1,100 @@
+//! [`Shared::decide`]: the one entry of every new request, and the wait of one that
+//! waits its turn.
+
+use http::Request;
+
+use super::{
+    Answer, Asked, Asking, Next, Shared,
+    settle::{settle, settle_one},
+    shadow::Checks,
+    wait::{Round, Ticket},
+};
+use crate::{
+    Decision, Limit, StoreError, key::Key, rejection::OnRejection, rules::Active, store::Check,
+};
+
+impl<R> Shared<R> {
+    /// Decides a request under `rules` (a plan's, or the layer's), the one entry for
+    /// every new request: asks the store about its enforced limits, for a reservation
+    /// when the rules let requests wait and the line has room, else for a plain check,
+    /// and about its shadow limits, if any, in a call of their own beside it; then
+    /// [`settle`]s the answer if it is there at once. Else [`Next::Ask`]: the call to
+    /// wait for, whose answer the caller settles. (Not a `Result`: wrapping the answer
+    /// would cost every request a copy of it.)
+    #[inline(always)]
+    pub(crate) fn decide<ReqB, ResB>(
+        &self,
+        rules: &Active,
+        request: &Request<ReqB>,
+        asked: &Asked,
+        counts: bool,
+    ) -> Next<ResB>
+    where
+        R: OnRejection<ReqB, ResB>,
+    {
+        match rules.shadow() {
+            None => match ask(rules, &asked.key, rules.limits(), asked.cost) {
+                Ok(result) => settle_one(self, rules, result, request, asked, Round::First, counts),
+                Err(check) => Next::Ask(Asking::One(check)),
+            },
+            Some(shadow) => self.decide_shadowed(rules, shadow, request, asked, counts),
+        }
+    }
+
+    /// [`decide`](Self::decide) for rules with shadow limits. Out of line, so that layers
+    /// without shadow limits pay one branch for them.
+    #[inline(never)]
+    fn decide_shadowed<ReqB, ResB>(
+        &self,
+        rules: &Active,
+        shadow: &[Limit],
+        request: &Request<ReqB>,
+        asked: &Asked,
+        counts: bool,
+    ) -> Next<ResB>
+    where
+        R: OnRejection<ReqB, ResB>,
+    {
+        let enforced = rules.limits();
+        let enforced = (!enforced.is_empty()).then(|| ask(rules, &asked.key, enforced, asked.cost));
+        let shadow = rules.store.check_now(&asked.key, shadow, asked.cost);
+        match Checks::start(enforced, shadow) {
+            Ok(answers) => settle(
+                self,
+                rules,
+                Answer::Shadowed(answers),
+                request,
+                asked,
+                Round::First,
+                counts,
+            ),
+            Err(checks) => Next::Ask(Asking::Both(checks)),
+        }
+    }
+
+    /// The wait of a request that `ticket` gave a place in line, then the store's fresh
+    /// answer (or the reservation's), as a call to wait for.
+    pub(crate) fn wait(&self, ticket: Ticket, rules: &Active, asked: &Asked) -> Asking {
+        let _ = self;
+        Asking::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost))
+    }
+}
+
+/// Asks the store about a request's enforced limits: for a reservation when the rules let
+/// requests wait and the line has room ([`wait`]), else a plain check.
+#[inline(always)]
+fn ask(
+    rules: &Active,
+    key: &Key,
+    limits: &[Limit],
+    cost: u32,
+) -> Result<Result<Decision, StoreError>, Check> {
+    match &rules.waiting {
+        Some(waiting) if waiting.has_room(key) => {
+            rules
+                .store
+                .reserve_now(key, limits, cost, waiting.max_wait_ms())
+        }
+        _ => rules.store.check_now(key, limits, cost),
+    }
+}
