@@ -801,10 +801,16 @@ fn plan_layer(
     if let Some(delay) = route.delay {
         layer = layer.max_wait(delay);
     }
-    // Counted as decided (a count-after layer decides under the layer's own limits, not
-    // its plans), and not on the admin endpoints: they read and reset a route's own
-    // limits.
-    keyed(layer, plans.key.clone(), config, service, None, None)
+    // Counted after the response as the route says, like its own limits; not on the
+    // admin endpoints: they read and reset a route's own limits.
+    keyed(
+        layer,
+        plans.key.clone(),
+        config,
+        service,
+        route.count_after.as_ref(),
+        None,
+    )
 }
 
 /// The limits grouped by key, groups ordered ip, headers (in config order), global.

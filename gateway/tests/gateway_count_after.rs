@@ -62,6 +62,43 @@ limit = 3
 window = "1h"
 
 [[routes]]
+path = "/plans"
+upstream = "http://{addr}"
+count_when = "failure"
+plan_header = "x-plan"
+default_plan = "free"
+
+[[routes.plans]]
+name = "free"
+
+[[routes.plans.limits]]
+key = "header:x-user"
+algorithm = "fixed_window"
+limit = 2
+window = "1h"
+
+[[routes.plans]]
+name = "pro"
+
+[[routes.plans.limits]]
+key = "header:x-user"
+algorithm = "fixed_window"
+limit = 4
+window = "1h"
+
+[[routes]]
+path = "/wait"
+upstream = "http://{addr}"
+count_when = "failure"
+delay = "3s"
+
+[[routes.limits]]
+key = "header:x-user"
+algorithm = "gcra"
+limit = 1
+window = "1s"
+
+[[routes]]
 path = "/llm"
 upstream = "http://{addr}"
 cost_header = "x-cost"
@@ -116,6 +153,31 @@ async fn counts_after_the_response(store: &str) {
     }
     assert_eq!(send(&gateway, "/login", &ok).await.0, 429);
     assert_eq!(send(&gateway, "/login", &[("x-user", "bob")]).await.0, 200);
+
+    // Plans count after the response too, each against its own limit (before: as
+    // decided, so successes spent the plan's budget).
+    for plan in ["free", "pro"] {
+        let ok = [("x-user", "cy"), ("x-plan", plan)];
+        let failed = [("x-user", "cy"), ("x-plan", plan), ("x-want-status", "500")];
+        for _ in 0..6 {
+            assert_eq!(send(&gateway, "/plans", &ok).await.0, 200, "{plan}");
+        }
+        let allowed = if plan == "free" { 2 } else { 4 };
+        for _ in 0..allowed {
+            assert_eq!(send(&gateway, "/plans", &failed).await.0, 500, "{plan}");
+        }
+        assert_eq!(send(&gateway, "/plans", &ok).await.0, 429, "{plan}");
+    }
+
+    // `delay` with `count_when`: after a kept failure, a request over the rate waits
+    // instead of a 429 (before: the delay was dropped, a 429 at once); its success gives
+    // its unit back, so the next one does not wait.
+    let dee = [("x-user", "dee")];
+    let dee_fails = [("x-user", "dee"), ("x-want-status", "500")];
+    assert_eq!(send(&gateway, "/wait", &dee_fails).await.0, 500);
+    let started = std::time::Instant::now();
+    assert_eq!(send(&gateway, "/wait", &dee).await.0, 200);
+    assert!(started.elapsed() >= Duration::from_millis(500), "it waited");
 
     for _ in 0..30 {
         assert_eq!(send(&gateway, "/llm", &[("x-want-cost", "0")]).await.0, 200);
