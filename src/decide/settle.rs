@@ -336,17 +336,7 @@ where
 {
     let Asked { key, cost, .. } = asked;
     let policy = rules.rules.on_store_error();
-    let layer = &*shared.name;
-    let chain = error.chain();
-    // Never the key itself: it may be an API key.
-    let redacted = key.redacted();
-    let name = policy.as_str();
-    if error.is_circuit_open() {
-        // The failures that opened the circuit were logged already.
-        tracing::debug!(error = %chain, key = %redacted, policy = name, layer, "rate limit store skipped");
-    } else {
-        tracing::warn!(error = %chain, key = %redacted, policy = name, layer, "rate limit store failed");
-    }
+    policy.log_failure(error, key, &shared.name);
     let local = match (policy, &rules.local) {
         (FailurePolicy::Allow, _) => return Next::Call(None, None),
         // Its own answer failing (never: memory) would fail open, not loop.
