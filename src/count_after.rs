@@ -107,7 +107,7 @@ impl<B> Recount<B> for UpFront {
 }
 
 /// Keeps a request's units only when the predicate holds on its response. Made by
-/// [`RateLimitLayer::count_when`].
+/// [`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when).
 #[derive(Clone, Copy)]
 pub struct CountWhen<P>(pub(crate) P);
 
@@ -134,7 +134,7 @@ where
 }
 
 /// Charges what the response says the request cost (`None`: its up-front cost). Made by
-/// [`RateLimitLayer::late_cost`].
+/// [`RateLimitLayer::late_cost`](crate::RateLimitLayer::late_cost).
 #[derive(Clone, Copy)]
 pub struct LateCost<F>(pub(crate) F);
 
@@ -163,7 +163,7 @@ where
 /// Charges what the response's trailers say the request cost, once its body ends
 /// (`None`, or no trailers: its up-front cost). A trailers-only gRPC response
 /// (`grpc-status` in its headers) is read at once, its headers as its trailers. Made by
-/// [`RateLimitLayer::late_cost_from_trailers`]; responses get a [`CountedBody`].
+/// [`RateLimitLayer::late_cost_from_trailers`](crate::RateLimitLayer::late_cost_from_trailers); responses get a [`CountedBody`].
 #[derive(Clone, Copy)]
 pub struct TrailerCost<F>(pub(crate) F);
 
