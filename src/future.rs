@@ -57,8 +57,10 @@ pin_project! {
         Calling {
             #[pin]
             future: S::Future,
-            // The decision whose fields the response gets, as these rules write them.
-            fields: Option<(Decision, Arc<Active>)>,
+            // The decision whose fields the response gets, as `rules` write them (apart,
+            // not a tuple: building one costs every request a copy of the decision).
+            decision: Option<Decision>,
+            rules: Option<Arc<Active>>,
             charged: Option<Box<Charged>>,
         },
         Ready {
@@ -126,18 +128,20 @@ where
         }
     }
 
-    /// The inner service's future, whose response gets the `fields` of a decision and
-    /// settles the `charged` units.
+    /// The inner service's future, whose response gets the fields of `decision` as
+    /// `rules` write them (none without both) and settles the `charged` units.
     pub(crate) fn calling(
         future: S::Future,
-        fields: Option<(Decision, Arc<Active>)>,
+        decision: Option<Decision>,
+        rules: Option<Arc<Active>>,
         charged: Option<Box<Charged>>,
         recount: M,
     ) -> Self {
         Self {
             state: State::Calling {
                 future,
-                fields,
+                decision,
+                rules,
                 charged,
             },
             recount,
@@ -184,7 +188,8 @@ where
                 }
                 service.call(request)
             },
-            fields: decision.map(|decision| (decision, rules.clone())),
+            rules: decision.as_ref().map(|_| rules.clone()),
+            decision,
             charged,
         },
         Next::Wait(ticket) => {
@@ -285,7 +290,8 @@ where
                             shared.metrics.plan(plan, Outcome::Allowed);
                             State::Calling {
                                 future: pending.service.call(pending.request),
-                                fields: None,
+                                decision: None,
+                                rules: None,
                                 charged: None,
                             }
                         }
@@ -293,12 +299,13 @@ where
                 }
                 StateProj::Calling {
                     future,
-                    fields,
+                    decision,
+                    rules,
                     charged,
                 } => {
                     // An error keeps the charge: `charged` is dropped unsettled.
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some((decision, rules)) = fields.take() {
+                    if let (Some(decision), Some(rules)) = (decision.take(), rules.as_ref()) {
                         rules.headers.write(response.headers_mut(), &decision);
                     }
                     let charged = charged.take().map(|charged| *charged);

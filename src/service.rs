@@ -157,15 +157,21 @@ where
                 inform(&mut request, &decision, rules);
             }
             // Nothing to write: the response needs neither the decision nor the rules.
-            let fields = if rules.headers.writes_when_allowed() {
-                Some((decision, rules.clone()))
+            if rules.headers.writes_when_allowed() {
+                let future = inner.call(request);
+                ResponseFuture::calling(
+                    future,
+                    Some(decision),
+                    Some(rules.clone()),
+                    charged,
+                    recount.clone(),
+                )
             } else {
-                None
-            };
-            ResponseFuture::calling(inner.call(request), fields, charged, recount.clone())
+                ResponseFuture::calling(inner.call(request), None, None, charged, recount.clone())
+            }
         }
         Next::Call(None, charged) => {
-            ResponseFuture::calling(inner.call(request), None, charged, recount.clone())
+            ResponseFuture::calling(inner.call(request), None, None, charged, recount.clone())
         }
         Next::Wait(ticket) => {
             let round = ticket.round();
@@ -203,7 +209,7 @@ impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
                 self.shared.metrics.request(metrics::Outcome::Allowed);
                 self.shared.metrics.plan(plan, metrics::Outcome::Allowed);
                 let future = self.inner.call(request);
-                return ResponseFuture::calling(future, None, None, self.recount.clone());
+                return ResponseFuture::calling(future, None, None, None, self.recount.clone());
             }
             Err(resolving) => {
                 let pending =
@@ -239,7 +245,7 @@ impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
         match self.rules.rules.on_missing_key() {
             MissingKey::Allow => {
                 let future = self.inner.call(request);
-                ResponseFuture::calling(future, None, None, self.recount.clone())
+                ResponseFuture::calling(future, None, None, None, self.recount.clone())
             }
             MissingKey::Reject => {
                 tracing::debug!(%error, "rate limit key missing; rejecting");
