@@ -195,7 +195,7 @@ where
         Next::Wait(ticket) => {
             let round = ticket.round();
             State::Asking {
-                asking: shared.wait(*ticket, rules, &asked),
+                asking: Asking::wait(*ticket, rules, &asked),
                 pending: Some(Pending::new(service, request, asked, round)),
                 shared: shared.clone(),
                 rules: rules.clone(),

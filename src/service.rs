@@ -12,7 +12,7 @@ use tower_service::Service;
 use crate::{
     MissingKey, RequestCost,
     count_after::{Recount, UpFront},
-    decide::{Asked, Next, Shared, wait::Round},
+    decide::{Asked, Asking, Next, Shared, wait::Round},
     future::{Pending, ResponseFuture, inform},
     key::{KeyError, KeyExtractor},
     metrics,
@@ -175,7 +175,7 @@ where
         }
         Next::Wait(ticket) => {
             let round = ticket.round();
-            let asking = shared.wait(*ticket, rules, &asked);
+            let asking = Asking::wait(*ticket, rules, &asked);
             let pending = Pending::new(take_ready(inner), request, asked, round);
             ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
         }

@@ -54,10 +54,7 @@ where
 {
     let local = round == Round::WaitedLocal;
     let asker = Asker {
-        store: match (&rules.local, local) {
-            (Some(store), true) => store,
-            _ => &rules.store,
-        },
+        store: rules.store_for(local),
         allowed: Recorded::Allowed,
         may_wait: round == Round::First,
         local,
@@ -150,13 +147,8 @@ fn charge<ResB, R>(
     if enforced_at.is_none() && shadow_at.is_none() {
         return Next::Call(decision, None);
     }
-    let enforced = enforced_at.map(|at| {
-        let store = match (&rules.local, local) {
-            (Some(store), true) => store,
-            _ => &rules.store,
-        };
-        (store.clone(), rules.limits().clone(), at)
-    });
+    let enforced =
+        enforced_at.map(|at| (rules.store_for(local).clone(), rules.limits().clone(), at));
     let shadow = shadow_at
         .zip(rules.shadow())
         .map(|(at, limits)| (rules.store.clone(), limits.clone(), at));

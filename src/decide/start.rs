@@ -71,13 +71,6 @@ impl<R> Shared<R> {
             Err(checks) => Next::Ask(Asking::Both(checks)),
         }
     }
-
-    /// The wait of a request that `ticket` gave a place in line, then the store's fresh
-    /// answer (or the reservation's), as a call to wait for.
-    pub(crate) fn wait(&self, ticket: Ticket, rules: &Active, asked: &Asked) -> Asking {
-        let _ = self;
-        Asking::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost))
-    }
 }
 
 /// Asks the store about a request's enforced limits: for a reservation when the rules let
@@ -96,5 +89,13 @@ fn ask(
                 .reserve_now(key, limits, cost, waiting.max_wait_ms())
         }
         _ => rules.store.check_now(key, limits, cost),
+    }
+}
+
+impl Asking {
+    /// The wait of a request that `ticket` gave a place in line, then the store's fresh
+    /// answer (or the reservation's), as a call to wait for.
+    pub(crate) fn wait(ticket: Ticket, rules: &Active, asked: &Asked) -> Self {
+        Self::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost))
     }
 }

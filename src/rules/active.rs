@@ -135,6 +135,17 @@ impl Active {
         &self.enforced
     }
 
+    /// The store that decides under these rules: the failure policy's local one when
+    /// `local` (answering for the layer's, which failed) and there is one, else the
+    /// layer's.
+    #[inline]
+    pub(crate) fn store_for(&self, local: bool) -> &Guarded {
+        match (&self.local, local) {
+            (Some(store), true) => store,
+            _ => &self.store,
+        }
+    }
+
     /// The shadow limits, if any.
     #[inline]
     pub(crate) fn shadow(&self) -> Option<&Arc<[Limit]>> {
