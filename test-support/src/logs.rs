@@ -24,6 +24,10 @@ impl Logs {
             .with_max_level(tracing::Level::DEBUG)
             .finish()
             .set_default();
+        // A callsite first hit by another test while no subscriber wanted it (or while
+        // this one was being set) may have cached "never": its next event would be lost
+        // here. Ask every callsite again, now that this subscriber is in place.
+        tracing::callsite::rebuild_interest_cache();
         (logs, guard)
     }
 
