@@ -342,41 +342,6 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
         }
     }
 
-    /// Keeps a request's units spent only when `predicate` holds on its response (say,
-    /// only failed logins count). The request is still checked first, so a key over its
-    /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
-    /// while requests are in flight, and what a dropped response or an error counts.
-    pub fn count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
-    where
-        P: Fn(&Response<B>) -> bool,
-    {
-        self.recount(CountWhen(predicate))
-    }
-
-    /// Charges what `cost` reads from the response (say, a header with the tokens a
-    /// request used): the difference to the up-front [cost](Self::cost) is given back or
-    /// charged late, even over the limit. `None` keeps the up-front cost. See
-    /// [`count_after`](crate::count_after).
-    pub fn late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
-    where
-        F: Fn(&Response<B>) -> Option<u32>,
-    {
-        self.recount(LateCost(cost))
-    }
-
-    /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
-    /// the tokens used, or `grpc-status` to count only failed calls), read when the body
-    /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
-    /// response (`grpc-status` in its headers, as tonic answers an error) is read at
-    /// once, its headers standing for its trailers. The service answers with a
-    /// [`CountedBody`](crate::count_after::CountedBody).
-    pub fn late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
-    where
-        F: Fn(Option<&HeaderMap>) -> Option<u32>,
-    {
-        self.recount(TrailerCost(cost))
-    }
-
     fn recount<M2>(self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
         RateLimitLayer {
             key: self.key,
@@ -415,6 +380,56 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
     pub fn limiter(&self) -> Limiter<K> {
         Limiter::new(self.key.clone(), self.settings.cell().clone())
+    }
+}
+
+/// Counting after the response: one rule per layer, chosen once (a second would replace
+/// the first, so it does not compile). [`late_cost`](Self::late_cost) covers
+/// [`count_when`](Self::count_when): answer `Some(0)` for a response that does not count.
+///
+/// ```compile_fail
+/// use axum::{body::Body, http::Response};
+/// use tollgate::{Limit, RateLimitLayer};
+///
+/// let limit = Limit::fixed_window(5, std::time::Duration::from_secs(60)).unwrap();
+/// let layer = RateLimitLayer::new(limit)
+///     .count_when(|r: &Response<Body>| r.status() == 401)
+///     .late_cost(|_: &Response<Body>| Some(1)); // a second rule: does not compile
+/// ```
+impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
+    /// Keeps a request's units spent only when `predicate` holds on its response (say,
+    /// only failed logins count). The request is still checked first, so a key over its
+    /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
+    /// while requests are in flight, and what a dropped response or an error counts.
+    pub fn count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
+    where
+        P: Fn(&Response<B>) -> bool,
+    {
+        self.recount(CountWhen(predicate))
+    }
+
+    /// Charges what `cost` reads from the response (say, a header with the tokens a
+    /// request used): the difference to the up-front [cost](Self::cost) is given back or
+    /// charged late, even over the limit. `None` keeps the up-front cost. See
+    /// [`count_after`](crate::count_after).
+    pub fn late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
+    where
+        F: Fn(&Response<B>) -> Option<u32>,
+    {
+        self.recount(LateCost(cost))
+    }
+
+    /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
+    /// the tokens used, or `grpc-status` to count only failed calls), read when the body
+    /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
+    /// response (`grpc-status` in its headers, as tonic answers an error) is read at
+    /// once, its headers standing for its trailers. The service answers with a
+    /// [`CountedBody`](crate::count_after::CountedBody).
+    pub fn late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
+    where
+        F: Fn(Option<&HeaderMap>) -> Option<u32>,
+    {
+        self.recount(TrailerCost(cost))
     }
 }
 

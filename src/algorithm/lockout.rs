@@ -112,7 +112,9 @@ pub fn check_with_lockouts(
             }
         }
     }
-    Decision::from_limits(decisions).blocked_for(blocked_ms)
+    Decision::from_limits(decisions)
+        .blocked_for(blocked_ms)
+        .decided_at(now)
 }
 
 /// Milliseconds left at `now` on a block that ends at `until` (0 when the limit has no
