@@ -164,6 +164,9 @@ pub struct Limit {
     /// How long a key stays blocked after this limit denied it (0: never). Not part of
     /// `id`: a changed lockout keeps the spent budget. See [`Limit::with_lockout`].
     lockout_ms: u64,
+    /// Counting after the response leaves this limit's charge alone. See
+    /// [`Limit::counted_up_front`].
+    up_front: bool,
 }
 
 /// What happens to a limit's state (its spent budget) when a rules change gives it a new
@@ -488,6 +491,7 @@ impl Limit {
             params_fingerprint: fixed_hash(&full),
             id: id.into(),
             lockout_ms: 0,
+            up_front: false,
         }
     }
 
@@ -619,6 +623,39 @@ impl Limit {
             ));
         }
         Ok(self.with_lockout_ms(lockout.as_millis() as u64))
+    }
+
+    /// This limit keeps what a request was charged up front: counting after the response
+    /// ([`count_when`](crate::RateLimitLayer::count_when), late costs) adjusts the layer's
+    /// other limits and leaves this one alone. One layer then counts requests and the
+    /// tokens the responses report, with one store call up front and one after:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Limit, RateLimitLayer, key::HeaderKey};
+    ///
+    /// let requests = Limit::token_bucket(20, Duration::from_secs(60))?.counted_up_front();
+    /// let tokens = Limit::fixed_window(10_000, Duration::from_secs(86_400))?.named("tokens")?;
+    /// let layer = RateLimitLayer::new(requests)
+    ///     .limit(tokens)
+    ///     .key(HeaderKey::new("x-api-key")?.hashed())
+    ///     .late_cost(|response: &http::Response<axum::body::Body>| {
+    ///         response.headers().get("x-tokens")?.to_str().ok()?.parse().ok()
+    ///     });
+    /// # let _ = layer;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// Not part of the limit's state: switching it on or off keeps what was spent.
+    pub fn counted_up_front(mut self) -> Self {
+        self.up_front = true;
+        self
+    }
+
+    /// Whether counting after the response leaves this limit alone. See
+    /// [`counted_up_front`](Self::counted_up_front).
+    pub fn is_counted_up_front(&self) -> bool {
+        self.up_front
     }
 
     /// The lockout set with [`with_lockout`](Self::with_lockout), if any.

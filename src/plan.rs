@@ -70,6 +70,8 @@ pub struct Plan {
     pub(crate) name: Arc<str>,
     /// `None`: unlimited.
     limits: Option<Arc<[Limit]>>,
+    /// `None`: the layer's shadow limits.
+    shadow_limits: Option<Arc<[Limit]>>,
     shared_state: bool,
 }
 
@@ -96,6 +98,7 @@ impl Plan {
         Ok(Self {
             name,
             limits: Some(limits.into()),
+            shadow_limits: None,
             shared_state: false,
         })
     }
@@ -110,6 +113,7 @@ impl Plan {
         Ok(Self {
             name: plan_name(name.into())?,
             limits: None,
+            shadow_limits: None,
             shared_state: false,
         })
     }
@@ -122,6 +126,40 @@ impl Plan {
     pub fn sharing_state(mut self, share: bool) -> Self {
         self.shared_state = share;
         self
+    }
+
+    /// This plan's own [shadow limits](crate::Rules::with_shadow_limits), in place of the
+    /// layer's (which a plan without its own has): say, a stricter free tier to try before
+    /// it is enforced. An empty list gives the plan none. They keep their state as the
+    /// plan's limits do (see [`sharing_state`](Self::sharing_state)).
+    ///
+    /// # Errors
+    ///
+    /// A shadow limit with the state of one of the plan's limits (field `shadow_limits`),
+    /// two with one state (field `name`), or an unlimited plan (field `shadow_limits`).
+    pub fn with_shadow_limits(
+        mut self,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Self, ConfigError> {
+        let Some(enforced) = &self.limits else {
+            return Err(ConfigError::new(
+                "shadow_limits",
+                format!(
+                    "plan {:?} is unlimited: it has nothing to shadow",
+                    self.name
+                ),
+            ));
+        };
+        let shadow = crate::rules::unique(limits)?;
+        crate::rules::disjoint(enforced, &shadow)?;
+        self.shadow_limits = Some(shadow.into());
+        Ok(self)
+    }
+
+    /// The plan's own shadow limits, if it has them. See
+    /// [`with_shadow_limits`](Self::with_shadow_limits).
+    pub fn shadow_limits(&self) -> Option<&[Limit]> {
+        self.shadow_limits.as_deref()
     }
 
     /// The name.
@@ -146,7 +184,15 @@ impl Plan {
 
     /// The limits as the store keeps them: under the plan's name unless shared.
     pub(crate) fn stored_limits(&self) -> Option<Arc<[Limit]>> {
-        let limits = self.limits.as_ref()?;
+        self.stored(self.limits.as_ref()?)
+    }
+
+    /// The plan's own shadow limits as the store keeps them, if it has them.
+    pub(crate) fn stored_shadow_limits(&self) -> Option<Arc<[Limit]>> {
+        self.stored(self.shadow_limits.as_ref()?)
+    }
+
+    fn stored(&self, limits: &Arc<[Limit]>) -> Option<Arc<[Limit]>> {
         if self.shared_state {
             return Some(limits.clone());
         }

@@ -383,3 +383,112 @@ async fn max_wait_changes_at_run_time() {
     assert_eq!(send(&service, &[]).await, StatusCode::TOO_MANY_REQUESTS);
     assert!(started.elapsed() < Duration::from_millis(500));
 }
+
+/// A limit counted up front keeps each request's charge while the late cost adjusts the
+/// layer's other limits: 3 requests an hour beside 100 tokens an hour, in one layer.
+/// (Before: the late cost adjusted every limit, so a request that used no tokens did not
+/// count as a request.)
+async fn counted_up_front_beside_a_late_cost(store: impl Store + Clone) {
+    let requests = hourly(3).counted_up_front();
+    let tokens = hourly(100).named("tokens").unwrap();
+    let late = |response: &Response<Body>| {
+        response
+            .headers()
+            .get("x-tokens")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+    };
+    let layer = RateLimitLayer::new(requests.clone())
+        .limit(tokens.clone())
+        .key(GlobalKey)
+        .store(store.clone())
+        .timeout(Some(Duration::from_secs(5)))
+        .late_cost(late);
+    let service = layer.layer(handler());
+    assert_eq!(send(&service, &[("x-tokens", "0")]).await, StatusCode::OK);
+    assert_eq!(send(&service, &[("x-tokens", "30")]).await, StatusCode::OK);
+    assert_eq!(send(&service, &[("x-tokens", "0")]).await, StatusCode::OK);
+    // Three requests: the request limit is spent whatever they cost in tokens.
+    assert_eq!(
+        send(&service, &[("x-tokens", "0")]).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // The tokens limit holds what the responses said: 30 of 100 (settled after the
+    // responses, so wait for the last).
+    let mut left = None;
+    for _ in 0..200 {
+        let decision = store.peek(&global(), &[tokens.clone()], 0).await.unwrap();
+        left = decision.remaining();
+        if left == Some(70) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(left, Some(70));
+}
+
+#[tokio::test]
+async fn counted_up_front_beside_a_late_cost_memory() {
+    counted_up_front_beside_a_late_cost(memory()).await;
+}
+
+#[tokio::test]
+async fn counted_up_front_beside_a_late_cost_redis() {
+    let server = support::RedisServer::start();
+    counted_up_front_beside_a_late_cost(redis(&server, "upfront").await).await;
+}
+
+/// A plan's own shadow limits count under that plan only, in place of the layer's:
+/// here the free plan's stricter shadow limit would reject its third request, the pro
+/// plan's requests are never shadowed. (Before: plans had the layer's shadow limits only.)
+async fn a_plan_has_shadow_limits_of_its_own(store: impl Store + Clone) {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let plans = Plans::new([
+        Plan::new("free", [hourly(5)])
+            .unwrap()
+            .with_shadow_limits([hourly(2).named("stricter").unwrap()])
+            .unwrap(),
+        Plan::new("pro", [hourly(5)]).unwrap(),
+    ])
+    .unwrap()
+    .with_header(HeaderName::from_static("x-plan"));
+    let service = RateLimitLayer::new(hourly(100))
+        .key(GlobalKey)
+        .store(store)
+        .timeout(Some(Duration::from_secs(5)))
+        .plans(plans)
+        .layer(handler());
+    for _ in 0..3 {
+        assert_eq!(send(&service, &[("x-plan", "pro")]).await, StatusCode::OK);
+    }
+    assert!(!logs.text().contains("would reject"), "{}", logs.text());
+    for _ in 0..3 {
+        assert_eq!(send(&service, &[("x-plan", "free")]).await, StatusCode::OK);
+    }
+    let text = logs.text();
+    assert_eq!(text.matches("would reject").count(), 1, "{text}");
+}
+
+#[tokio::test]
+async fn a_plan_has_shadow_limits_of_its_own_memory() {
+    a_plan_has_shadow_limits_of_its_own(memory()).await;
+}
+
+#[tokio::test]
+async fn a_plan_has_shadow_limits_of_its_own_redis() {
+    let server = support::RedisServer::start();
+    a_plan_has_shadow_limits_of_its_own(redis(&server, "planshadow").await).await;
+}
+
+/// A plan's shadow limit may not share the state of the plan's limits, and an unlimited
+/// plan has nothing to shadow.
+#[test]
+fn a_plan_refuses_shadow_limits_it_cannot_have() {
+    let same = Plan::new("free", [hourly(5)])
+        .unwrap()
+        .with_shadow_limits([hourly(5)]);
+    assert_eq!(same.unwrap_err().field(), "shadow_limits");
+    let unlimited = Plan::unlimited("vip")
+        .unwrap()
+        .with_shadow_limits([hourly(5)]);
+    assert_eq!(unlimited.unwrap_err().field(), "shadow_limits");
+}

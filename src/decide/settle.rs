@@ -147,11 +147,16 @@ fn charge<ResB, R>(
     if enforced_at.is_none() && shadow_at.is_none() {
         return Next::Call(decision, None);
     }
-    let enforced =
-        enforced_at.map(|at| (rules.store_for(local).clone(), rules.limits().clone(), at));
+    let [recounted, shadow_recounted] = rules.recounted();
+    let enforced = enforced_at
+        .filter(|_| !recounted.is_empty())
+        .map(|at| (rules.store_for(local).clone(), recounted.clone(), at));
     let shadow = shadow_at
-        .zip(rules.shadow())
-        .map(|(at, limits)| (rules.store.clone(), limits.clone(), at));
+        .filter(|_| !shadow_recounted.is_empty())
+        .map(|at| (rules.store.clone(), shadow_recounted.clone(), at));
+    if enforced.is_none() && shadow.is_none() {
+        return Next::Call(decision, None);
+    }
     let charged = Charged::new(
         shared.name.clone(),
         asked.key.clone(),

@@ -37,6 +37,9 @@ pub(crate) struct Active {
     /// The limits decided in a store call of their own and never enforced; `None` (the
     /// common case, which costs a request nothing more) when there are none.
     shadow: Option<Arc<[Limit]>>,
+    /// The enforced and the shadow limits that counting after the response adjusts: all
+    /// but those [counted up front](Limit::counted_up_front) (the same lists when none is).
+    recounted: [Arc<[Limit]>; 2],
     /// The plans, each with its rules prepared; `None` (the common case) without plans.
     plans: Option<Box<PlanTable>>,
     /// The name of the plan these rules are of, for the metrics; `None` for a layer's.
@@ -82,7 +85,12 @@ impl Active {
                 per_key,
             ))
         });
+        let recounted = [
+            recounted(&enforced),
+            shadow.as_ref().map_or_else(|| Arc::from([]), recounted),
+        ];
         Self {
+            recounted,
             headers: HeaderWriter::new(rules.headers(), &enforced),
             store,
             waiting,
@@ -150,6 +158,25 @@ impl Active {
     #[inline]
     pub(crate) fn shadow(&self) -> Option<&Arc<[Limit]>> {
         self.shadow.as_ref()
+    }
+
+    /// The limits counting after the response adjusts: the enforced ones and the shadow
+    /// ones (none, or empty lists, when every limit is counted up front).
+    pub(crate) fn recounted(&self) -> &[Arc<[Limit]>; 2] {
+        &self.recounted
+    }
+}
+
+/// `limits` less those counted up front: `limits` itself when none is.
+fn recounted(limits: &Arc<[Limit]>) -> Arc<[Limit]> {
+    if limits.iter().any(Limit::is_counted_up_front) {
+        limits
+            .iter()
+            .filter(|l| !l.is_counted_up_front())
+            .cloned()
+            .collect()
+    } else {
+        limits.clone()
     }
 }
 
@@ -260,7 +287,7 @@ impl PlanTable {
             .map(|plan| {
                 let entry = match plan.stored_limits() {
                     Some(limits) => {
-                        let rules = rules.for_plan(limits);
+                        let rules = rules.for_plan(limits, plan.stored_shadow_limits());
                         Entry::Limited(Arc::new(Active::for_plan(
                             rules, version, &plan.name, lasting,
                         )))

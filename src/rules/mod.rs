@@ -34,4 +34,4 @@ pub(crate) mod set;
 pub(crate) use active::{Active, Cell, Chosen, Resolving};
 pub use handle::RulesHandle;
 pub use set::Rules;
-pub(crate) use set::unique;
+pub(crate) use set::{disjoint, unique};

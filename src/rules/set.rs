@@ -219,10 +219,12 @@ impl Rules {
         self.plans.as_ref()
     }
 
-    /// These rules with a plan's (stored) limits in place of their own, and no plans.
-    pub(crate) fn for_plan(&self, limits: Arc<[Limit]>) -> Self {
+    /// These rules with a plan's (stored) limits in place of their own, its own shadow
+    /// limits if it has them, and no plans.
+    pub(crate) fn for_plan(&self, limits: Arc<[Limit]>, shadow: Option<Arc<[Limit]>>) -> Self {
         Self {
             limits,
+            shadow_limits: shadow.unwrap_or_else(|| self.shadow_limits.clone()),
             plans: None,
             ..self.clone()
         }
@@ -262,7 +264,11 @@ impl Rules {
         let Some(plans) = &self.plans else {
             return all;
         };
-        let planned = plans.plans().iter().filter_map(|p| p.stored_limits());
+        let planned = plans
+            .plans()
+            .iter()
+            .flat_map(|p| [p.stored_limits(), p.stored_shadow_limits()])
+            .flatten();
         all.iter()
             .cloned()
             .chain(planned.flat_map(|l| l.to_vec()))
@@ -356,7 +362,7 @@ pub(crate) fn unique(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limi
 }
 
 /// Refuses a shadow limit with the state of an enforced one.
-fn disjoint(enforced: &[Limit], shadow: &[Limit]) -> Result<(), ConfigError> {
+pub(crate) fn disjoint(enforced: &[Limit], shadow: &[Limit]) -> Result<(), ConfigError> {
     match shadow
         .iter()
         .find(|s| enforced.iter().any(|e| e.id() == s.id()))
