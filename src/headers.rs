@@ -1,15 +1,28 @@
-//! The rate-limit fields of a response, written in one place.
+//! The rate-limit fields of a response and the denied answer, written in one place.
 //!
-//! - `RateLimit-Policy: "<name>";q=<limit>;w=<window seconds>` and
-//!   `RateLimit: "<name>";r=<remaining>;t=<seconds until reset>`, one item per limit
-//!   (draft-ietf-httpapi-ratelimit-headers-11). They are appended as new field lines, so
-//!   stacked layers each show their own items. No `pk` is sent: it would give every client
-//!   a stable identifier.
+//! | | allowed | denied |
+//! |---|---|---|
+//! | status | the service's | `429 Too Many Requests` |
+//! | `Retry-After` | — | seconds, rounded up, never 0 |
+//! | `RateLimit-Policy` | `"<name>";q=<limit>;w=<window s>` per limit | same |
+//! | `RateLimit` | `"<name>";r=<remaining>;t=<s until reset>` per limit | same, `t` never later than `Retry-After` |
+//!
+//! - The fields follow draft-ietf-httpapi-ratelimit-headers-11, one item per limit. Each
+//!   layer *appends* its own field lines, so stacked layers each show their own items.
+//! - No `pk` (partition key) is sent: it would hand every client a stable identifier.
+//! - The policy name is the limit's [`named(..)`](crate::Limit::named) name or
+//!   `<limit>-per-<window>` (under a [plan](crate::plan): `<plan>.<name>`).
 //! - On denied responses, `Retry-After: <seconds>`, rounded up and never 0, and never
 //!   earlier than any `t` of the same response.
-//! - Optionally the legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
-//!   `X-RateLimit-Reset` (seconds) of the most restrictive limit.
-
+//! - [`.headers(HeaderStyle::default().with_legacy(true))`](crate::RateLimitLayer::headers)
+//!   adds the legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset`
+//!   (seconds) of the most restrictive limit; [`HeaderStyle::NONE`] removes the fields.
+//! - gRPC calls get the same values as metadata in a trailers-only answer, never HTTP 429:
+//!   see [the gRPC guide](crate::guide::grpc).
+//! - Customise the denied answer with
+//!   [`.on_rejection(|req: &Request<Body>, decision: &Decision| ..)`](crate::OnRejection);
+//!   the layer still adds `Retry-After` and the rate-limit fields.
+//!   [`DefaultRejection`](crate::DefaultRejection) lists every answer the layer gives.
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue, header::RETRY_AFTER};
 

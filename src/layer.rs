@@ -32,12 +32,9 @@ pub const DEFAULT_NAME: &str = "default";
 ///
 /// Starts with one limit, keyed by the peer IP, on a new [`MemoryStore`] (bounded: at
 /// most [`MemoryStore::DEFAULT_MAX_KEYS`] keys); every other part is set with a builder
-/// method. **Clones of the layer, and every service it makes,
-/// share one budget** (one store), so `Router::layer` applies one limit across all
-/// routes. A second layer with its own store has its own budgets; layers on one store
-/// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
-/// of the same kind and their limits are equal and equally [named](crate::Limit::named),
-/// so name the limits differently to keep them apart.
+/// method. **Clones of the layer, and every service it makes, share one budget** (one
+/// store), so `Router::layer` applies one limit across all routes; which separately built
+/// layers share one: [Which layers share a budget](crate#which-layers-share-a-budget).
 pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront> {
     key: Arc<K>,
     cost: C,
@@ -177,7 +174,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Adds a shadow limit: decided and counted on every request, never rejecting; a
     /// request it would reject passes and is counted as `would_reject` (feature
     /// `metrics`) and logged at `info`. An enforced limit with the same state becomes this
-    /// shadow one. See [Shadow mode](crate#shadow-mode) and [`Rules::with_shadow_limits`].
+    /// shadow one. See [Shadow mode](crate::guide::shadow) and [`Rules::with_shadow_limits`].
     pub fn shadow_limit(mut self, limit: Limit) -> Self {
         self.settings.changed().rules.push_shadow_limit(limit);
         self
@@ -185,7 +182,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Puts every limit of the layer in shadow (`true`): a request that would get a 429
     /// goes to the inner service instead, and is counted as `would_reject` and logged.
-    /// See [Shadow mode](crate#shadow-mode) and [`Rules::with_shadow`].
+    /// See [Shadow mode](crate::guide::shadow) and [`Rules::with_shadow`].
     pub fn shadow(mut self, shadow: bool) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_shadow(shadow);
@@ -264,27 +261,13 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// `max_wait` (nginx `limit_req delay=`, a throttling queue). Bursts are smoothed
     /// instead of failed; the client sees a slower answer, not a 429.
     ///
-    /// - **Token bucket and GCRA limits reserve**: the layer asks the store to
-    ///   [reserve](crate::Store::reserve), which counts the request at once for the moment
-    ///   it may run (a bucket goes into debt, GCRA's arrival time moves ahead) and answers
-    ///   "allowed after [`wait`](crate::Decision::wait)". The request sleeps that long and
-    ///   runs without asking again: nobody can overtake it, and it never waits in vain.
-    ///   Several limits reserve together or not at all (the longest wait counts).
-    /// - **Fixed and sliding windows, the log and lockouts do not reserve** (a window
-    ///   cannot hold units for a later window without counting them in the wrong one):
-    ///   a denied request whose `retry_after` is within `max_wait` sleeps that long and
-    ///   asks the store again. A request that arrives meanwhile may take the units first;
-    ///   the waiter then waits again while its whole wait stays within `max_wait`, and is
-    ///   answered 429 otherwise. So does a list of limits with one of these among them,
-    ///   and a custom [`Store`] without `reserve`.
-    /// - At most [`max_waiters`](Self::max_waiters) requests wait per layer and per key;
-    ///   beyond that the answer is 429 at once, so waiting never holds unbounded memory.
-    ///   A client that hangs up gives its place back at once, and a reserved one its
-    ///   units too ([`Adjustment::Refund`](crate::Adjustment::Refund)) when no
-    ///   reservation of its key in this layer's line was made after it (the README's
-    ///   "Hanging up", under `max_wait`, says why, and what that means with replicas).
-    /// - A request that can never fit (costlier than a limit's capacity) does not wait.
-    /// - Waiting uses Tokio's timer: the service must run on a Tokio runtime.
+    /// Token bucket and GCRA limits *reserve* (the request is counted at once for the
+    /// moment it may run, then sleeps and runs without asking again); the window
+    /// algorithms, the log and lockouts sleep until `retry_after` and ask again. At most
+    /// [`max_waiters`](Self::max_waiters) requests wait. Waiting uses Tokio's timer: the
+    /// service must run on a Tokio runtime. See
+    /// [Waiting instead of 429](crate::guide::waiting) for the guarantees, hanging up and
+    /// replicas.
     ///
     /// Off by default.
     ///

@@ -577,17 +577,9 @@ impl Limit {
     /// `RateLimit` fields show (`r=0`). The usual guard for login and one-time-code
     /// endpoints: 5 failed attempts a minute lock the account out for 15 minutes.
     ///
-    /// - Requests during a block do not extend it (as rate-limiter-flexible's
-    ///   `blockDuration`): the `Retry-After` a client was given stays true, and a client
-    ///   that retries blindly gets in once the block ends. To punish every retry, pick a
-    ///   longer lockout.
-    /// - The block is part of the limit's state, kept next to it (in Redis, a key beside
-    ///   the limit's key, with the same hash tag, that expires with the block). The
-    ///   lockout is not part of the limit's identity: changing it keeps the spent budget
-    ///   and a running block, but a block never lasts longer than the current lockout, so
-    ///   shortening it shortens running blocks and removing it ends them.
-    /// - A block starts when *this* limit denies a request; a request denied only by
-    ///   another limit of the same layer starts none.
+    /// Requests during a block do not extend it; a block starts only when *this* limit
+    /// denies a request. See [Lockout after a breach](crate::guide::lockout) for what a
+    /// block does, where it is kept and how it meets the other features.
     ///
     /// ```
     /// use std::time::Duration;

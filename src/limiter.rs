@@ -112,7 +112,7 @@ impl<K> Limiter<K> {
         self.peek_limits(key, &limits, cost)
     }
 
-    /// [`peek`](Self::peek) for the [shadow limits](crate#shadow-mode).
+    /// [`peek`](Self::peek) for the [shadow limits](crate::guide::shadow).
     ///
     /// # Errors
     ///

@@ -14,7 +14,7 @@
 //! A request the store could not decide counts as `store_error` whatever the
 //! [`FailurePolicy`](crate::FailurePolicy) then does with it; a request without a key counts
 //! as `key_missing` whether it is rejected or let through. A request let through only
-//! because the limits that deny it are in [shadow](crate#shadow-mode) counts as
+//! because the limits that deny it are in [shadow](crate::guide::shadow) counts as
 //! `would_reject` (not `allowed`); one an enforced limit denies counts as `denied`.
 //!
 //! The metrics go to whichever recorder is installed when the request is decided (for

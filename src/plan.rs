@@ -9,7 +9,7 @@
 //! - **Resolvers.** A header whose value names the plan ([`Plans::with_header`]), a sync
 //!   closure over the request and its key ([`Plans::with_resolver`]: an extension set by
 //!   the auth layer, a claim), or an async lookup by key ([`Plans::with_lookup`]: a
-//!   database) whose answers are cached per key for a TTL, in a bounded cache.
+//!   database) whose answers are cached per key for a TTL, in a bounded cache (below).
 //! - **No answer.** A request the resolver gives no plan, an unknown plan name, or a
 //!   lookup that fails (logged at `warn`, not cached) is decided under the
 //!   [default plan](Plans::with_default) or, without one, under the layer's own limits:
@@ -19,12 +19,18 @@
 //!   budget, and moving back finds `free` as it left it. A plan built with
 //!   [`Plan::sharing_state`] keeps its limits' own keys instead: limits equal (or
 //!   [carried over](crate::OnChange::CarryOver) under one name) in two such plans share
-//!   one budget.
+//!   one budget. So to let clients keep what they spent across plans, build the plans
+//!   with `Plan::sharing_state(true)` and give their limits one name with
+//!   `OnChange::CarryOver`: then a `pro` client who spent 2 of `trial`'s 2 has 2 of
+//!   `pro`'s 4 left.
 //! - **Fields and metrics.** A plan's policies are called `<plan>.<policy>` in
-//!   `RateLimit-Policy` and `RateLimit` (`"free.hourly";q=100;w=3600`), their writers
+//!   `RateLimit-Policy` and `RateLimit` (`"free.hourly";q=100;w=3600`, or
+//!   `"free.100-per-1h"` for an unnamed limit), their writers
 //!   prepared once per plan. With the feature `metrics`, each request decided under a
 //!   plan is also counted in [`tollgate_plan_requests_total`](crate::metrics::PLAN_REQUESTS_TOTAL)
-//!   with the labels `route`, `plan` and `outcome`.
+//!   with the labels `route`, `plan` and `outcome` (and in `tollgate_requests_total` as
+//!   before). An [unlimited](Plan::unlimited) plan makes no store call and writes no
+//!   fields.
 //! - **Changes.** Plans are part of the [`Rules`](crate::Rules), so a [`RulesHandle`](crate::RulesHandle)
 //!   changes them while the layer serves.
 //!
@@ -50,6 +56,39 @@
 //! # let _ = layer;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Lookups
+//!
+//! A [`PlanLookup`]'s answer (a plan name, or none for the default) is cached per key for
+//! the [TTL](PlanLookup::ttl) (60 s by default: how long a changed plan takes to apply) in
+//! a bounded `quick_cache` ([`max_keys`](PlanLookup::max_keys), 10 000 keys by default, the
+//! coldest evicted first). A cache hit is decided at once, a miss waits for the lookup, and
+//! the requests of one key that miss together wait for one lookup (a cold key costs the
+//! database one query). Tests set a `ManualClock` with [`PlanLookup::with_clock`].
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Limit, Plan, PlanLookup, Plans, RateLimitLayer, key::{HeaderKey, Key}};
+//!
+//! let hourly = |n| Limit::fixed_window(n, Duration::from_secs(3600));
+//! let plans = Plans::new([Plan::new("free", [hourly(100)?])?, Plan::new("paid", [hourly(10_000)?])?])?
+//!     .with_default("free")?;
+//! let lookup = PlanLookup::new(|key: Key| async move {
+//!     let plan: Option<String> = None; // SELECT plan FROM customers WHERE api_key = ...
+//!     Ok::<_, std::io::Error>(plan)
+//! })
+//! .ttl(Duration::from_secs(60))
+//! .max_keys(100_000);
+//! let layer = RateLimitLayer::new(hourly(100)?)
+//!     .key(HeaderKey::new("x-api-key")?)
+//!     .plans(plans.with_lookup(lookup));
+//! # let _ = layer;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Works the same on memory, Redis and Redis Cluster (`tests/plans.rs`, over axum and a
+//! tonic client too). In the example gateway: `[[routes.plans]]` with `plan_header` and
+//! `default_plan` (gateway/README.md, "Plans").
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 

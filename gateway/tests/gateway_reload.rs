@@ -413,7 +413,7 @@ on_change = "carry_over"
         response.headers().contains_key("ratelimit")
     }
 
-    /// What README "Connecting" adds to its least-privilege ACL line for a gateway that
+    /// What the guide's "ACL users" (src/guide/redis.md) adds to its least-privilege ACL line for a gateway that
     /// follows a rule set, and for the user that publishes one.
     const FOLLOWER_ACL: &[&str] = &["+mget", "+subscribe", "&tollgate:rules"];
     const PUBLISHER_ACL: &[&str] = &[

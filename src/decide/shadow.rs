@@ -1,4 +1,4 @@
-//! The two store calls of rules with [shadow limits](crate#shadow-mode): the enforced
+//! The two store calls of rules with [shadow limits](crate::guide::shadow): the enforced
 //! limits' (which may reserve, like any other) and the shadow limits', made together.
 
 use std::{

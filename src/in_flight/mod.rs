@@ -6,10 +6,16 @@
 //! gives it back when its response body ends (or is dropped), when its response future
 //! is dropped, or when the inner service fails. A request that finds all `max` permits of
 //! its key held is answered 429 with `Retry-After` (gRPC: `RESOURCE_EXHAUSTED`) by the
-//! same [`OnRejection`](crate::OnRejection) hook as [`RateLimitLayer`](crate::RateLimitLayer)'s.
+//! same [`OnRejection`](crate::OnRejection) hook as [`RateLimitLayer`](crate::RateLimitLayer)'s
+//! (nginx `limit_conn`, Traefik `inFlightReq`; tower's `ConcurrencyLimitLayer` is one
+//! global count).
 //!
-//! It is a layer of its own, so that `RateLimitLayer`'s response type and cost stay as
-//! they are; stack the two to have both:
+//! - Denied: `Retry-After: 1` ([`InFlightLayer::retry_after`] to change it: nobody knows
+//!   when a request in flight ends), and no `RateLimit` fields: they describe windows,
+//!   not concurrency.
+//! - The response body is wrapped ([`InFlightBody`]) to see its end: that is why this is a
+//!   layer of its own, so that `RateLimitLayer`'s response type and cost stay as they
+//!   are. Stack the two to have both:
 //!
 //! ```
 //! use std::time::Duration;
@@ -29,7 +35,9 @@
 //! As a `RateLimitLayer`, it asks its store under a [timeout](InFlightLayer::timeout) and
 //! a [circuit breaker](InFlightLayer::circuit_breaker), applies its [`FailurePolicy`]
 //! when the store fails, and counts its requests in [`metrics`](crate::metrics) under its
-//! [name](InFlightLayer::name).
+//! [name](InFlightLayer::name). Under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow)
+//! (the default) a request the store could not answer runs holding no permit. A permit
+//! taken after a timeout, or by a request dropped while asking, is given back at once.
 //!
 //! # Stores
 //!
@@ -55,7 +63,11 @@
 //!   refused until enough running ones end.
 //! - A permit whose removal fails (Redis out of reach when its request ends) is removed
 //!   once Redis answers again (tried again after 100 ms, doubling up to a third of the
-//!   TTL); at the latest its TTL ends it, one TTL after its last renewal.
+//!   TTL); at the latest its TTL ends it, one TTL after its last renewal. Nothing lingers
+//!   longer: every permits key has a TTL to its last permit's end.
+//! - Redis costs per request: one script to take the permit (drop ended entries, count,
+//!   add if there is room) and one `ZREM` to give it back, plus one script per third of
+//!   the TTL while it runs.
 //!
 //! Layers on one store share a key's permits when their keys are of the same kind and
 //! their `max` is the same.

@@ -6,11 +6,35 @@
 //! ([`ExtensionKey`]), one shared [`GlobalKey`], or any closure
 //! `Fn(&Request<B>) -> Option<impl Into<Key>>`.
 //!
+//! | extractor | key |
+//! |---|---|
+//! | [`PeerIp`] (default) | the TCP peer (axum `ConnectInfo<SocketAddr>`, tonic `TcpConnectInfo` with feature `tonic`, or a `SocketAddr` extension); IPv6 grouped by /64 |
+//! | [`ClientIp::new(trusted_cidrs)`](ClientIp::new) | the client behind trusted reverse proxies (below) |
+//! | [`HeaderKey::new("x-api-key")`](HeaderKey::new) | a header's value; missing, empty or repeated header = no key |
+//! | [`ExtensionKey::<UserId>::new()`](ExtensionKey::new) | a value an auth layer put into the request extensions |
+//! | [`GlobalKey`] | one key for all requests |
+//! | any `Fn(&Request<B>) -> Option<impl Into<Key>>` | whatever you compute |
+//!
+//! # Choosing a key
+//!
+//! **Behind a proxy or load balancer, [`PeerIp`] is the proxy: use [`ClientIp`].** It
+//! believes `X-Forwarded-For` (or `Forwarded: for=`) only when the TCP peer is a trusted
+//! proxy, and reads it from the right, skipping trusted addresses: the first untrusted
+//! address is the client. A client cannot choose its key by sending these headers.
+//!
+//! Requests without a key are answered 400 (gRPC: `INVALID_ARGUMENT`), or passed on
+//! unlimited with [`.on_missing_key(MissingKey::Allow)`](crate::MissingKey). A server that
+//! gives [`PeerIp`] or [`ClientIp`] no peer address (axum served without
+//! `into_make_service_with_connect_info::<SocketAddr>()`) is misconfigured, not the client:
+//! those requests get 500 (gRPC: `INTERNAL`) with the fix in the body (`grpc-message`), and
+//! the extractor logs it once at `warn`.
+//!
 //! # Keys of different kinds never meet
 //!
 //! A key is `<namespace>|<value>`: the [`Namespace`] names the kind of extractor (`ip`,
 //! `header:<name>`, `ext:<type>`, `global`, `custom` for [`Key::new`] and closures, or
-//! `custom:<name>` for your own), so a header value that spells an IP address, `global`,
+//! `custom:<name>` for your own: `Namespace::new("tenant").key(v)` gives `custom:tenant|v`),
+//! so a header value that spells an IP address, `global`,
 //! or another header's value is still its own client: layers with different extractors
 //! keep separate budgets even on one shared store. [`PeerIp`] and [`ClientIp`] share `ip`,
 //! as both name a client address (a service that moves behind a proxy keeps its budgets).
@@ -28,9 +52,12 @@
 //! inputs give different keys, short keys stay readable in `redis-cli`, and no key is
 //! longer than 128 bytes.
 //!
-//! Readable also means that API keys are visible to anyone who can read the store (Redis
-//! `MONITOR`, `SLOWLOG`, RDB files): [`HeaderKey::hashed_with`] stores an HMAC of the value
-//! instead. Logs show only [`Key::redacted`].
+//! **Readable also means that API keys are visible to anyone who can read the store (Redis
+//! `MONITOR`, `SLOWLOG`, RDB files).** [`HeaderKey::hashed_with`] stores the first 128 bits
+//! of an HMAC-SHA256 of the value under your secret instead ([`HeaderKey::hashed`]: a plain
+//! SHA-256, which someone who can guess a key can confirm). Logs never show a key's value,
+//! only its namespace and a short digest ([`Key::redacted`]:
+//! `header:x-api-key|sha256:5F1C03A2`).
 
 mod extension;
 mod global;

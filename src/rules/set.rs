@@ -81,13 +81,9 @@ impl Rules {
         Ok(self)
     }
 
-    /// The same rules with these shadow limits instead (none by default): each request
-    /// is decided and counted on them as usual, but never rejected by them; a request
-    /// they would reject is counted as `would_reject` in the metrics (feature `metrics`)
-    /// and logged at `info`. They are decided in a store call of their own, so the
-    /// enforced limits count exactly as if they were absent, and they see every request
-    /// that reaches the layer with a key, as a layer in front of this one would. See
-    /// [Shadow mode](crate#shadow-mode).
+    /// The same rules with these shadow limits instead (none by default): decided and
+    /// counted on every request, never rejecting. See [Shadow mode](crate::guide::shadow)
+    /// for what they count and what shows.
     ///
     /// # Errors
     ///
@@ -110,7 +106,7 @@ impl Rules {
     /// The same rules with every limit in shadow (`true`) or not: no request is
     /// rejected for its rate, and each one a limit would reject is counted as
     /// `would_reject` and logged. All limits are still decided together, in one store
-    /// call. See [Shadow mode](crate#shadow-mode).
+    /// call. See [Shadow mode](crate::guide::shadow).
     pub fn with_shadow(mut self, shadow: bool) -> Self {
         self.shadow = shadow;
         self

@@ -3,7 +3,9 @@
 //!
 //! - [`MemoryStore`]: in-process, the embedded default. Each process has its own budget.
 //! - `RedisStore` (feature `redis`): one Lua script per decision, so that every replica
-//!   of a service shares one budget.
+//!   of a service shares one budget: one node, Cluster, Sentinel, TLS, ACL users. See
+//!   [the Redis guide](crate::guide::redis) and, for what happens when it fails,
+//!   [`guide::failures`](crate::guide::failures).
 
 mod check;
 mod guarded;

@@ -1,4 +1,4 @@
-//! ACL users on a test server, from the least-privilege line the README documents, so that
+//! ACL users on a test server, from the least-privilege line the guide documents, so that
 //! the line users paste is the one the tests run with.
 
 use super::RedisServer;
@@ -6,10 +6,11 @@ use super::RedisServer;
 /// The password the tests give their ACL users.
 pub const PASSWORD: &str = "s3cret-test-password";
 
-/// The `ACL SETUSER tollgate ...` line of README.md, as documented (with `CHANGE-ME` as
+/// The `ACL SETUSER tollgate ...` line of the guide's Redis page (`src/guide/redis.md`,
+/// rendered as `tollgate::guide::redis`), as documented (with `CHANGE-ME` as
 /// its password and `tollgate` as its key prefix).
 pub fn documented_line() -> String {
-    let readme = include_str!("../../README.md");
+    let readme = include_str!("../../src/guide/redis.md");
     let lines: Vec<&str> = readme
         .lines()
         .filter(|l| l.starts_with("ACL SETUSER tollgate "))
@@ -17,7 +18,7 @@ pub fn documented_line() -> String {
     assert_eq!(
         lines.len(),
         1,
-        "README.md must have exactly one `ACL SETUSER tollgate ...` line"
+        "src/guide/redis.md must have exactly one `ACL SETUSER tollgate ...` line"
     );
     lines[0].to_owned()
 }
@@ -31,8 +32,8 @@ pub fn documented_rules(user: &str, prefix: &str) -> Vec<String> {
     assert_eq!(words.next(), Some("SETUSER"));
     assert_eq!(words.next(), Some("tollgate"));
     let mut rules = vec![user.to_owned()];
-    // As the README says: Redis 6.0 has no Pub/Sub channel rules.
-    // Nor does it know functions (Redis 7.0): the README says to leave them out there.
+    // As the guide says: Redis 6.0 has no Pub/Sub channel rules.
+    // Nor does it know functions (Redis 7.0): the guide says to leave them out there.
     let version = super::redis_server_version();
     let words = words
         .filter(|w| *w != "resetchannels" || version >= (6, 2))
@@ -46,7 +47,7 @@ pub fn documented_rules(user: &str, prefix: &str) -> Vec<String> {
     }
     assert!(
         rules.contains(&format!(">{PASSWORD}")) && rules.contains(&format!("~{prefix}:*")),
-        "the README's ACL line must use the password `>CHANGE-ME` and the keys `~tollgate:*`: \
+        "the guide's ACL line must use the password `>CHANGE-ME` and the keys `~tollgate:*`: \
          {line}"
     );
     rules
@@ -61,7 +62,7 @@ pub fn set_user(server: &RedisServer, rules: &[String]) {
     assert_eq!(reply.trim(), "OK", "ACL SETUSER {rules:?}: {reply:?}");
 }
 
-/// Creates the README's least-privilege user `tollgate` (keys under `tollgate:`) and
+/// Creates the guide's least-privilege user `tollgate` (keys under `tollgate:`) and
 /// returns the URL that logs in as it.
 pub fn least_privilege_user(server: &RedisServer, user: &str) -> String {
     set_user(server, &documented_rules(user, "tollgate"));

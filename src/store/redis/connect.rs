@@ -193,7 +193,8 @@ impl RedisStore {
     /// Connects to the Redis at `url`: `redis://[[user]:password@]host:port[/db]`, or
     /// `rediss://...` for TLS (feature `tls`; the system's root certificates are trusted,
     /// see [`connect_tls`](Self::connect_tls) for a private CA or a client certificate).
-    /// With an ACL user, see the README for the least privilege tollgate needs.
+    /// With an ACL user, see [ACL users](crate::guide::redis#acl-users) for the least
+    /// privilege tollgate needs.
     ///
     /// The connection reconnects by itself: after Redis restarts, the first call that
     /// finds the connection broken starts a new one. A connection attempt gives up after
@@ -218,8 +219,8 @@ impl RedisStore {
     /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
     /// redirections (failover, resharding) are followed by redis-rs, and the script is
     /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot, and
-    /// the calls of the slots one master owns go to it together, in one pipeline (see the
-    /// README's "Redis Cluster").
+    /// the calls of the slots one master owns go to it together, in one pipeline (see
+    /// [Redis Cluster](crate::guide::cluster)).
     ///
     /// # Errors
     ///

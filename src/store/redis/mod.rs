@@ -256,7 +256,8 @@ impl RedisStore {
     /// Leases quota for hot keys (off by default): a request that goes to Redis anyway
     /// takes a batch of units beside its own, in the same script call, and the next
     /// requests of that key on this node spend them without a Redis call. See
-    /// [`LeaseConfig`] and the README's "Leased quota" for what holds with several nodes.
+    /// [`LeaseConfig`] and [Leased quota](crate::guide::leases) for what holds with several
+    /// nodes.
     ///
     /// Every leased unit is counted in Redis before it is spent. Fixed window and
     /// sliding-window counter limits keep "at most `limit` per aligned window" exactly

@@ -35,8 +35,9 @@ pub(crate) fn explain(error: &RedisError) -> Option<StoreError> {
     Some(StoreError::new(
         StoreErrorKind::Response,
         format!(
-            "NOPERM: the Redis ACL user may not {missing}; README \"Stores and Redis\" has the \
-             ACL line tollgate needs. Redis said: {text}"
+            "NOPERM: the Redis ACL user may not {missing}; the guide's Redis page \
+             (tollgate::guide::redis, \"ACL users\") has the ACL line tollgate needs. \
+             Redis said: {text}"
         ),
     ))
 }
