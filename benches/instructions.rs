@@ -8,7 +8,7 @@ use std::{convert::Infallible, hint::black_box, time::Duration};
 
 use futures_util::FutureExt;
 use http::{Request, Response};
-use tollgate::{HeaderStyle, Limit, RateLimitLayer, key::GlobalKey};
+use tollgate::{Limit, RateLimitLayer, key::GlobalKey, headers::HeaderStyle};
 use tower::{Layer, Service, service_fn};
 
 #[inline(never)]

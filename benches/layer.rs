@@ -8,7 +8,7 @@ use std::{convert::Infallible, hint::black_box, time::Duration};
 use criterion::{BenchmarkId, Criterion};
 use futures_util::FutureExt;
 use http::{HeaderValue, Request, Response, header::CONTENT_TYPE};
-use tollgate::{HeaderStyle, Limit, RateLimitLayer, key::GlobalKey};
+use tollgate::{Limit, RateLimitLayer, key::GlobalKey, headers::HeaderStyle};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// What a hello-world handler answers: a body and a content type.

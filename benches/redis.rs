@@ -7,7 +7,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion};
 use futures_util::future::join_all;
 use redis::{Script, aio::ConnectionManager};
-use tollgate::{Limit, Store, key::Key, store::RedisStore};
+use tollgate::{Limit, key::Key, store::{RedisStore, Store}};
 
 use crate::support::RedisServer;
 

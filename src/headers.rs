@@ -29,7 +29,7 @@ pub static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-
 /// Which rate-limit fields responses carry.
 ///
 /// ```
-/// use tollgate::HeaderStyle;
+/// use tollgate::headers::HeaderStyle;
 ///
 /// // The IETF fields and the legacy `X-RateLimit-*` ones.
 /// let both = HeaderStyle::default().with_legacy(true);

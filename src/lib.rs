@@ -182,18 +182,22 @@ pub use breaker::CircuitBreaker;
 pub use decision::{Decision, LimitDecision, RateLimitInfo};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
-pub use headers::HeaderStyle;
-pub use in_flight::InFlightLayer;
 pub use layer::{DEFAULT_NAME, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
 pub use limiter::Limiter;
-pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
-pub use rules::set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
-pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
-pub use store::{MemoryStore, Store};
+
+// One public path per type: a type with a public module of its own (plans, rules, stores,
+// headers, in-flight limits) is exported there only. These crate-internal shortcuts keep
+// `crate::Rules` and the like working inside the library; they are not API.
+pub(crate) use headers::HeaderStyle;
+pub(crate) use in_flight::InFlightLayer;
+pub(crate) use plan::{Plan, Plans};
+pub(crate) use rules::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
+pub(crate) use rules::{Rules, RulesHandle};
+pub(crate) use store::{MemoryStore, Store};
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -32,7 +32,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tollgate::{Limit, Plan, Plans, RateLimitLayer, key::HeaderKey};
+//! use tollgate::{Limit, RateLimitLayer, key::HeaderKey, plan::{Plan, Plans}};
 //!
 //! let hourly = |n| Limit::fixed_window(n, Duration::from_secs(3600));
 //! let plans = Plans::new([
@@ -352,7 +352,7 @@ impl fmt::Debug for Resolver {
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate::{PlanLookup, key::Key};
+/// use tollgate::{key::Key, plan::PlanLookup};
 ///
 /// let lookup = PlanLookup::new(|key: Key| async move {
 ///     // A database query in real code.

@@ -33,11 +33,7 @@ use http::{HeaderValue, Request, Response, StatusCode, header::CONTENT_TYPE};
 use http_body_util::Empty;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, task::JoinSet, time::timeout};
-use tollgate::{
-    Decision, HeaderStyle, Limit, MemoryStore, MissingKey, RateLimitLayer, Store,
-    clock::ManualClock,
-    key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey},
-};
+use tollgate::{Decision, Limit, MissingKey, RateLimitLayer, clock::ManualClock, key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey}, headers::HeaderStyle, store::{MemoryStore, Store}};
 use tower::{Service, ServiceBuilder, ServiceExt};
 
 const HOUR: Duration = Duration::from_secs(3600);

@@ -27,12 +27,7 @@ use support::{
     failover::{CHECK_TIMEOUT, check, resumed, wait_until},
 };
 use tokio::{task::JoinSet, time::timeout};
-use tollgate::{
-    Decision, FailurePolicy, Limit, RateLimitLayer, Store, StoreError, StoreErrorKind,
-    clock::ManualClock,
-    key::{GlobalKey, Key},
-    store::RedisStore,
-};
+use tollgate::{Decision, FailurePolicy, Limit, RateLimitLayer, StoreError, StoreErrorKind, clock::ManualClock, key::{GlobalKey, Key}, store::{RedisStore, Store}};
 use tower::{Layer, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);

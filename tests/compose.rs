@@ -16,12 +16,7 @@ use std::{
 
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode};
-use tollgate::{
-    FailurePolicy, Limit, MemoryStore, Plan, Plans, RateLimitLayer, Store,
-    clock::ManualClock,
-    key::{GlobalKey, Key},
-    store::RedisStore,
-};
+use tollgate::{FailurePolicy, Limit, RateLimitLayer, clock::ManualClock, key::{GlobalKey, Key}, store::{RedisStore, MemoryStore, Store}, plan::{Plan, Plans}};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);

@@ -10,12 +10,7 @@ use tollgate_test_support as support;
 use std::time::Duration;
 
 use support::RedisServer;
-use tollgate::{
-    Algorithm, Decision, Limit, MemoryStore, OnChange, Store,
-    clock::{Clock, ManualClock},
-    key::Key,
-    store::RedisStore,
-};
+use tollgate::{Algorithm, Decision, Limit, OnChange, clock::{Clock, ManualClock}, key::Key, store::{RedisStore, MemoryStore, Store}};
 
 /// A store under test with the clock that drives it.
 struct Harness {

@@ -23,12 +23,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, sync::Semaphore, task::JoinSet, time::timeout};
-use tollgate::{
-    Adjustment, Limit, MemoryStore, RateLimitLayer, Store,
-    clock::ManualClock,
-    key::{GlobalKey, HeaderKey, Key},
-    store::RedisStore,
-};
+use tollgate::{Adjustment, Limit, RateLimitLayer, clock::ManualClock, key::{GlobalKey, HeaderKey, Key}, store::{RedisStore, MemoryStore, Store}};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);

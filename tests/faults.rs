@@ -22,10 +22,7 @@ use axum::{Router, body::Body, routing::get};
 use http::{Request, Response, StatusCode};
 use support::RedisServer;
 use tokio::{task::JoinSet, time::timeout};
-use tollgate::{
-    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, Store, StoreErrorKind, key::GlobalKey,
-    key::Key, store::RedisStore,
-};
+use tollgate::{CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind, key::GlobalKey, key::Key, store::{RedisStore, Store}};
 use tower::ServiceExt;
 
 const TIMEOUT: Duration = Duration::from_millis(100);

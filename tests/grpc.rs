@@ -16,12 +16,7 @@ use tollgate_test_support as support;
 use std::{net::SocketAddr, time::Duration};
 
 use http_body_util::BodyExt;
-use tollgate::{
-    DefaultRejection, GrpcMissingKey, Limit, MemoryStore, MissingKey, OnRejection, RateLimitLayer,
-    Store,
-    clock::ManualClock,
-    key::{HeaderKey, KeyExtractor},
-};
+use tollgate::{DefaultRejection, GrpcMissingKey, Limit, MissingKey, OnRejection, RateLimitLayer, clock::ManualClock, key::{HeaderKey, KeyExtractor}, store::{MemoryStore, Store}};
 use tonic::{
     Code, Request, Status,
     body::Body,

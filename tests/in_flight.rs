@@ -25,13 +25,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode, header::RETRY_AFTER};
 use http_body_util::BodyExt;
 use tokio::sync::{Notify, Semaphore};
-use tollgate::{
-    CircuitBreaker, ConfigError, FailurePolicy, InFlightLayer, MemoryStore, StoreError,
-    StoreErrorKind,
-    in_flight::{InFlight, InFlightBody},
-    key::{HeaderKey, Key, KeyExtractor},
-    store::{Acquired, Check, Permit, Permits},
-};
+use tollgate::{CircuitBreaker, ConfigError, FailurePolicy, StoreError, StoreErrorKind, in_flight::{InFlight, InFlightBody, InFlightLayer}, key::{HeaderKey, Key, KeyExtractor}, store::{Acquired, Check, Permit, Permits, MemoryStore}};
 use tower::{Service, ServiceExt, service_fn};
 
 /// How long a permit given back may take to be free again (Redis: a spawned `ZREM`).

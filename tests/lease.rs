@@ -15,13 +15,7 @@ use std::{
 
 use proptest::prelude::*;
 use support::RedisServer;
-use tollgate::{
-    Algorithm, Decision, Limit, Store,
-    algorithm::{self, State},
-    clock::{Clock, ManualClock},
-    key::Key,
-    store::{LeaseConfig, RedisStore},
-};
+use tollgate::{Algorithm, Decision, Limit, algorithm::{self, State}, clock::{Clock, ManualClock}, key::Key, store::{LeaseConfig, RedisStore, Store}};
 
 /// A multiple of every window used here.
 const START: u64 = 1_700_000_000_000;

@@ -14,11 +14,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, time::timeout};
-use tollgate::{
-    Limit, MemoryStore, RateLimitLayer, Store,
-    clock::ManualClock,
-    key::{GlobalKey, HeaderKey},
-};
+use tollgate::{Limit, RateLimitLayer, clock::ManualClock, key::{GlobalKey, HeaderKey}, store::{MemoryStore, Store}};
 
 /// 20 s into a minute.
 const NOW_MS: u64 = 1_700_000_000_000;

@@ -23,10 +23,7 @@ use futures_util::StreamExt;
 use mlua::{Lua, Value as LuaValue, Variadic};
 use redis::Value;
 use support::RedisServer;
-use tollgate::{
-    Adjustment, Algorithm, Limit, Store, clock::ManualClock, key::Key, store::LeaseConfig,
-    store::RedisStore,
-};
+use tollgate::{Adjustment, Algorithm, Limit, clock::ManualClock, key::Key, store::{LeaseConfig, Store}, store::RedisStore};
 
 const START: u64 = 1_700_000_000_000;
 

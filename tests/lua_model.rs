@@ -8,13 +8,7 @@ use tollgate_test_support as support;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate::{
-    Algorithm, Decision, Limit, OnChange, Store,
-    algorithm::{self, State},
-    clock::{Clock, ManualClock},
-    key::Key,
-    store::RedisStore,
-};
+use tollgate::{Algorithm, Decision, Limit, OnChange, algorithm::{self, State}, clock::{Clock, ManualClock}, key::Key, store::{RedisStore, Store}};
 
 const START: u64 = 1_700_000_000_000;
 

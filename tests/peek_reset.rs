@@ -15,12 +15,7 @@ use std::{
 };
 
 use http::{Request, Response, StatusCode};
-use tollgate::{
-    Decision, FailurePolicy, Limit, MemoryStore, RateLimitLayer, Rules, Store, StoreErrorKind,
-    clock::ManualClock,
-    key::{HeaderKey, Key},
-    store::Check,
-};
+use tollgate::{Decision, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind, clock::ManualClock, key::{HeaderKey, Key}, store::{Check, MemoryStore, Store}, rules::Rules};
 use tower::{Layer, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -245,7 +240,7 @@ async fn the_limiter_peeks_and_resets_what_the_layer_counts() {
 /// plan's state of the key, so the client finds a full budget whatever its plan.
 #[tokio::test]
 async fn the_limiter_peeks_each_plan_and_resets_them_all() {
-    use tollgate::{Plan, Plans};
+    use tollgate::plan::{Plan, Plans};
     let plans = Plans::new([
         Plan::new("free", [Limit::fixed_window(2, HOUR).unwrap()]).unwrap(),
         Plan::new("paid", [Limit::fixed_window(5, HOUR).unwrap()]).unwrap(),

@@ -26,10 +26,7 @@ use std::{
 use http::{HeaderName, Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use support::RedisServer;
-use tollgate::{
-    Limit, MemoryStore, OnChange, Plan, PlanLookup, Plans, RateLimitLayer, Store,
-    clock::ManualClock, key::HeaderKey, store::RedisStore,
-};
+use tollgate::{Limit, OnChange, RateLimitLayer, clock::ManualClock, key::HeaderKey, store::{RedisStore, MemoryStore, Store}, plan::{Plan, PlanLookup, Plans}};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);

@@ -9,11 +9,7 @@ use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use http::{Request, Response, StatusCode};
 use support::{RedisServer, logs::Logs};
-use tollgate::{
-    FailurePolicy, Limit, RateLimitLayer, Store,
-    key::{HeaderKey, Key},
-    store::RedisStore,
-};
+use tollgate::{FailurePolicy, Limit, RateLimitLayer, key::{HeaderKey, Key}, store::{RedisStore, Store}};
 use tower::{Layer, ServiceExt, service_fn};
 
 /// Layers keyed by different extractors on one Redis keep separate budgets.

@@ -12,10 +12,7 @@ use std::time::Duration;
 use axum::{Router, body::Body, routing::get};
 use http::{Request, StatusCode};
 use support::{RedisServer, acl};
-use tollgate::{
-    FailurePolicy, Limit, RateLimitLayer, Store, StoreError, key::GlobalKey, key::Key,
-    store::RedisStore,
-};
+use tollgate::{FailurePolicy, Limit, RateLimitLayer, StoreError, key::GlobalKey, key::Key, store::{RedisStore, Store}};
 use tower::ServiceExt;
 
 const HOUR: Duration = Duration::from_secs(3600);

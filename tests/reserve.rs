@@ -23,12 +23,7 @@ use std::{
 use http::{Request, Response, StatusCode};
 use parking_lot::Mutex;
 use tokio::time::Instant;
-use tollgate::{
-    Adjustment, Limit, MemoryStore, RateLimitLayer, Store,
-    clock::Clock,
-    key::{HeaderKey, Key},
-    store::Check,
-};
+use tollgate::{Adjustment, Limit, RateLimitLayer, clock::Clock, key::{HeaderKey, Key}, store::{Check, MemoryStore, Store}};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// Milliseconds on Tokio's clock.

@@ -9,12 +9,7 @@ use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use http::{Request, Response, StatusCode};
 use support::RedisServer;
-use tollgate::{
-    FailurePolicy, HeaderStyle, Limit, MemoryStore, OnChange, RateLimitLayer, Rules, Store,
-    clock::ManualClock,
-    key::{HeaderKey, Key},
-    store::RedisStore,
-};
+use tollgate::{FailurePolicy, Limit, OnChange, RateLimitLayer, clock::ManualClock, key::{HeaderKey, Key}, store::{RedisStore, MemoryStore, Store}, headers::HeaderStyle, rules::Rules};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// `q` per hour under `name`, carried over a change.
@@ -262,6 +257,6 @@ async fn memory_sweeps_judge_expiry_by_the_limits_in_force() {
 }
 
 #[allow(dead_code)]
-fn assert_send_sync(handle: tollgate::RulesHandle) -> Arc<dyn Send + Sync> {
+fn assert_send_sync(handle: tollgate::rules::RulesHandle) -> Arc<dyn Send + Sync> {
     Arc::new(handle)
 }

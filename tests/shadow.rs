@@ -11,10 +11,7 @@ use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
 use http::{Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use support::RedisServer;
-use tollgate::{
-    HeaderStyle, Limit, MemoryStore, RateLimitLayer, Rules, Store, key::HeaderKey,
-    store::RedisStore,
-};
+use tollgate::{Limit, RateLimitLayer, key::HeaderKey, store::{RedisStore, MemoryStore, Store}, headers::HeaderStyle, rules::Rules};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// `q` per hour, named `name`.

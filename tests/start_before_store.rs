@@ -15,10 +15,7 @@ use axum::{Router, body::Body, routing::get};
 use http::{Request, Response, StatusCode};
 use support::{RedisServer, fixed_window_count, free_port, logs::Logs, loopback_url};
 use tokio::time::timeout;
-use tollgate::{
-    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, Store, StoreErrorKind, key::GlobalKey,
-    store::RedisStore,
-};
+use tollgate::{CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind, key::GlobalKey, store::{RedisStore, Store}};
 use tower::ServiceExt;
 
 /// The limit Redis enforces once it is up.

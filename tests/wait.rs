@@ -14,7 +14,7 @@ use std::{convert::Infallible, time::Duration};
 use futures_util::FutureExt;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
-use tollgate::{Limit, MemoryStore, RateLimitLayer, clock::Clock, key::HeaderKey};
+use tollgate::{Limit, RateLimitLayer, clock::Clock, key::HeaderKey, store::MemoryStore};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// Milliseconds since a start on an aligned second, on Tokio's clock.
@@ -49,7 +49,7 @@ fn service(max_wait: Duration, total: usize, per_key: usize) -> Svc {
 }
 
 fn service_on(
-    store: impl tollgate::Store,
+    store: impl tollgate::store::Store,
     max_wait: Duration,
     total: usize,
     per_key: usize,

@@ -24,12 +24,7 @@ use axum::{
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
-use tollgate::{
-    FailurePolicy, InFlightLayer, MemoryStore, RateLimitLayer, Store,
-    in_flight::InFlightBody,
-    key::{ClientIp, GlobalKey, HeaderKey},
-    store::Permits,
-};
+use tollgate::{FailurePolicy, RateLimitLayer, in_flight::{InFlightBody, InFlightLayer}, key::{ClientIp, GlobalKey, HeaderKey}, store::{Permits, MemoryStore, Store}};
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
@@ -775,13 +770,13 @@ fn plan_layer(
         return service;
     };
     let built = plans.plans.iter().map(|plan| match &plan.limits {
-        Some(limits) => tollgate::Plan::new(plan.name.as_str(), limits.iter().cloned()),
-        None => tollgate::Plan::unlimited(plan.name.as_str()),
+        Some(limits) => tollgate::plan::Plan::new(plan.name.as_str(), limits.iter().cloned()),
+        None => tollgate::plan::Plan::unlimited(plan.name.as_str()),
     });
     // Validated with the config: these cannot fail.
     let built = built
         .collect::<Result<Vec<_>, _>>()
-        .and_then(tollgate::Plans::new)
+        .and_then(tollgate::plan::Plans::new)
         .and_then(|p| p.with_default(&plans.default))
         .expect("plans validated with the config")
         .with_header(plans.header.clone());

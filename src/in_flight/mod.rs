@@ -14,7 +14,7 @@
 //! ```
 //! use std::time::Duration;
 //! use axum::{Router, routing::get};
-//! use tollgate::{InFlightLayer, Limit, RateLimitLayer, key::HeaderKey};
+//! use tollgate::{Limit, RateLimitLayer, key::HeaderKey, in_flight::InFlightLayer};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let app: Router = Router::new()

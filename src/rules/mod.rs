@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tollgate::{Limit, OnChange, RateLimitLayer, Rules};
+//! use tollgate::{Limit, OnChange, RateLimitLayer, rules::Rules};
 //!
 //! let per_minute = |n| -> Result<Limit, tollgate::ConfigError> {
 //!     Limit::token_bucket(n, Duration::from_secs(60))?
@@ -33,5 +33,5 @@ pub(crate) mod set;
 
 pub(crate) use active::{Active, Cell, Chosen, Resolving};
 pub use handle::RulesHandle;
-pub use set::Rules;
+pub use set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT, Rules};
 pub(crate) use set::unique;

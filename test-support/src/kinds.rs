@@ -18,10 +18,7 @@ use std::{
 };
 
 use http::{Request, Response, StatusCode};
-use tollgate::{
-    Limit, RateLimitLayer, Store,
-    key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey, KeyExtractor, PeerIp},
-};
+use tollgate::{Limit, RateLimitLayer, key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey, KeyExtractor, PeerIp}, store::Store};
 use tower::{Layer, ServiceExt, service_fn};
 
 /// The victim's address.

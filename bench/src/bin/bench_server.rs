@@ -71,11 +71,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::get,
 };
-use tollgate::{
-    FailurePolicy, HeaderStyle, InFlightLayer, Limit, MemoryStore, RateLimitLayer,
-    key::{GlobalKey, Key, KeyError, KeyExtractor},
-    store::{LeaseConfig, RedisStore},
-};
+use tollgate::{FailurePolicy, Limit, RateLimitLayer, key::{GlobalKey, Key, KeyError, KeyExtractor}, store::{LeaseConfig, RedisStore, MemoryStore}, headers::HeaderStyle, in_flight::InFlightLayer};
 use tower::{ServiceExt, util::MapResponseLayer};
 use tower_governor::{
     GovernorError, GovernorLayer, governor::GovernorConfigBuilder,
