@@ -130,7 +130,7 @@ impl Decision {
 
     /// How long an allowed request must wait before it runs: zero unless the store
     /// [reserved](crate::Store::reserve) its units for a moment ahead. See
-    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait).
+    /// [`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait).
     pub fn wait(&self) -> Duration {
         Duration::from_millis(self.wait_ms())
     }
@@ -219,7 +219,7 @@ impl Decision {
 /// What a [`RateLimitLayer`](crate::RateLimitLayer) decided for a request, in the
 /// request's extensions for the inner service (as express-rate-limit's `req.rateLimit`):
 /// the decision (limit, remaining, reset per limit) and the [plan](crate::plan) it was
-/// decided under. With [`RateLimitLayer::request_info`](crate::RateLimitLayer::request_info),
+/// decided under. With [`RateLimitLayer::with_request_info`](crate::RateLimitLayer::with_request_info),
 /// set on every request the store allowed; absent on one let through
 /// without a decision (no key with [`MissingKey::Allow`](crate::MissingKey::Allow), a
 /// failing store under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow), an

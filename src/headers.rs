@@ -253,7 +253,7 @@ mod tests {
     fn appends_rather_than_overwrites() {
         let inner = [Limit::fixed_window(10, Duration::from_secs(1))
             .unwrap()
-            .named("inner")
+            .with_name("inner")
             .unwrap()];
         let outer = [Limit::fixed_window(10, Duration::from_millis(500)).unwrap()];
         let mut headers = HeaderMap::new();

@@ -25,7 +25,7 @@ use crate::{
 #[cfg(doc)]
 use crate::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 
-/// The name of a layer that was not given one with [`RateLimitLayer::name`].
+/// The name of a layer that was not given one with [`RateLimitLayer::with_name`].
 pub const DEFAULT_NAME: &str = "default";
 
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate) for an example.
@@ -36,14 +36,14 @@ pub const DEFAULT_NAME: &str = "default";
 /// share one budget** (one store), so `Router::layer` applies one limit across all
 /// routes. A second layer with its own store has its own budgets; layers on one store
 /// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
-/// of the same kind and their limits are equal and equally [named](crate::Limit::named),
+/// of the same kind and their limits are equal and equally [named](crate::Limit::with_name),
 /// so name the limits differently to keep them apart.
 pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront> {
     key: Arc<K>,
     cost: C,
     rejection: R,
     /// How requests are counted: up front, or after their response
-    /// ([`count_when`](Self::count_when), [`late_cost`](Self::late_cost)).
+    /// ([`count_when`](Self::with_count_when), [`late_cost`](Self::with_late_cost)).
     recount: M,
     /// Everything that does not change the layer's type.
     settings: Settings,
@@ -160,7 +160,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Adding a limit equal to one already present changes nothing; one with the same
     /// [carried-over](crate::OnChange::CarryOver) state (name, algorithm and window)
     /// replaces it.
-    pub fn limit(mut self, limit: Limit) -> Self {
+    pub fn with_limit(mut self, limit: Limit) -> Self {
         self.settings.changed().rules.push_limit(limit);
         self
     }
@@ -168,7 +168,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Decides each request under the limits of its plan, picked by `plans`'s resolver;
     /// the limits given to the layer apply to requests without a plan when there is no
     /// default plan. See [`plan`](crate::plan).
-    pub fn plans(mut self, plans: crate::Plans) -> Self {
+    pub fn with_plans(mut self, plans: crate::Plans) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_plans(plans);
         self
@@ -178,7 +178,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// request it would reject passes and is counted as `would_reject` (feature
     /// `metrics`) and logged at `info`. An enforced limit with the same state becomes this
     /// shadow one. See [Shadow mode](crate#shadow-mode) and [`Rules::with_shadow_limits`].
-    pub fn shadow_limit(mut self, limit: Limit) -> Self {
+    pub fn with_shadow_limit(mut self, limit: Limit) -> Self {
         self.settings.changed().rules.push_shadow_limit(limit);
         self
     }
@@ -186,14 +186,14 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Puts every limit of the layer in shadow (`true`): a request that would get a 429
     /// goes to the inner service instead, and is counted as `would_reject` and logged.
     /// See [Shadow mode](crate#shadow-mode) and [`Rules::with_shadow`].
-    pub fn shadow(mut self, shadow: bool) -> Self {
+    pub fn with_shadow(mut self, shadow: bool) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_shadow(shadow);
         self
     }
 
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
-    pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M> {
+    pub fn with_key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M> {
         RateLimitLayer {
             key: Arc::new(key),
             cost: self.cost,
@@ -205,7 +205,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Charges each request `cost` units: a fixed `u32` or a closure
     /// `Fn(&Request<B>) -> u32`. See [`RequestCost`](crate::RequestCost).
-    pub fn cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M> {
+    pub fn with_cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M> {
         RateLimitLayer {
             key: self.key,
             cost,
@@ -216,7 +216,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     }
 
     /// Keeps the state in `store` (a `RedisStore` to share limits between replicas).
-    pub fn store(mut self, store: impl Store) -> Self {
+    pub fn with_store(mut self, store: impl Store) -> Self {
         self.settings.changed().store = Arc::new(store);
         self
     }
@@ -228,14 +228,14 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     }
 
     /// What requests get when the store fails or times out. See [`FailurePolicy`].
-    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+    pub fn with_on_store_error(mut self, policy: FailurePolicy) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_on_store_error(policy);
         self
     }
 
     /// What requests without a key get. See [`MissingKey`].
-    pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
+    pub fn with_on_missing_key(mut self, policy: MissingKey) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_on_missing_key(policy);
         self
@@ -244,7 +244,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// How long a store call may take before the failure policy applies
     /// ([`DEFAULT_TIMEOUT`] by default; `None` waits for the store as long as it takes).
     /// A call that timed out is never retried: it may already have counted.
-    pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_timeout(timeout);
         self
@@ -254,7 +254,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// the failure policy, so a dead Redis costs no timeout per request. On by default
     /// ([`CircuitBreaker::default`]: open after 5 consecutive failures, probe every
     /// 500 ms); `None` asks the store every time.
-    pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+    pub fn with_circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_circuit_breaker(breaker);
         self
@@ -277,7 +277,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     ///   the waiter then waits again while its whole wait stays within `max_wait`, and is
     ///   answered 429 otherwise. So does a list of limits with one of these among them,
     ///   and a custom [`Store`] without `reserve`.
-    /// - At most [`max_waiters`](Self::max_waiters) requests wait per layer and per key;
+    /// - At most [`max_waiters`](Self::with_max_waiters) requests wait per layer and per key;
     ///   beyond that the answer is 429 at once, so waiting never holds unbounded memory.
     ///   A client that hangs up gives its place back at once, and a reserved one its
     ///   units too ([`Adjustment::Refund`](crate::Adjustment::Refund)) when no
@@ -294,21 +294,21 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     ///
     /// // 10 a second; a burst above it is spread out over up to half a second.
     /// let layer = RateLimitLayer::new(Limit::gcra(10, Duration::from_secs(1))?)
-    ///     .max_wait(Duration::from_millis(500))
-    ///     .max_waiters(100, 5);
+    ///     .with_max_wait(Duration::from_millis(500))
+    ///     .with_max_waiters(100, 5);
     /// # Ok::<(), tollgate::ConfigError>(())
     /// ```
-    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+    pub fn with_max_wait(mut self, max_wait: Duration) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_max_wait(Some(max_wait));
         self
     }
 
-    /// How many requests may [wait](Self::max_wait) at once: `total` for the layer (and
+    /// How many requests may [wait](Self::with_max_wait) at once: `total` for the layer (and
     /// its clones), `per_key` for one key ([`DEFAULT_MAX_WAITERS`] and
     /// [`DEFAULT_MAX_WAITERS_PER_KEY`] by default). Beyond either, a request is answered
     /// 429 at once.
-    pub fn max_waiters(mut self, total: usize, per_key: usize) -> Self {
+    pub fn with_max_waiters(mut self, total: usize, per_key: usize) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_max_waiters(total, per_key);
         self
@@ -317,14 +317,14 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Puts a [`RateLimitInfo`](crate::RateLimitInfo) (the decision and its plan) in the
     /// extensions of each request the store allowed, for the inner service (a handler
     /// that shows a client its budget). Off by default. See [`Rules::with_request_info`].
-    pub fn request_info(mut self, on: bool) -> Self {
+    pub fn with_request_info(mut self, on: bool) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_request_info(on);
         self
     }
 
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
-    pub fn headers(mut self, style: HeaderStyle) -> Self {
+    pub fn with_headers(mut self, style: HeaderStyle) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_headers(style);
         self
@@ -332,7 +332,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Builds the answers to rejected requests with `rejection`. See
     /// [`OnRejection`](crate::OnRejection).
-    pub fn on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M> {
+    pub fn with_on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M> {
         RateLimitLayer {
             key: self.key,
             cost: self.cost,
@@ -346,7 +346,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// only failed logins count). The request is still checked first, so a key over its
     /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
     /// while requests are in flight, and what a dropped response or an error counts.
-    pub fn count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
+    pub fn with_count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
     where
         P: Fn(&Response<B>) -> bool,
     {
@@ -354,23 +354,23 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     }
 
     /// Charges what `cost` reads from the response (say, a header with the tokens a
-    /// request used): the difference to the up-front [cost](Self::cost) is given back or
+    /// request used): the difference to the up-front [cost](Self::with_cost) is given back or
     /// charged late, even over the limit. `None` keeps the up-front cost. See
     /// [`count_after`](crate::count_after).
-    pub fn late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
+    pub fn with_late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
     where
         F: Fn(&Response<B>) -> Option<u32>,
     {
         self.recount(LateCost(cost))
     }
 
-    /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
+    /// [`late_cost`](Self::with_late_cost) from the response's trailers (a gRPC trailer with
     /// the tokens used, or `grpc-status` to count only failed calls), read when the body
     /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
     /// response (`grpc-status` in its headers, as tonic answers an error) is read at
     /// once, its headers standing for its trailers. The service answers with a
     /// [`CountedBody`](crate::count_after::CountedBody).
-    pub fn late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
+    pub fn with_late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
     where
         F: Fn(Option<&HeaderMap>) -> Option<u32>,
     {
@@ -389,7 +389,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Names this layer in metrics (the `route` label, feature `metrics`) and in the
     /// store-failure log lines; [`DEFAULT_NAME`] by default. See [`metrics`](crate::metrics).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.settings.name = name.into().into();
         self
     }

@@ -17,8 +17,8 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // 10 requests per second and 1000 per hour for each API key, all-or-nothing.
 //! let layer = RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(1))?)
-//!     .limit(Limit::fixed_window(1000, Duration::from_secs(3600))?)
-//!     .key(HeaderKey::new("x-api-key")?);
+//!     .with_limit(Limit::fixed_window(1000, Duration::from_secs(3600))?)
+//!     .with_key(HeaderKey::new("x-api-key")?);
 //! let app: Router = Router::new().route("/", get(|| async { "hello" })).layer(layer);
 //! # Ok(()) }
 //! ```
@@ -73,11 +73,11 @@
 //!
 //! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`] that swaps the layer's
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
-//! its spent budget, as [`Limit::on_change`] chose. See [`rules`].
+//! its spent budget, as [`Limit::with_on_change`] chose. See [`rules`].
 //!
 //! # Plans
 //!
-//! Limits chosen per request (free, paid, internal): [`RateLimitLayer::plans`] with
+//! Limits chosen per request (free, paid, internal): [`RateLimitLayer::with_plans`] with
 //! [`Plans`], each [`Plan`] a name and its limits or unlimited, picked by a header, a sync
 //! resolver or a cached async [`PlanLookup`]. Each plan keeps its own state; requests
 //! without a known plan get the default plan. See [`plan`].
@@ -94,8 +94,8 @@
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit
-//! ([`RateLimitLayer::shadow_limit`], [`Rules::with_shadow_limits`]) or put the whole
-//! layer in shadow ([`RateLimitLayer::shadow`], [`Rules::with_shadow`]; both can change at
+//! ([`RateLimitLayer::with_shadow_limit`], [`Rules::with_shadow_limits`]) or put the whole
+//! layer in shadow ([`RateLimitLayer::with_shadow`], [`Rules::with_shadow`]; both can change at
 //! run time through a [`RulesHandle`]). Shadow limits are decided and counted like any
 //! other but never reject: a request they would reject reaches the inner service, is
 //! counted with the outcome `would_reject` (feature `metrics`; see [`metrics`]) and is
@@ -124,8 +124,8 @@
 //!
 //! // Enforce 100 per minute; watch what 20 per second would reject.
 //! let layer = RateLimitLayer::new(Limit::fixed_window(100, Duration::from_secs(60))?)
-//!     .shadow_limit(Limit::gcra(20, Duration::from_secs(1))?)
-//!     .name("api");
+//!     .with_shadow_limit(Limit::gcra(20, Duration::from_secs(1))?)
+//!     .with_name("api");
 //! assert_eq!(layer.rules_handle().rules().shadow_limits().len(), 1);
 //! # Ok::<(), tollgate::ConfigError>(())
 //! ```
@@ -143,7 +143,7 @@
 //!   facade; see [`metrics`].
 //! - `tonic`: [`PeerIp`](key::PeerIp) and [`ClientIp`](key::ClientIp) read tonic's
 //!   `TcpConnectInfo`, so `tonic::transport::Server::builder().layer(..)` can limit by IP.
-//! - `grpc-status-details`: `DefaultRejection::grpc_retry_info` puts a
+//! - `grpc-status-details`: `DefaultRejection::with_grpc_retry_info` puts a
 //!   `google.rpc.RetryInfo` into rate-limited gRPC answers (`grpc-status-details-bin`).
 //!
 //! [Tower]: https://docs.rs/tower

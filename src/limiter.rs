@@ -29,7 +29,7 @@ use crate::{
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let layer = RateLimitLayer::new(Limit::fixed_window(100, Duration::from_secs(60))?)
-///     .key(HeaderKey::new("x-api-key")?.hashed());
+///     .with_key(HeaderKey::new("x-api-key")?.hashed());
 /// let limiter = layer.limiter();
 ///
 /// // The key the layer gives requests with this API key.

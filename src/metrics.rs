@@ -3,7 +3,7 @@
 //!
 //! With the feature on, every layer ([`RateLimitLayer`](crate::RateLimitLayer),
 //! [`InFlightLayer`](crate::InFlightLayer)) records, labelled with its
-//! [`name`](crate::RateLimitLayer::name) as `route`:
+//! [`name`](crate::RateLimitLayer::with_name) as `route`:
 //!
 //! | metric | kind | labels | what |
 //! |---|---|---|---|

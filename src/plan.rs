@@ -1,7 +1,7 @@
 //! [`Plans`]: limits chosen per request (free, paid, internal, ...).
 //!
 //! A [`Plan`] is a name with its limits, or unlimited. A layer given [`Plans`]
-//! ([`RateLimitLayer::plans`](crate::RateLimitLayer::plans), [`Rules::with_plans`](crate::Rules::with_plans)) asks
+//! ([`RateLimitLayer::with_plans`](crate::RateLimitLayer::with_plans), [`Rules::with_plans`](crate::Rules::with_plans)) asks
 //! their resolver which plan each request is on, after its key is extracted, and decides
 //! the request under that plan's limits instead of the layer's own: all-or-nothing, in
 //! one store call, as always.
@@ -17,7 +17,7 @@
 //! - **State.** Each plan's limits keep their own state: their store keys carry the
 //!   plan's name, so a client moving from `free` to `paid` starts `paid` with a full
 //!   budget, and moving back finds `free` as it left it. A plan built with
-//!   [`Plan::sharing_state`] keeps its limits' own keys instead: limits equal (or
+//!   [`Plan::with_shared_state`] keeps its limits' own keys instead: limits equal (or
 //!   [carried over](crate::OnChange::CarryOver) under one name) in two such plans share
 //!   one budget.
 //! - **Fields and metrics.** A plan's policies are called `<plan>.<policy>` in
@@ -45,8 +45,8 @@
 //! .with_resolver(|request| request.header("x-plan"));
 //! // The layer's own limit applies only without a plan: here never, as there is a default.
 //! let layer = RateLimitLayer::new(hourly(100)?)
-//!     .key(HeaderKey::new("x-api-key")?)
-//!     .plans(plans);
+//!     .with_key(HeaderKey::new("x-api-key")?)
+//!     .with_plans(plans);
 //! # let _ = layer;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -117,9 +117,9 @@ impl Plan {
     /// Whether this plan's limits keep their own state (`false`, the default: their store
     /// keys carry the plan's name) or share it with equal limits of the layer and of other
     /// sharing plans (`true`). Share to let a client who changes plans keep what it spent:
-    /// give the limits of both plans one [name](Limit::named) and
+    /// give the limits of both plans one [name](Limit::with_name) and
     /// [`OnChange::CarryOver`](crate::OnChange::CarryOver).
-    pub fn sharing_state(mut self, share: bool) -> Self {
+    pub fn with_shared_state(mut self, share: bool) -> Self {
         self.shared_state = share;
         self
     }
@@ -139,7 +139,7 @@ impl Plan {
         self.limits.is_none()
     }
 
-    /// Whether the limits share their state. See [`sharing_state`](Self::sharing_state).
+    /// Whether the limits share their state. See [`sharing_state`](Self::with_shared_state).
     pub fn shares_state(&self) -> bool {
         self.shared_state
     }
@@ -345,7 +345,7 @@ impl fmt::Debug for Resolver {
 /// A request whose key has a fresh answer in the cache is decided at once; one whose key
 /// has none waits for the lookup, and requests for one key that miss together wait for
 /// one lookup. The answer, a plan name or none (the default plan), is kept for the
-/// [TTL](Self::ttl) in a cache of at most [`max_keys`](Self::max_keys) keys
+/// [TTL](Self::with_ttl) in a cache of at most [`max_keys`](Self::with_max_keys) keys
 /// (`quick_cache`, which evicts the coldest keys when full). A lookup that fails is
 /// logged at `warn` and not cached: the request gets the default plan, the next one
 /// looks up again.
@@ -359,8 +359,8 @@ impl fmt::Debug for Resolver {
 ///     let plan = if key.as_str().ends_with("|vip") { Some("paid".to_owned()) } else { None };
 ///     Ok::<_, std::io::Error>(plan)
 /// })
-/// .ttl(Duration::from_secs(30))
-/// .max_keys(50_000);
+/// .with_ttl(Duration::from_secs(30))
+/// .with_max_keys(50_000);
 /// # let _ = lookup;
 /// ```
 #[derive(Clone)]
@@ -405,7 +405,7 @@ impl PlanLookup {
 
     /// How long an answer is kept ([`DEFAULT_TTL`](Self::DEFAULT_TTL) by default): how
     /// long a changed plan may take to apply. Zero looks up on every request.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         self
     }
@@ -413,7 +413,7 @@ impl PlanLookup {
     /// How many keys' answers are kept at most
     /// ([`DEFAULT_MAX_KEYS`](Self::DEFAULT_MAX_KEYS) by default; at least 1). Starts an
     /// empty cache.
-    pub fn max_keys(mut self, max_keys: usize) -> Self {
+    pub fn with_max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys.max(1);
         self.cache = Arc::new(Cache::new(self.max_keys));
         self
@@ -514,7 +514,7 @@ mod tests {
     #[test]
     fn a_plan_keeps_its_state_apart_unless_it_shares() {
         let own = Plan::new("free", [limit(10)]).unwrap();
-        let shared = own.clone().sharing_state(true);
+        let shared = own.clone().with_shared_state(true);
         let stored = own.stored_limits().unwrap();
         assert_eq!(stored[0].id(), format!("@free:{}", limit(10).id()));
         assert_ne!(stored[0].fingerprint(), limit(10).fingerprint());

@@ -207,11 +207,11 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
     let hot = Key::new("hot");
     let tight = [Limit::fixed_window(20, HOUR)
         .unwrap()
-        .named("tight")
+        .with_name("tight")
         .unwrap()];
     let loose = [Limit::fixed_window(1_000_000, HOUR)
         .unwrap()
-        .named("loose")
+        .with_name("loose")
         .unwrap()];
     let tight_key = store.redis_key(&hot, &tight[0]);
     let loose_key = store.redis_key(&hot, &loose[0]);
@@ -236,10 +236,10 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
     let layered = Arc::new(Tally::default());
     for quota in [50, 1_000_000] {
         let layer = RateLimitLayer::new(Limit::fixed_window(quota, HOUR).unwrap())
-            .store(store.clone())
-            .key(GlobalKey)
-            .on_store_error(FailurePolicy::Allow)
-            .timeout(Some(Duration::from_secs(2)));
+            .with_store(store.clone())
+            .with_key(GlobalKey)
+            .with_on_store_error(FailurePolicy::Allow)
+            .with_timeout(Some(Duration::from_secs(2)));
         let service = layer.layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::from("ok")))
         }));
@@ -325,10 +325,10 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
         (FailurePolicy::Deny, StatusCode::SERVICE_UNAVAILABLE),
     ] {
         let layer = RateLimitLayer::new(Limit::fixed_window(1_000_000, HOUR).unwrap())
-            .store(store.clone())
-            .key(|_: &Request<()>| Some("hot"))
-            .on_store_error(policy.clone())
-            .timeout(Some(Duration::from_secs(2)));
+            .with_store(store.clone())
+            .with_key(|_: &Request<()>| Some("hot"))
+            .with_on_store_error(policy.clone())
+            .with_timeout(Some(Duration::from_secs(2)));
         let service = layer.layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::from("ok")))
         }));

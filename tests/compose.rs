@@ -100,11 +100,11 @@ async fn count_after_decides_under_plans(store: impl Store + Clone) {
     .unwrap()
     .with_header(HeaderName::from_static("x-plan"));
     let layer = RateLimitLayer::new(hourly(100))
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .plans(plans)
-        .count_when(unauthorized);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_plans(plans)
+        .with_count_when(unauthorized);
     let rules = layer.rules_handle();
     let service = layer.layer(handler());
     let free = [("x-plan", "free")];
@@ -156,7 +156,7 @@ async fn count_after_decides_under_plans_redis() {
 
 /// `max_wait` and `late_cost` together, in either builder order: a request over a token
 /// bucket is reserved and waits instead of a 429, and its late cost of 0 gives the reserved
-/// unit back. (Before: `.max_wait(..).late_cost(..)` dropped the wait: a 429 at once.)
+/// unit back. (Before: `.with_max_wait(..).with_late_cost(..)` dropped the wait: a 429 at once.)
 async fn count_after_waits_for_its_reservation(store: impl Store + Clone) {
     let bucket = Limit::token_bucket(1, SECOND).unwrap();
     let tokens = |response: &Response<Body>| {
@@ -166,11 +166,11 @@ async fn count_after_waits_for_its_reservation(store: impl Store + Clone) {
             .and_then(|v| v.to_str().ok()?.parse().ok())
     };
     let layer = RateLimitLayer::new(bucket)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .max_wait(Duration::from_secs(2))
-        .late_cost(tokens);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_max_wait(Duration::from_secs(2))
+        .with_late_cost(tokens);
     let limiter = layer.limiter();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -210,11 +210,11 @@ async fn count_after_waits_for_its_reservation_redis() {
 /// and answered 429.)
 async fn shadow_limits_reserve(store: impl Store + Clone) {
     let layer = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
-        .shadow_limit(hourly(100))
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .max_wait(Duration::from_secs(2));
+        .with_shadow_limit(hourly(100))
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_max_wait(Duration::from_secs(2));
     let limiter = layer.limiter();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -251,10 +251,10 @@ async fn dead_redis() -> (support::RedisServer, RedisStore) {
 async fn the_local_fallback_reserves_and_waits() {
     let (_server, store) = dead_redis().await;
     let service = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .on_store_error(FailurePolicy::Local(memory()))
-        .max_wait(Duration::from_secs(2))
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_on_store_error(FailurePolicy::Local(memory()))
+        .with_max_wait(Duration::from_secs(2))
         .layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
     let started = Instant::now();
@@ -278,10 +278,10 @@ async fn count_after_settles_in_the_local_fallback() {
     let (_server, store) = dead_redis().await;
     let local = memory();
     let layer = RateLimitLayer::new(hourly(2))
-        .key(GlobalKey)
-        .store(store)
-        .on_store_error(FailurePolicy::Local(local.clone()))
-        .count_when(unauthorized);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_on_store_error(FailurePolicy::Local(local.clone()))
+        .with_count_when(unauthorized);
     let service = layer.layer(handler());
     for _ in 0..6 {
         assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -320,12 +320,12 @@ async fn the_handler_sees_the_decision(store: impl Store + Clone) {
         Ok::<_, Infallible>(Response::new(Body::from(text)))
     });
     let service = RateLimitLayer::new(hourly(5))
-        .key(tollgate::key::HeaderKey::new("x-user").unwrap())
-        .on_missing_key(tollgate::MissingKey::Allow)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .plans(plans)
-        .request_info(true)
+        .with_key(tollgate::key::HeaderKey::new("x-user").unwrap())
+        .with_on_missing_key(tollgate::MissingKey::Allow)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_plans(plans)
+        .with_request_info(true)
         .layer(echo);
     let body = |headers: &'static [(&'static str, &'static str)]| {
         let service = service.clone();
@@ -363,8 +363,8 @@ async fn the_handler_sees_the_decision_redis() {
 #[tokio::test]
 async fn max_wait_changes_at_run_time() {
     let layer = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
-        .key(GlobalKey)
-        .store(memory());
+        .with_key(GlobalKey)
+        .with_store(memory());
     let rules = layer.rules_handle();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);

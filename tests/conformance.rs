@@ -245,9 +245,9 @@ async fn a_clock_that_steps_back_grants_no_extra_budget(h: Harness) {
 fn api(algorithm: Algorithm, limit: u32, window: Duration, on_change: OnChange) -> Limit {
     Limit::new(algorithm, limit, window)
         .unwrap()
-        .named("api")
+        .with_name("api")
         .unwrap()
-        .on_change(on_change)
+        .with_on_change(on_change)
         .unwrap()
 }
 
@@ -295,9 +295,9 @@ async fn a_carried_over_token_bucket_keeps_its_tokens(h: Harness) {
             .unwrap()
             .with_burst(burst)
             .unwrap()
-            .named("api")
+            .with_name("api")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap()]
     };
     assert_eq!(h.allowed("a", &bucket(10, 10), 8).await, 8);

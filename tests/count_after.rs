@@ -89,11 +89,11 @@ async fn attempt(addr: SocketAddr, user: &str, password: &str) -> StatusCode {
 async fn only_failed_logins_count(store: impl Store + Clone) {
     for (i, limit) in every_algorithm(3).into_iter().enumerate() {
         let layer = RateLimitLayer::new(limit.clone())
-            .key(HeaderKey::new("x-user").unwrap())
-            .store(store.clone())
+            .with_key(HeaderKey::new("x-user").unwrap())
+            .with_store(store.clone())
             // Generous: a refund that timed out would stay spent (a loaded CI machine).
-            .timeout(Some(Duration::from_secs(5)))
-            .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+            .with_timeout(Some(Duration::from_secs(5)))
+            .with_count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
         let addr = serve(Router::new().route("/login", post(login)).layer(layer)).await;
         let user = format!("user{i}");
         for _ in 0..10 {
@@ -176,10 +176,10 @@ async fn in_flight_requests_hold_their_units(store: impl Store + Clone) {
             })
         };
         let service = RateLimitLayer::new(limit.clone())
-            .key(GlobalKey)
-            .store(store.clone())
-            .timeout(Some(Duration::from_secs(10)))
-            .count_when(|_: &Response<Body>| false)
+            .with_key(GlobalKey)
+            .with_store(store.clone())
+            .with_timeout(Some(Duration::from_secs(10)))
+            .with_count_when(|_: &Response<Body>| false)
             .layer(handler);
         for round in 0..2 {
             let mut requests = JoinSet::new();
@@ -244,10 +244,10 @@ async fn in_flight_requests_hold_their_units_redis() {
 #[tokio::test]
 async fn a_dropped_response_and_an_error_keep_the_units() {
     let layer = RateLimitLayer::new(Limit::fixed_window(2, HOUR).unwrap())
-        .key(HeaderKey::new("x-user").unwrap())
-        .store(memory())
-        .timeout(Some(Duration::from_secs(5)))
-        .count_when(|_: &Response<Body>| false);
+        .with_key(HeaderKey::new("x-user").unwrap())
+        .with_store(memory())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_count_when(|_: &Response<Body>| false);
     // Debug, though a closure is not.
     assert!(format!("{layer:?}").contains("CountWhen(..)"));
     let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
@@ -302,10 +302,10 @@ async fn late_cost_from_a_header(store: impl Store + Clone) {
         }
     };
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost(|response: &Response<Body>| {
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost(|response: &Response<Body>| {
             response
                 .headers()
                 .get("x-cost")?
@@ -453,10 +453,10 @@ async fn late_cost_from_grpc_trailers(store: impl Store) {
 
     let used = Arc::new(AtomicU32::new(0));
     let layer = RateLimitLayer::new(Limit::fixed_window(5, HOUR).unwrap())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
             trailers?.get("x-tokens-used")?.to_str().ok()?.parse().ok()
         });
     let incoming =
@@ -569,18 +569,18 @@ async fn shadow_limits_are_refunded_too() {
     let store = memory();
     let enforced = Limit::fixed_window(3, HOUR)
         .unwrap()
-        .named("enforced")
+        .with_name("enforced")
         .unwrap();
     let shadow = Limit::fixed_window(5, HOUR)
         .unwrap()
-        .named("watched")
+        .with_name("watched")
         .unwrap();
     let layer = RateLimitLayer::new(enforced.clone())
-        .shadow_limit(shadow.clone())
-        .key(GlobalKey)
-        .store(store.clone())
-        .timeout(Some(Duration::from_secs(5)))
-        .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+        .with_shadow_limit(shadow.clone())
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
     let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
         let status = if request.uri().path() == "/fail" {
             StatusCode::UNAUTHORIZED
@@ -616,11 +616,11 @@ async fn shadow_limits_are_refunded_too() {
     let store = memory();
     let watched = Limit::fixed_window(2, HOUR).unwrap();
     let mut service = RateLimitLayer::new(watched.clone())
-        .shadow(true)
-        .key(GlobalKey)
-        .store(store.clone())
-        .timeout(Some(Duration::from_secs(5)))
-        .count_when(|_: &Response<Body>| false)
+        .with_shadow(true)
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_count_when(|_: &Response<Body>| false)
         .layer(service_fn(|_: Request<Body>| async {
             Ok::<_, Infallible>(Response::new(Body::empty()))
         }));
@@ -643,10 +643,10 @@ async fn grpc_calls_count_by_status(count_failures: bool) {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
     let layer = RateLimitLayer::new(Limit::fixed_window(3, HOUR).unwrap())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(memory())
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost_from_trailers(move |trailers: Option<&http::HeaderMap>| {
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(memory())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost_from_trailers(move |trailers: Option<&http::HeaderMap>| {
             let ok = trailers?.get("grpc-status")? == "0";
             // None keeps the unit, Some(0) gives it back.
             (ok == count_failures).then_some(0)

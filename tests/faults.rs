@@ -38,10 +38,10 @@ fn app(store: RedisStore, policy: FailurePolicy) -> Router {
 fn app_with_timeout(store: RedisStore, policy: FailurePolicy, timeout: Duration) -> Router {
     let limit = Limit::fixed_window(100_000_000, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(timeout))
-        .on_store_error(policy);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(timeout))
+        .with_on_store_error(policy);
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -289,10 +289,10 @@ async fn an_abandoned_probe_does_not_disable_limiting() {
     let store = RedisStore::connect(&server.url()).await.unwrap();
     // 3 per hour, failing open, 200 ms timeout, the default breaker (5 failures, 500 ms).
     let layer = RateLimitLayer::new(Limit::fixed_window(3, Duration::from_secs(3600)).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_millis(200)))
-        .on_store_error(FailurePolicy::Allow);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_millis(200)))
+        .with_on_store_error(FailurePolicy::Allow);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
@@ -406,11 +406,11 @@ async fn without_the_breaker_every_request_waits_at_most_the_timeout() {
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let limit = Limit::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(TIMEOUT))
-        .circuit_breaker(None::<CircuitBreaker>)
-        .on_store_error(FailurePolicy::Deny);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(TIMEOUT))
+        .with_circuit_breaker(None::<CircuitBreaker>)
+        .with_on_store_error(FailurePolicy::Deny);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);

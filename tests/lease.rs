@@ -412,7 +412,7 @@ async fn the_rest_goes_to_another_node(server: &RedisServer, clock: &ManualClock
 async fn an_idle_lease_goes_back_and_another_node_spends_it() {
     let server = RedisServer::start();
     let clock = ManualClock::new(START);
-    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let config = LeaseConfig::new().with_idle(Duration::from_millis(100)).unwrap();
     let (a, limit, key) = leased(&server, &clock, config).await;
     clock.advance(Duration::from_millis(150));
     until_counted(&server, &a, &key, &limit, 50).await;
@@ -718,10 +718,10 @@ async fn leased_units_are_spent_while_the_circuit_is_open() {
     let store = node(&server.url(), "circuit", &clock, LeaseConfig::new()).await;
     let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
     let layer = RateLimitLayer::new(limit.clone())
-        .store(store.clone())
-        .key(HeaderKey::new("x-user").unwrap())
-        .on_store_error(FailurePolicy::Deny)
-        .timeout(Some(Duration::from_secs(2)));
+        .with_store(store.clone())
+        .with_key(HeaderKey::new("x-user").unwrap())
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_timeout(Some(Duration::from_secs(2)));
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, std::convert::Infallible>(Response::new(String::new()))
     }));
@@ -806,7 +806,7 @@ fn idle_leases_go_back_after_the_first_runtime_shut_down() {
             .build()
             .unwrap()
     };
-    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let config = LeaseConfig::new().with_idle(Duration::from_millis(100)).unwrap();
     let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
     let limits = std::slice::from_ref(&limit);
     let (a, b) = (Key::new("a"), Key::new("b"));
@@ -940,10 +940,10 @@ fn layered(store: RedisStore, limit: &Limit) -> Node {
     use tollgate::{FailurePolicy, RateLimitLayer, key::GlobalKey};
     use tower::Layer;
     let layer = RateLimitLayer::new(limit.clone())
-        .store(store)
-        .key(GlobalKey)
-        .on_store_error(FailurePolicy::Deny)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_store(store)
+        .with_key(GlobalKey)
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_timeout(Some(Duration::from_secs(10)));
     let inner = tower::service_fn(|_: http::Request<()>| async {
         Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
     });
@@ -1479,7 +1479,7 @@ async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
     let clock = ManualClock::new(START);
     let mut conn = connection(&server).await;
     let limit = Limit::fixed_window(4_000, Duration::from_secs(3600)).unwrap();
-    let config = LeaseConfig::new().max_fraction(0.05).unwrap();
+    let config = LeaseConfig::new().with_max_fraction(0.05).unwrap();
     let key = Key::new("global");
     let nodes = [
         node(&server.url(), "shrink", &clock, config).await,

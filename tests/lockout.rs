@@ -25,7 +25,7 @@ const LOCKOUT: Duration = Duration::from_secs(15 * 60);
 fn login() -> Limit {
     Limit::fixed_window(3, MINUTE)
         .unwrap()
-        .named("login")
+        .with_name("login")
         .unwrap()
         .with_lockout(LOCKOUT)
         .unwrap()
@@ -68,9 +68,9 @@ fn header<B>(response: &Response<B>, name: &str) -> Option<String> {
 async fn a_breach_locks_out_over_http(store: impl Store, clock: &ManualClock) {
     let addr = serve(
         RateLimitLayer::new(login())
-            .key(GlobalKey)
-            .store(store)
-            .timeout(Some(Duration::from_secs(10))),
+            .with_key(GlobalKey)
+            .with_store(store)
+            .with_timeout(Some(Duration::from_secs(10))),
     )
     .await;
     for remaining in [2, 1, 0] {
@@ -133,10 +133,10 @@ async fn only_the_limit_with_the_lockout_starts_a_block() {
     let clock = ManualClock::new(NOW_MS);
     let store = MemoryStore::new().with_clock(clock.clone());
     let layer = RateLimitLayer::new(login())
-        .limit(Limit::fixed_window(1, Duration::from_secs(1)).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_limit(Limit::fixed_window(1, Duration::from_secs(1)).unwrap())
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)));
     let addr = serve(layer).await;
     assert_eq!(post(addr).await.status(), StatusCode::OK);
     let denied = post(addr).await;
@@ -156,9 +156,9 @@ async fn a_breach_locks_out_over_grpc(store: impl Store, clock: &ManualClock) {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
     let layer = RateLimitLayer::new(login())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)));
     let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr: SocketAddr = incoming.local_addr().unwrap();
     let (_reporter, health) = tonic_health::server::health_reporter();
@@ -297,7 +297,7 @@ mod redis {
         let mut conn = support::test_connection(&server.url()).await;
         let limits = [Limit::gcra(1, Duration::from_secs(3_600))
             .unwrap()
-            .named("login")
+            .with_name("login")
             .unwrap()
             .with_lockout(LOCKOUT)
             .unwrap()];

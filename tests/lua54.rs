@@ -386,7 +386,7 @@ async fn workload(url: &str, prefix: &str, resets: bool) {
                         .with_lockout(Duration::from_millis(700))
                         .unwrap(),
                     limit(Algorithm::FixedWindow, 20, 60_000)
-                        .named("day")
+                        .with_name("day")
                         .unwrap(),
                 ],
             ]

@@ -184,9 +184,9 @@ fn versions_strategy() -> impl Strategy<Value = Vec<Limit>> {
                     _ => l,
                 };
                 let l = l
-                    .named("api")
+                    .with_name("api")
                     .unwrap()
-                    .on_change(OnChange::CarryOver)
+                    .with_on_change(OnChange::CarryOver)
                     .unwrap();
                 match lockout_ms {
                     0 => l,

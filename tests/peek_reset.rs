@@ -201,8 +201,8 @@ async fn the_memory_store_peeks_and_resets_lockouts() {
 #[tokio::test]
 async fn the_limiter_peeks_and_resets_what_the_layer_counts() {
     let layer = RateLimitLayer::new(Limit::fixed_window(2, HOUR).unwrap())
-        .store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
-        .key(HeaderKey::new("x-api-key").unwrap().hashed());
+        .with_store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
+        .with_key(HeaderKey::new("x-api-key").unwrap().hashed());
     let limiter = layer.limiter();
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
@@ -251,9 +251,9 @@ async fn the_limiter_peeks_each_plan_and_resets_them_all() {
     .unwrap()
     .with_header(http::HeaderName::from_static("x-plan"));
     let layer = RateLimitLayer::new(Limit::fixed_window(1, HOUR).unwrap())
-        .store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .plans(plans);
+        .with_store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_plans(plans);
     let limiter = layer.limiter();
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
@@ -332,9 +332,9 @@ async fn a_reset_clears_shadow_limits_and_the_local_fallback() {
     let enforced = Limit::fixed_window(5, HOUR).unwrap();
     let shadow = Limit::gcra(2, HOUR).unwrap();
     let layer = RateLimitLayer::new(enforced.clone())
-        .shadow_limit(shadow.clone())
-        .store(store.clone())
-        .on_store_error(FailurePolicy::Local(local.clone()));
+        .with_shadow_limit(shadow.clone())
+        .with_store(store.clone())
+        .with_on_store_error(FailurePolicy::Local(local.clone()));
     let limiter = layer.limiter();
     let key = Key::new("client");
     store
@@ -379,7 +379,7 @@ async fn a_store_without_peek_or_reset_says_so() {
         }
     }
     let limiter = RateLimitLayer::new(Limit::fixed_window(1, HOUR).unwrap())
-        .store(CheckOnly)
+        .with_store(CheckOnly)
         .limiter();
     let key = Key::new("k");
     let error = limiter.peek(&key, 1).await.unwrap_err();

@@ -42,13 +42,13 @@ const API_KEY: &str = "sk_live_0123456789abcdef";
 async fn with_api_key(store: &Arc<dyn Store>, key: HeaderKey, name: &str) -> StatusCode {
     let limit = Limit::fixed_window(10, Duration::from_secs(3600))
         .unwrap()
-        .named(name)
+        .with_name(name)
         .unwrap();
     let layer = RateLimitLayer::new(limit)
         .shared_store(store.clone())
-        .key(key)
-        .on_store_error(FailurePolicy::Allow)
-        .timeout(Some(Duration::from_millis(500)));
+        .with_key(key)
+        .with_on_store_error(FailurePolicy::Allow)
+        .with_timeout(Some(Duration::from_millis(500)));
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
@@ -237,7 +237,7 @@ async fn keys_follow_the_documented_layout() {
         Limit::fixed_window(5, Duration::from_secs(60)).unwrap(),
         Limit::token_bucket(5, Duration::from_secs(1))
             .unwrap()
-            .named("burst")
+            .with_name("burst")
             .unwrap(),
     ];
     store.check(&Key::new("user:1"), &limits, 1).await.unwrap();

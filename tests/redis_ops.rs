@@ -163,9 +163,9 @@ async fn a_narrower_acl_is_a_clear_noperm_answered_by_the_policy() {
         (FailurePolicy::Deny, StatusCode::SERVICE_UNAVAILABLE),
     ] {
         let layer = RateLimitLayer::new(Limit::sliding_window(5, HOUR).unwrap())
-            .key(GlobalKey)
-            .store(store.clone())
-            .on_store_error(policy.clone());
+            .with_key(GlobalKey)
+            .with_store(store.clone())
+            .with_on_store_error(policy.clone());
         let app = Router::new()
             .route("/", get(|| async { "ok" }))
             .layer(layer);
@@ -375,9 +375,9 @@ async fn a_demoted_master_is_a_readonly_error_answered_by_the_policy() {
         assert!(read_only(&error), "{}", support::chain(&error));
     }
     let layer = RateLimitLayer::new(Limit::fixed_window(5, HOUR).unwrap())
-        .key(GlobalKey)
-        .store(store.clone())
-        .on_store_error(FailurePolicy::Deny);
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_on_store_error(FailurePolicy::Deny);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);

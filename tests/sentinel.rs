@@ -163,11 +163,11 @@ async fn failover_under_load(trigger: Trigger) {
     let hot = Key::new("hot");
     let tight = [Limit::fixed_window(20, HOUR)
         .unwrap()
-        .named("tight")
+        .with_name("tight")
         .unwrap()];
     let loose = [Limit::fixed_window(1_000_000, HOUR)
         .unwrap()
-        .named("loose")
+        .with_name("loose")
         .unwrap()];
     for i in 0..20 {
         assert!(
@@ -186,10 +186,10 @@ async fn failover_under_load(trigger: Trigger) {
     let layered = Arc::new(Tally::default());
     for quota in [50, 1_000_000] {
         let layer = RateLimitLayer::new(Limit::fixed_window(quota, HOUR).unwrap())
-            .store(store.clone())
-            .key(GlobalKey)
-            .on_store_error(FailurePolicy::Allow)
-            .timeout(Some(Duration::from_secs(2)));
+            .with_store(store.clone())
+            .with_key(GlobalKey)
+            .with_on_store_error(FailurePolicy::Allow)
+            .with_timeout(Some(Duration::from_secs(2)));
         let service = layer.layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::from("ok")))
         }));

@@ -28,11 +28,11 @@ fn app(store: RedisStore, policy: FailurePolicy) -> Router {
     // No timeout and no breaker: nothing but the store itself can make a request fast
     // while Redis is down.
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(None)
-        .circuit_breaker(None)
-        .on_store_error(policy);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(None)
+        .with_circuit_breaker(None)
+        .with_on_store_error(policy);
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -159,10 +159,10 @@ async fn the_circuit_breaker_lets_redis_in_once_it_is_up() {
         .unwrap();
     let limit = Limit::fixed_window(LIMIT, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .circuit_breaker(Some(CircuitBreaker::default()))
-        .on_store_error(FailurePolicy::Deny);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_circuit_breaker(Some(CircuitBreaker::default()))
+        .with_on_store_error(FailurePolicy::Deny);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);

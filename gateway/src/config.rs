@@ -1195,10 +1195,10 @@ impl RawLimit {
         }
         // A name unique to this limit: equal limits on two routes keep separate budgets.
         let name = self.name.unwrap_or_else(|| format!("r{route}-l{index}"));
-        let mut limit = limit.named(name).map_err(lib)?;
+        let mut limit = limit.with_name(name).map_err(lib)?;
         if let Some(on_change) = &self.on_change {
             let on_change: OnChange = on_change.parse().map_err(lib)?;
-            limit = limit.on_change(on_change).map_err(lib)?;
+            limit = limit.with_on_change(on_change).map_err(lib)?;
         }
         if let Some(lockout) = &self.lockout {
             let lockout = humantime::parse_duration(lockout).map_err(|e| {

@@ -607,19 +607,19 @@ fn route_service(
         let mut layer = RateLimitLayer::new(limits[0].limit.clone());
         for limit in &limits {
             layer = if limit.shadow {
-                layer.shadow_limit(limit.limit.clone())
+                layer.with_shadow_limit(limit.limit.clone())
             } else {
-                layer.limit(limit.limit.clone())
+                layer.with_limit(limit.limit.clone())
             };
         }
         let mut layer = layer
-            .shadow(route.shadow)
+            .with_shadow(route.shadow)
             .shared_store(store.clone())
-            .on_store_error(policy.clone())
-            .timeout(Some(config.store.timeout))
-            .name(name);
+            .with_on_store_error(policy.clone())
+            .with_timeout(Some(config.store.timeout))
+            .with_name(name);
         if let Some(delay) = route.delay {
-            layer = layer.max_wait(delay);
+            layer = layer.with_max_wait(delay);
         }
         service = keyed(
             layer,
@@ -654,10 +654,10 @@ fn in_flight(
         .unwrap_or(KeySpec::Ip);
     let layer = InFlightLayer::new(max)
         .expect("max_in_flight validated with the config")
-        .store(permits.clone())
-        .on_store_error(policy.clone())
-        .timeout(Some(config.store.timeout))
-        .name(format!("{} in_flight", route.path));
+        .with_store(permits.clone())
+        .with_on_store_error(policy.clone())
+        .with_timeout(Some(config.store.timeout))
+        .with_name(format!("{} in_flight", route.path));
     // The permit rides in the body until it ends: boxed into axum's body here.
     fn boxed<S>(service: S) -> RouteService
     where
@@ -676,11 +676,11 @@ fn in_flight(
     match key {
         KeySpec::Ip => boxed(
             layer
-                .key(ClientIp::new(config.trusted_proxies.iter().copied()))
+                .with_key(ClientIp::new(config.trusted_proxies.iter().copied()))
                 .layer(service),
         ),
-        KeySpec::Header(name) => boxed(layer.key(header_key(name, config)).layer(service)),
-        KeySpec::Global => boxed(layer.key(GlobalKey).layer(service)),
+        KeySpec::Header(name) => boxed(layer.with_key(header_key(name, config)).layer(service)),
+        KeySpec::Global => boxed(layer.with_key(GlobalKey).layer(service)),
     }
 }
 
@@ -696,14 +696,14 @@ fn keyed(
 ) -> RouteService {
     match key {
         KeySpec::Ip => {
-            let layer = layer.key(ClientIp::new(config.trusted_proxies.iter().copied()));
+            let layer = layer.with_key(ClientIp::new(config.trusted_proxies.iter().copied()));
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::ip(path, layer.limiter()));
             }
             wrap(layer, after, service)
         }
         KeySpec::Header(name) => {
-            let layer = layer.key(header_key(name.clone(), config));
+            let layer = layer.with_key(header_key(name.clone(), config));
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::header(
                     path,
@@ -714,7 +714,7 @@ fn keyed(
             wrap(layer, after, service)
         }
         KeySpec::Global => {
-            let layer = layer.key(GlobalKey);
+            let layer = layer.with_key(GlobalKey);
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::global(path, layer.limiter()));
             }
@@ -748,7 +748,7 @@ where
         None => BoxCloneSyncService::new(layer.layer(service)),
         Some(after) => {
             let after = after.clone();
-            let layer = layer.late_cost(move |response: &Response| after.cost(response));
+            let layer = layer.with_late_cost(move |response: &Response| after.cost(response));
             BoxCloneSyncService::new(layer.layer(service))
         }
     }
@@ -786,15 +786,15 @@ fn plan_layer(
         format!("{} plans", route.path)
     };
     let mut layer = RateLimitLayer::new(any.clone())
-        .plans(built)
-        .shadow(route.shadow)
+        .with_plans(built)
+        .with_shadow(route.shadow)
         .shared_store(store.clone())
-        .on_store_error(policy.clone())
-        .timeout(Some(config.store.timeout))
-        .name(name);
+        .with_on_store_error(policy.clone())
+        .with_timeout(Some(config.store.timeout))
+        .with_name(name);
     // The plans are the route's limits too: their denials wait as the others do.
     if let Some(delay) = route.delay {
-        layer = layer.max_wait(delay);
+        layer = layer.with_max_wait(delay);
     }
     // Counted after the response as the route says, like its own limits; not on the
     // admin endpoints: they read and reset a route's own limits.

@@ -1,4 +1,4 @@
-//! Waiting instead of answering 429 ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
+//! Waiting instead of answering 429 ([`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait)).
 //!
 //! **Reserved** (token bucket and GCRA limits): the layer asks the store to
 //! [reserve](crate::Store::reserve) within `max_wait`. A request that does not fit now but

@@ -20,28 +20,28 @@
 //! let app: Router = Router::new()
 //!     .route("/", get(|| async { "hello" }))
 //!     // At most 4 requests at once per API key ...
-//!     .layer(InFlightLayer::new(4)?.key(HeaderKey::new("x-api-key")?))
+//!     .layer(InFlightLayer::new(4)?.with_key(HeaderKey::new("x-api-key")?))
 //!     // ... and 100 a minute.
-//!     .layer(RateLimitLayer::new(Limit::per_minute(100)?).key(HeaderKey::new("x-api-key")?));
+//!     .layer(RateLimitLayer::new(Limit::per_minute(100)?).with_key(HeaderKey::new("x-api-key")?));
 //! # Ok(()) }
 //! ```
 //!
-//! As a `RateLimitLayer`, it asks its store under a [timeout](InFlightLayer::timeout) and
-//! a [circuit breaker](InFlightLayer::circuit_breaker), applies its [`FailurePolicy`]
+//! As a `RateLimitLayer`, it asks its store under a [timeout](InFlightLayer::with_timeout) and
+//! a [circuit breaker](InFlightLayer::with_circuit_breaker), applies its [`FailurePolicy`]
 //! when the store fails, and counts its requests in [`metrics`](crate::metrics) under its
-//! [name](InFlightLayer::name).
+//! [name](InFlightLayer::with_name).
 //!
 //! # Stores
 //!
 //! The permits live in a [`Permits`](crate::store::Permits) store, set with
-//! [`InFlightLayer::store`]:
+//! [`InFlightLayer::with_store`]:
 //!
 //! - In memory (the default, or a [`MemoryStore`](crate::MemoryStore) to share with other
 //!   layers): permits are counted in the process; a key with no request in flight takes
 //!   no memory.
 //! - Redis, one node, a cluster or Sentinel (feature `redis`, a `RedisStore`): permits are
 //!   entries with a TTL in a sorted set `<prefix>:{<key>}:inflight:<max>` (one hash tag,
-//!   so one cluster slot), renewed every third of the [TTL](InFlightLayer::permit_ttl)
+//!   so one cluster slot), renewed every third of the [TTL](InFlightLayer::with_permit_ttl)
 //!   while the request runs and removed when it ends. **A node that dies holds its
 //!   permits at most one TTL longer** ([`DEFAULT_PERMIT_TTL`], 10 s). When Redis fails or
 //!   does not answer within the timeout, the layer's [`FailurePolicy`] applies: allow

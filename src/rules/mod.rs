@@ -14,8 +14,8 @@
 //!
 //! let per_minute = |n| -> Result<Limit, tollgate::ConfigError> {
 //!     Limit::token_bucket(n, Duration::from_secs(60))?
-//!         .named("api")?
-//!         .on_change(OnChange::CarryOver)
+//!         .with_name("api")?
+//!         .with_on_change(OnChange::CarryOver)
 //! };
 //! let layer = RateLimitLayer::new(per_minute(100)?);
 //! let rules = layer.rules_handle();

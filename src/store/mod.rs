@@ -53,7 +53,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// by moving its arrival time ahead, by at most what refills in `max_wait_ms`), and
     /// only when every limit of the request can: a window, a log or a lockout among them
     /// makes it the plain denial of [`check`](Self::check).
-    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait) asks this.
+    /// [`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait) asks this.
     ///
     /// The default reserves nothing: it answers [`check`](Self::check), and the layer
     /// waits out a denial and asks again.
@@ -99,7 +99,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Gives back or charges units after a request was decided (see [`Adjustment`]),
     /// for every limit of `key` in one atomic step. The decision is the state after it.
-    /// Counting after the response ([`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when),
+    /// Counting after the response ([`RateLimitLayer::with_count_when`](crate::RateLimitLayer::with_count_when),
     /// late costs) needs it; the default fails with [`StoreErrorKind::Unsupported`].
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         let _ = (key, limits, adjustment);

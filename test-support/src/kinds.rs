@@ -60,7 +60,7 @@ async fn status<K: KeyExtractor<()>>(
     let limit = Limit::fixed_window(1, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
         .shared_store(store.clone())
-        .key(key);
+        .with_key(key);
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));

@@ -94,7 +94,7 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 /// use tollgate::{Limit, RateLimitLayer, store::RedisStore};
 ///
 /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?.with_prefix("myapp")?;
-/// let layer = RateLimitLayer::new(Limit::per_minute(100)?).store(store);
+/// let layer = RateLimitLayer::new(Limit::per_minute(100)?).with_store(store);
 /// # Ok(()) }
 /// ```
 ///
