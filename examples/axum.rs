@@ -43,9 +43,10 @@ async fn main() -> Result<(), Error> {
     // one, `Limit::per_minute`, lets 6 through around a minute's boundary). `hashed()`
     // keeps the key's SHA-256 in the store, not the key; `hashed_with(secret)` (an HMAC)
     // is better still once the store is a Redis that others can read.
-    let per_key =
-        RateLimitLayer::new(Limit::sliding_window(3, Duration::from_secs(60))?.with_name("api-key")?)
-            .with_key(HeaderKey::new("x-api-key")?.hashed());
+    let per_key = RateLimitLayer::new(
+        Limit::sliding_window(3, Duration::from_secs(60))?.with_name("api-key")?,
+    )
+    .with_key(HeaderKey::new("x-api-key")?.hashed());
 
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))

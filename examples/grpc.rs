@@ -43,7 +43,8 @@ async fn main() -> Result<(), Error> {
 
     // Outer layer: every client IP (tonic's `TcpConnectInfo`, read with the `tonic`
     // feature) gets a bucket of 20 calls refilled at 20 per second.
-    let per_ip = RateLimitLayer::new(Limit::token_bucket(20, Duration::from_secs(1))?).with_name("ip");
+    let per_ip =
+        RateLimitLayer::new(Limit::token_bucket(20, Duration::from_secs(1))?).with_name("ip");
     // Inner layer: each API key gets 5 calls a minute. A call without the key is answered
     // UNAUTHENTICATED, and denied calls tell gRPC retry policies how long to wait.
     let per_key = RateLimitLayer::new(Limit::fixed_window(

@@ -22,7 +22,11 @@ use axum::{
 use http_body_util::Empty;
 use hyper::body::Bytes;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use tollgate::{Limit, RateLimitLayer, key::HeaderKey, plan::{Plan, Plans}};
+use tollgate::{
+    Limit, RateLimitLayer,
+    key::HeaderKey,
+    plan::{Plan, Plans},
+};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 

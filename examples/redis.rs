@@ -61,11 +61,12 @@ async fn main() -> Result<(), Error> {
         Err(_) => return Err("set API_KEY_SECRET, the secret API keys are hashed with".into()),
     };
     // At most 3 in any minute (a sliding window: no 6 around a minute's boundary).
-    let per_key =
-        RateLimitLayer::new(Limit::sliding_window(3, Duration::from_secs(60))?.with_name("api-key")?)
-            .with_key(HeaderKey::new("x-api-key")?.hashed_with(secret))
-            .with_store(store)
-            .with_on_store_error(on_error);
+    let per_key = RateLimitLayer::new(
+        Limit::sliding_window(3, Duration::from_secs(60))?.with_name("api-key")?,
+    )
+    .with_key(HeaderKey::new("x-api-key")?.hashed_with(secret))
+    .with_store(store)
+    .with_on_store_error(on_error);
 
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))

@@ -35,7 +35,7 @@ pub const DEFAULT_NAME: &str = "default";
 /// method. **Clones of the layer, and every service it makes,
 /// share one budget** (one store), so `Router::layer` applies one limit across all
 /// routes. A second layer with its own store has its own budgets; layers on one store
-/// (Redis, [`shared_store`](Self::shared_store)) share a key's budget when their keys are
+/// (Redis, or one `Arc` given to [`with_store`](Self::with_store) of each) share a key's budget when their keys are
 /// of the same kind and their limits are equal and equally [named](crate::Limit::with_name),
 /// so name the limits differently to keep them apart.
 pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront> {
@@ -216,14 +216,10 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     }
 
     /// Keeps the state in `store` (a `RedisStore` to share limits between replicas).
+    /// To share one store between layers, give each a clone of an `Arc` of it
+    /// (`Arc<S>` and `Arc<dyn Store>` are stores).
     pub fn with_store(mut self, store: impl Store) -> Self {
         self.settings.changed().store = Arc::new(store);
-        self
-    }
-
-    /// Keeps the state in a store already shared with other layers.
-    pub fn shared_store(mut self, store: Arc<dyn Store>) -> Self {
-        self.settings.changed().store = store;
         self
     }
 
@@ -286,7 +282,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// - A request that can never fit (costlier than a limit's capacity) does not wait.
     /// - Waiting uses Tokio's timer: the service must run on a Tokio runtime.
     ///
-    /// Off by default.
+    /// `None` (the default) turns waiting off.
     ///
     /// ```
     /// use std::time::Duration;
@@ -294,13 +290,13 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     ///
     /// // 10 a second; a burst above it is spread out over up to half a second.
     /// let layer = RateLimitLayer::new(Limit::gcra(10, Duration::from_secs(1))?)
-    ///     .with_max_wait(Duration::from_millis(500))
+    ///     .with_max_wait(Some(Duration::from_millis(500)))
     ///     .with_max_waiters(100, 5);
     /// # Ok::<(), tollgate::ConfigError>(())
     /// ```
-    pub fn with_max_wait(mut self, max_wait: Duration) -> Self {
+    pub fn with_max_wait(mut self, max_wait: Option<Duration>) -> Self {
         let settings = self.settings.changed();
-        settings.rules = settings.rules.clone().with_max_wait(Some(max_wait));
+        settings.rules = settings.rules.clone().with_max_wait(max_wait);
         self
     }
 

@@ -1,7 +1,7 @@
 //! Rate limiting for [Tower] services: axum and tonic apps add it with `.layer(..)`.
 //!
 //! For each request a [`KeyExtractor`](key::KeyExtractor) picks who it is counted against
-//! (client IP, an API key header, the authenticated user, ...), a [`Store`] decides it
+//! (client IP, an API key header, the authenticated user, ...), a [`Store`](store::Store) decides it
 //! atomically against one or more [`Limit`]s, and the request either reaches the inner
 //! service or is answered `429 Too Many Requests` with `Retry-After` (gRPC:
 //! `RESOURCE_EXHAUSTED`). Allowed and denied responses carry the IETF `RateLimit-Policy`
@@ -57,29 +57,29 @@
 //!
 //! # Stores
 //!
-//! - [`MemoryStore`]: in-process, the default. Each process has its own budget; it tracks
-//!   at most [`MemoryStore::DEFAULT_MAX_KEYS`] keys unless told otherwise.
+//! - [`MemoryStore`](store::MemoryStore): in-process, the default. Each process has its own budget; it tracks
+//!   at most [`MemoryStore::DEFAULT_MAX_KEYS`](store::MemoryStore::DEFAULT_MAX_KEYS) keys unless told otherwise.
 //! - `RedisStore` (feature `redis`): one atomic Lua script per decision on Redis 6.0+
 //!   (`TIME` in scripts), so every replica shares one budget. When the store fails, the
 //!   [`FailurePolicy`] decides: allow (default), deny with 503, or a local fallback.
 //!
 //! # Requests in flight
 //!
-//! [`InFlightLayer`] allows at most N requests *running* at once per key (streams, long
+//! [`InFlightLayer`](in_flight::InFlightLayer) allows at most N requests *running* at once per key (streams, long
 //! answers), on memory, Redis and Redis Cluster: a request holds a permit until its
 //! response body ends or is dropped. Stack it with a `RateLimitLayer`. See [`in_flight`].
 //!
 //! # Changing rules while running
 //!
-//! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`] that swaps the layer's
+//! [`RateLimitLayer::rules_handle`] returns a [`RulesHandle`](rules::RulesHandle) that swaps the layer's
 //! limits and policies atomically while it serves; a changed limit starts fresh or keeps
 //! its spent budget, as [`Limit::with_on_change`] chose. See [`rules`].
 //!
 //! # Plans
 //!
 //! Limits chosen per request (free, paid, internal): [`RateLimitLayer::with_plans`] with
-//! [`Plans`], each [`Plan`] a name and its limits or unlimited, picked by a header, a sync
-//! resolver or a cached async [`PlanLookup`]. Each plan keeps its own state; requests
+//! [`Plans`](plan::Plans), each [`Plan`](plan::Plan) a name and its limits or unlimited, picked by a header, a sync
+//! resolver or a cached async [`PlanLookup`](plan::PlanLookup). Each plan keeps its own state; requests
 //! without a known plan get the default plan. See [`plan`].
 //!
 //! # Peek and reset
@@ -89,14 +89,14 @@
 //! written, and its [`reset`](Limiter::reset) gives a key a fresh budget under the
 //! layer's rules in force, on every replica at once (the Redis store's block caches hear
 //! resets over pub/sub). [`Limiter::key_of`] makes the key with the layer's own extractor.
-//! Stores implement [`Store::peek`] and [`Store::reset`].
+//! Stores implement [`Store::peek`](store::Store::peek) and [`Store::reset`](store::Store::reset).
 //!
 //! # Shadow mode
 //!
 //! To roll a limit out by watching first, make it a shadow limit
-//! ([`RateLimitLayer::with_shadow_limit`], [`Rules::with_shadow_limits`]) or put the whole
-//! layer in shadow ([`RateLimitLayer::with_shadow`], [`Rules::with_shadow`]; both can change at
-//! run time through a [`RulesHandle`]). Shadow limits are decided and counted like any
+//! ([`RateLimitLayer::with_shadow_limit`], [`Rules::with_shadow_limits`](rules::Rules::with_shadow_limits)) or put the whole
+//! layer in shadow ([`RateLimitLayer::with_shadow`], [`Rules::with_shadow`](rules::Rules::with_shadow); both can change at
+//! run time through a [`RulesHandle`](rules::RulesHandle)). Shadow limits are decided and counted like any
 //! other but never reject: a request they would reject reaches the inner service, is
 //! counted with the outcome `would_reject` (feature `metrics`; see [`metrics`]) and is
 //! logged at `info` (`rate limit would reject (shadow)`, with the layer and the redacted
@@ -135,10 +135,11 @@
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
 //! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
 //! - `bb8`: build a `RedisStore` from a bb8-redis pool.
-//! - `cluster`: `RedisStore::connect_cluster` for Redis Cluster.
+//! - `cluster`: `RedisStore::connect(RedisTarget::cluster(..))` for Redis Cluster.
 //! - `tls`: `rediss://` (one node, cluster, Sentinel) over rustls with the ring provider (no
 //!   system OpenSSL); `store::TlsConfig` for a private CA and client certificates.
-//! - `sentinel`: `RedisStore::connect_sentinel` follows the master Redis Sentinel names.
+//! - `sentinel`: `RedisStore::connect(SentinelConfig::new(..))` follows the master Redis
+//!   Sentinel names.
 //! - `metrics`: request counters and decision latency per layer through the `metrics`
 //!   facade; see [`metrics`].
 //! - `tonic`: [`PeerIp`](key::PeerIp) and [`ClientIp`](key::ClientIp) read tonic's
@@ -193,11 +194,10 @@ pub use service::RateLimit;
 // headers, in-flight limits) is exported there only. These crate-internal shortcuts keep
 // `crate::Rules` and the like working inside the library; they are not API.
 pub(crate) use headers::HeaderStyle;
-pub(crate) use in_flight::InFlightLayer;
-pub(crate) use plan::{Plan, Plans};
-pub(crate) use rules::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
-pub(crate) use rules::{Rules, RulesHandle};
-pub(crate) use store::{MemoryStore, Store};
+pub(crate) use plan::Plans;
+pub(crate) use rules::{DEFAULT_TIMEOUT, Rules};
+#[cfg(test)]
+pub(crate) use store::MemoryStore;
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -27,7 +27,12 @@ use support::{
     failover::{CHECK_TIMEOUT, check, resumed, wait_until},
 };
 use tokio::{task::JoinSet, time::timeout};
-use tollgate::{Decision, FailurePolicy, Limit, RateLimitLayer, StoreError, StoreErrorKind, clock::ManualClock, key::{GlobalKey, Key}, store::{RedisStore, Store}};
+use tollgate::{
+    Decision, FailurePolicy, Limit, RateLimitLayer, StoreError, StoreErrorKind,
+    clock::ManualClock,
+    key::{GlobalKey, Key},
+    store::{RedisStore, Store},
+};
 use tower::{Layer, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -47,7 +52,7 @@ fn every_algorithm(limit: u32) -> [Limit; 5] {
 }
 
 async fn connect(cluster: &RedisCluster) -> RedisStore {
-    RedisStore::connect_cluster(&cluster.urls())
+    RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
         .await
         .unwrap()
         .with_clock(ManualClock::new(NOW_MS))
@@ -57,7 +62,7 @@ async fn connect(cluster: &RedisCluster) -> RedisStore {
 #[tokio::test]
 async fn kinds_of_keys_never_share_state_in_a_cluster() {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     support::kinds::kinds_never_share_state(Arc::new(store)).await;
 }
 
@@ -447,7 +452,7 @@ async fn a_master_without_the_library_loads_it_on_demand() {
     if support::redis_server_major_version() < 7 {
         return; // no functions: NOSCRIPT reloads the script (the failover test)
     }
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = every_algorithm(2);
     let masters = cluster.masters();
     let flushed = masters[0];
@@ -487,7 +492,7 @@ async fn a_master_without_the_library_loads_it_on_demand() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = [Limit::fixed_window(3, HOUR).unwrap()];
     let functions = support::redis_server_major_version() >= 7;
     for master in cluster.masters() {
@@ -612,7 +617,7 @@ fn clients(cluster: &RedisCluster, index: usize, any: bool) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_of_many_slots_go_to_their_master_together_and_decide_exactly() {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = [
         Limit::fixed_window(3, HOUR).unwrap(),
         Limit::gcra(3, HOUR).unwrap(),
@@ -707,7 +712,7 @@ fn keys_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moving_a_slot_under_pipelined_traffic_counts_each_request_once() {
     let cluster = Arc::new(RedisCluster::start());
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
     let hot = Key::new("hot");
     let name = store.redis_key(&hot, &limit[0]);
@@ -782,7 +787,7 @@ async fn calls_of_many_slots_share_one_function_call_and_count_once_through_a_mi
     if support::redis_server_major_version() < 7 {
         return; // no functions: each slot its own script call (tests above)
     }
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limit = [Limit::fixed_window(1_000, HOUR).unwrap()];
     let from = cluster.masters()[0];
     let to = cluster.masters()[1];
@@ -892,7 +897,7 @@ fn field(info: &str, line: &str, name: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failover_pipelined_calls_reach_the_new_master() {
     let mut cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = [Limit::fixed_window(3, HOUR).unwrap()];
     let loose = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
     let master = cluster.masters()[0];
@@ -962,7 +967,7 @@ async fn after_a_failover_pipelined_calls_reach_the_new_master() {
 async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once() {
     const BURST: usize = 300;
     let cluster = RedisCluster::start();
-    let first = connect(&cluster).await.with_block_cache(0);
+    let first = connect(&cluster).await.with_block_cache(None);
     let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
     let hot = Key::new("hot");
     let name = first.redis_key(&hot, &limit[0]);
@@ -982,7 +987,7 @@ async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once(
         // A new store the first time (its slot map not read yet: the per-slot path),
         // then `first` (its own pipelines to the masters).
         let store = if round == 0 {
-            connect(&cluster).await.with_block_cache(0)
+            connect(&cluster).await.with_block_cache(None)
         } else {
             first.clone()
         };

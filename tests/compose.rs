@@ -16,7 +16,13 @@ use std::{
 
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode};
-use tollgate::{FailurePolicy, Limit, RateLimitLayer, clock::ManualClock, key::{GlobalKey, Key}, store::{RedisStore, MemoryStore, Store}, plan::{Plan, Plans}};
+use tollgate::{
+    FailurePolicy, Limit, RateLimitLayer,
+    clock::ManualClock,
+    key::{GlobalKey, Key},
+    plan::{Plan, Plans},
+    store::{MemoryStore, RedisStore, Store},
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -169,7 +175,7 @@ async fn count_after_waits_for_its_reservation(store: impl Store + Clone) {
         .with_key(GlobalKey)
         .with_store(store)
         .with_timeout(Some(Duration::from_secs(5)))
-        .with_max_wait(Duration::from_secs(2))
+        .with_max_wait(Some(Duration::from_secs(2)))
         .with_late_cost(tokens);
     let limiter = layer.limiter();
     let service = layer.layer(handler());
@@ -214,7 +220,7 @@ async fn shadow_limits_reserve(store: impl Store + Clone) {
         .with_key(GlobalKey)
         .with_store(store)
         .with_timeout(Some(Duration::from_secs(5)))
-        .with_max_wait(Duration::from_secs(2));
+        .with_max_wait(Some(Duration::from_secs(2)));
     let limiter = layer.limiter();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -254,7 +260,7 @@ async fn the_local_fallback_reserves_and_waits() {
         .with_key(GlobalKey)
         .with_store(store)
         .with_on_store_error(FailurePolicy::Local(memory()))
-        .with_max_wait(Duration::from_secs(2))
+        .with_max_wait(Some(Duration::from_secs(2)))
         .layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
     let started = Instant::now();

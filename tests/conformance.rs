@@ -10,7 +10,12 @@ use tollgate_test_support as support;
 use std::time::Duration;
 
 use support::RedisServer;
-use tollgate::{Algorithm, Decision, Limit, OnChange, clock::{Clock, ManualClock}, key::Key, store::{RedisStore, MemoryStore, Store}};
+use tollgate::{
+    Algorithm, Decision, Limit, OnChange,
+    clock::{Clock, ManualClock},
+    key::Key,
+    store::{MemoryStore, RedisStore, Store},
+};
 
 /// A store under test with the clock that drives it.
 struct Harness {
@@ -385,7 +390,7 @@ macro_rules! conformance {
                     let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
                     let server = RedisServer::start_tls(&tls);
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect_tls(&server.url(), &tls_config(&tls))
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::node(&server.url()).with_tls(tls_config(&tls)))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());
@@ -424,7 +429,7 @@ macro_rules! conformance {
                 async fn $scenario() {
                     let cluster = RedisCluster::start();
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect_cluster(&cluster.urls())
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());
@@ -471,7 +476,7 @@ mod cluster_tls {
                     let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
                     let cluster = RedisCluster::start_tls(&tls);
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect_cluster_tls(&cluster.urls(), &tls_config(&tls))
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()).with_tls(tls_config(&tls)))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());

@@ -23,7 +23,12 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, sync::Semaphore, task::JoinSet, time::timeout};
-use tollgate::{Adjustment, Limit, RateLimitLayer, clock::ManualClock, key::{GlobalKey, HeaderKey, Key}, store::{RedisStore, MemoryStore, Store}};
+use tollgate::{
+    Adjustment, Limit, RateLimitLayer,
+    clock::ManualClock,
+    key::{GlobalKey, HeaderKey, Key},
+    store::{MemoryStore, RedisStore, Store},
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -93,7 +98,9 @@ async fn only_failed_logins_count(store: impl Store + Clone) {
             .with_store(store.clone())
             // Generous: a refund that timed out would stay spent (a loaded CI machine).
             .with_timeout(Some(Duration::from_secs(5)))
-            .with_count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+            .with_count_when(|response: &Response<Body>| {
+                response.status() == StatusCode::UNAUTHORIZED
+            });
         let addr = serve(Router::new().route("/login", post(login)).layer(layer)).await;
         let user = format!("user{i}");
         for _ in 0..10 {
@@ -146,7 +153,7 @@ async fn only_failed_logins_count_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_failed_logins_count_cluster() {
     let cluster = support::cluster::RedisCluster::start();
-    let store = RedisStore::connect_cluster(&cluster.urls())
+    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
         .await
         .unwrap()
         .with_clock(ManualClock::new(NOW_MS));
@@ -525,7 +532,7 @@ async fn extreme_adjustments_are_harmless() {
         .with_prefix("extreme")
         .unwrap()
         .with_clock(clock.clone())
-        .with_block_cache(0);
+        .with_block_cache(None);
     let adjustments = [
         Adjustment::TopUp { units: u32::MAX },
         Adjustment::Refund {
@@ -726,7 +733,7 @@ async fn only_successful_grpc_calls_count() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_sent_after_a_refund_is_decided_after_it_redis() {
     let server = support::RedisServer::start();
-    let store = redis(&server, "order").await.with_block_cache(0);
+    let store = redis(&server, "order").await.with_block_cache(None);
     let limit = [Limit::fixed_window(1, HOUR).unwrap()];
     let mut late = Vec::new();
     for round in 0..200 {

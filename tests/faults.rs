@@ -11,6 +11,7 @@
 use tollgate_test_support as support;
 
 use std::{
+    num::NonZeroUsize,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -22,7 +23,12 @@ use axum::{Router, body::Body, routing::get};
 use http::{Request, Response, StatusCode};
 use support::RedisServer;
 use tokio::{task::JoinSet, time::timeout};
-use tollgate::{CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind, key::GlobalKey, key::Key, store::{RedisStore, Store}};
+use tollgate::{
+    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind,
+    key::GlobalKey,
+    key::Key,
+    store::{RedisStore, Store},
+};
 use tower::ServiceExt;
 
 const TIMEOUT: Duration = Duration::from_millis(100);
@@ -345,7 +351,7 @@ async fn the_queue_of_waiting_decisions_is_bounded() {
     let store = RedisStore::connect(&server.url())
         .await
         .unwrap()
-        .with_queue_limit(64);
+        .with_coalescing(NonZeroUsize::new(64));
     let limits = [Limit::fixed_window(1_000_000, Duration::from_secs(3600)).unwrap()];
     // Warm up: the batching task runs.
     store.check(&Key::new("k"), &limits, 1).await.unwrap();

@@ -16,7 +16,12 @@ use tollgate_test_support as support;
 use std::{net::SocketAddr, time::Duration};
 
 use http_body_util::BodyExt;
-use tollgate::{DefaultRejection, GrpcMissingKey, Limit, MissingKey, OnRejection, RateLimitLayer, clock::ManualClock, key::{HeaderKey, KeyExtractor}, store::{MemoryStore, Store}};
+use tollgate::{
+    DefaultRejection, GrpcMissingKey, Limit, MissingKey, OnRejection, RateLimitLayer,
+    clock::ManualClock,
+    key::{HeaderKey, KeyExtractor},
+    store::{MemoryStore, Store},
+};
 use tonic::{
     Code, Request, Status,
     body::Body,
@@ -165,8 +170,8 @@ async fn calls_over_the_limit_are_resource_exhausted_with_retry_after_memory() {
 
 #[tokio::test]
 async fn retry_pushback_when_enabled() {
-    let layer =
-        per_api_key(1, memory()).with_on_rejection(DefaultRejection::new().with_grpc_retry_pushback(true));
+    let layer = per_api_key(1, memory())
+        .with_on_rejection(DefaultRejection::new().with_grpc_retry_pushback(true));
     let mut running = serve(layer).await;
     allowed(&mut running, Some("k1")).await;
     let status = denied(&mut running, Some("k1")).await;
@@ -259,8 +264,9 @@ async fn a_missing_api_key_is_invalid_argument_by_default() {
 
 #[tokio::test]
 async fn a_missing_api_key_can_be_unauthenticated_or_allowed() {
-    let layer = per_api_key(5, memory())
-        .with_on_rejection(DefaultRejection::new().with_grpc_missing_key(GrpcMissingKey::Unauthenticated));
+    let layer = per_api_key(5, memory()).with_on_rejection(
+        DefaultRejection::new().with_grpc_missing_key(GrpcMissingKey::Unauthenticated),
+    );
     let mut running = serve(layer).await;
     let status = denied(&mut running, None).await;
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
@@ -293,7 +299,7 @@ async fn peer_ip_reads_tonics_connect_info() {
     // The default key: the TCP peer.
     let mut running = serve(
         RateLimitLayer::new(hourly(2))
-            .shared_store(store.clone())
+            .with_store(store.clone())
             .with_timeout(Some(Duration::from_secs(10))),
     )
     .await;
@@ -413,7 +419,7 @@ mod redis {
 async fn a_waiting_call_runs_at_its_turn_and_a_cancelled_one_gives_it_back() {
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(1)).unwrap())
         .with_key(HeaderKey::new("x-api-key").unwrap())
-        .with_max_wait(Duration::from_secs(5));
+        .with_max_wait(Some(Duration::from_secs(5)));
     let running = serve(layer).await;
     let t0 = std::time::Instant::now();
     let call = |timeout: Option<Duration>| {

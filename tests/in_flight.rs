@@ -25,7 +25,12 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode, header::RETRY_AFTER};
 use http_body_util::BodyExt;
 use tokio::sync::{Notify, Semaphore};
-use tollgate::{CircuitBreaker, ConfigError, FailurePolicy, StoreError, StoreErrorKind, in_flight::{InFlight, InFlightBody, InFlightLayer}, key::{HeaderKey, Key, KeyExtractor}, store::{Acquired, Check, Permit, Permits, MemoryStore}};
+use tollgate::{
+    CircuitBreaker, ConfigError, FailurePolicy, StoreError, StoreErrorKind,
+    in_flight::{InFlight, InFlightBody, InFlightLayer},
+    key::{HeaderKey, Key, KeyExtractor},
+    store::{Acquired, Check, MemoryStore, Permit, Permits},
+};
 use tower::{Service, ServiceExt, service_fn};
 
 /// How long a permit given back may take to be free again (Redis: a spawned `ZREM`).
@@ -413,7 +418,9 @@ async fn a_failing_store_opens_the_circuit_and_the_policy_answers() {
 
     // Without a breaker every request asks the store.
     let store = failing();
-    let layer = by_client(1).with_store(store.clone()).with_circuit_breaker(None);
+    let layer = by_client(1)
+        .with_store(store.clone())
+        .with_circuit_breaker(None);
     let mut service = app.service(&layer);
     for _ in 0..5 {
         let answer = send(&mut service, request("a")).await;
@@ -508,7 +515,9 @@ mod redis {
     #[tokio::test]
     async fn cluster_allows_two_in_flight_per_client() {
         let cluster = support::cluster::RedisCluster::start();
-        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+            .await
+            .unwrap();
         // As an app that holds its store as `Arc<dyn Permits>` gives it.
         let store: Arc<dyn Permits> = Arc::new(store);
         two_in_flight(by_client(2).with_store(store.clone())).await;
@@ -537,7 +546,7 @@ mod redis {
         }
         let config = tollgate::store::SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME)
             .with_master_user(Some("tollgate"), support::acl::PASSWORD);
-        let store = RedisStore::connect_sentinel(&config).await.unwrap();
+        let store = RedisStore::connect(config.clone()).await.unwrap();
         two_in_flight(by_client(2).with_store(store)).await;
     }
 
@@ -741,7 +750,9 @@ mod redis {
         // Renewed every 5 s: the newcomer gets in long before the first renewal.
         let ttl = Duration::from_secs(15);
         let mut server = RedisServer::start();
-        let layer = by_client(2).with_store(store(&server).await).with_permit_ttl(ttl);
+        let layer = by_client(2)
+            .with_store(store(&server).await)
+            .with_permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let taken = Instant::now();
@@ -875,7 +886,9 @@ mod redis {
     async fn a_cluster_failover_that_lost_the_permits_counts_running_requests_again() {
         let ttl = Duration::from_secs(6);
         let mut cluster = support::cluster::RedisCluster::start();
-        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+            .await
+            .unwrap();
         let layer = by_client(2).with_store(store).with_permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);

@@ -14,7 +14,12 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, time::timeout};
-use tollgate::{Limit, RateLimitLayer, clock::ManualClock, key::{GlobalKey, HeaderKey}, store::{MemoryStore, Store}};
+use tollgate::{
+    Limit, RateLimitLayer,
+    clock::ManualClock,
+    key::{GlobalKey, HeaderKey},
+    store::{MemoryStore, Store},
+};
 
 /// 20 s into a minute.
 const NOW_MS: u64 = 1_700_000_000_000;
@@ -234,7 +239,7 @@ mod redis {
 
     /// Without the block cache, which would answer most of the denials by itself.
     async fn uncached(server: &RedisServer, clock: &ManualClock) -> RedisStore {
-        store(server, clock).await.with_block_cache(0)
+        store(server, clock).await.with_block_cache(None)
     }
 
     #[tokio::test]
@@ -293,7 +298,7 @@ mod redis {
         let store = RedisStore::connect(&server.url())
             .await
             .unwrap()
-            .with_block_cache(0);
+            .with_block_cache(None);
         let mut conn = support::test_connection(&server.url()).await;
         let limits = [Limit::gcra(1, Duration::from_secs(3_600))
             .unwrap()
@@ -430,11 +435,11 @@ mod cluster {
     async fn a_breach_locks_out_in_a_cluster() {
         let cluster = RedisCluster::start();
         let clock = ManualClock::new(NOW_MS);
-        let store = RedisStore::connect_cluster(&cluster.urls())
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(clock.clone())
-            .with_block_cache(0);
+            .with_block_cache(None);
         a_breach_locks_out_over_http(store.clone(), &clock).await;
 
         // Many keys, so that every master holds some blocks; two limits with lockouts.

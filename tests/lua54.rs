@@ -23,7 +23,13 @@ use futures_util::StreamExt;
 use mlua::{Lua, Value as LuaValue, Variadic};
 use redis::Value;
 use support::RedisServer;
-use tollgate::{Adjustment, Algorithm, Limit, clock::ManualClock, key::Key, store::{LeaseConfig, Store}, store::RedisStore};
+use tollgate::{
+    Adjustment, Algorithm, Limit,
+    clock::ManualClock,
+    key::Key,
+    store::RedisStore,
+    store::{LeaseConfig, Store},
+};
 
 const START: u64 = 1_700_000_000_000;
 
@@ -368,7 +374,7 @@ async fn workload(url: &str, prefix: &str, resets: bool) {
         .with_prefix(prefix)
         .unwrap()
         .with_clock(clock.clone())
-        .with_block_cache(0);
+        .with_block_cache(None);
     let mut steps = Steps(7);
     let sets: Vec<Vec<Limit>> = Algorithm::ALL
         .iter()
@@ -440,7 +446,7 @@ async fn workload(url: &str, prefix: &str, resets: bool) {
         .with_prefix(&format!("{prefix}l"))
         .unwrap()
         .with_clock(clock.clone())
-        .with_block_cache(0)
+        .with_block_cache(None)
         .with_leases(LeaseConfig::new());
     for algorithm in [
         Algorithm::FixedWindow,

@@ -8,7 +8,13 @@ use tollgate_test_support as support;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate::{Algorithm, Decision, Limit, OnChange, algorithm::{self, State}, clock::{Clock, ManualClock}, key::Key, store::{RedisStore, Store}};
+use tollgate::{
+    Algorithm, Decision, Limit, OnChange,
+    algorithm::{self, State},
+    clock::{Clock, ManualClock},
+    key::Key,
+    store::{RedisStore, Store},
+};
 
 const START: u64 = 1_700_000_000_000;
 
@@ -983,7 +989,7 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     if block_cache {
         store
     } else {
-        store.with_block_cache(0)
+        store.with_block_cache(None)
     }
 }
 

@@ -15,7 +15,13 @@ use std::{
 };
 
 use http::{Request, Response, StatusCode};
-use tollgate::{Decision, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind, clock::ManualClock, key::{HeaderKey, Key}, store::{Check, MemoryStore, Store}, rules::Rules};
+use tollgate::{
+    Decision, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind,
+    clock::ManualClock,
+    key::{HeaderKey, Key},
+    rules::Rules,
+    store::{Check, MemoryStore, Store},
+};
 use tower::{Layer, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -448,7 +454,7 @@ mod redis_store {
         let clock = ManualClock::new(NOW_MS);
         let store = connect(&server, "lock-nc")
             .await
-            .with_block_cache(0)
+            .with_block_cache(None)
             .with_clock(clock.clone());
         peek_and_reset_with_a_lockout(&store, &clock).await;
         support::assert_every_key_expires(&server);
@@ -624,7 +630,7 @@ mod cluster_store {
     use support::cluster::RedisCluster;
 
     async fn connect(cluster: &RedisCluster) -> RedisStore {
-        RedisStore::connect_cluster(&cluster.urls())
+        RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS))
@@ -697,7 +703,7 @@ mod sentinel_store {
 
     async fn connect(setup: &SentinelSetup) -> RedisStore {
         let config = SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME);
-        RedisStore::connect_sentinel(&config)
+        RedisStore::connect(config.clone())
             .await
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS))

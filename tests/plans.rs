@@ -26,7 +26,13 @@ use std::{
 use http::{HeaderName, Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use support::RedisServer;
-use tollgate::{Limit, OnChange, RateLimitLayer, clock::ManualClock, key::HeaderKey, store::{RedisStore, MemoryStore, Store}, plan::{Plan, PlanLookup, Plans}};
+use tollgate::{
+    Limit, OnChange, RateLimitLayer,
+    clock::ManualClock,
+    key::HeaderKey,
+    plan::{Plan, PlanLookup, Plans},
+    store::{MemoryStore, RedisStore, Store},
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -37,7 +43,10 @@ const OK: StatusCode = StatusCode::OK;
 const LIMITED: StatusCode = StatusCode::TOO_MANY_REQUESTS;
 
 fn hourly(name: &str, q: u32) -> Limit {
-    Limit::fixed_window(q, HOUR).unwrap().with_name(name).unwrap()
+    Limit::fixed_window(q, HOUR)
+        .unwrap()
+        .with_name(name)
+        .unwrap()
 }
 
 fn per_minute(name: &str, q: u32) -> Limit {
@@ -121,7 +130,7 @@ fn plans() -> Plans {
 fn layer(store: &Arc<dyn Store>) -> RateLimitLayer<HeaderKey, u32> {
     RateLimitLayer::new(hourly("layer", 1))
         .with_key(HeaderKey::new("x-key").unwrap())
-        .shared_store(store.clone())
+        .with_store(store.clone())
         .with_timeout(Some(Duration::from_secs(10)))
 }
 
@@ -244,7 +253,9 @@ async fn scenario(store: impl Store, clock: ManualClock) {
     let shared = |plan: &str, q| {
         Plan::new(
             plan,
-            [hourly("shared", q).with_on_change(OnChange::CarryOver).unwrap()],
+            [hourly("shared", q)
+                .with_on_change(OnChange::CarryOver)
+                .unwrap()],
         )
         .unwrap()
         .with_shared_state(true)
@@ -316,7 +327,7 @@ fn cluster_each_plan_decides_under_its_own_limits_and_state() {
     let cluster = support::cluster::RedisCluster::start();
     let recorder = with_metrics(|| async {
         let clock = ManualClock::new(NOW_MS);
-        let store = RedisStore::connect_cluster(&cluster.urls())
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(clock.clone());
@@ -340,7 +351,7 @@ fn redis_a_plan_with_two_limits_is_one_script_call() {
                 .await
                 .unwrap()
                 .with_clock(ManualClock::new(NOW_MS))
-                .with_block_cache(0),
+                .with_block_cache(None),
         );
         let mut service = layer(&store).with_plans(plans()).layer(service_fn(hello));
         // Loads the script.

@@ -23,7 +23,12 @@ use std::{
 use http::{Request, Response, StatusCode};
 use parking_lot::Mutex;
 use tokio::time::Instant;
-use tollgate::{Adjustment, Limit, RateLimitLayer, clock::Clock, key::{HeaderKey, Key}, store::{Check, MemoryStore, Store}};
+use tollgate::{
+    Adjustment, Limit, RateLimitLayer,
+    clock::Clock,
+    key::{HeaderKey, Key},
+    store::{Check, MemoryStore, Store},
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// Milliseconds on Tokio's clock.
@@ -115,7 +120,7 @@ fn layer(limits: Vec<Limit>, store: impl Store, max_wait: Duration) -> RateLimit
         .with_key(HeaderKey::new("x-key").unwrap())
         .with_store(store)
         .with_timeout(Some(Duration::from_secs(10)))
-        .with_max_wait(max_wait)
+        .with_max_wait(Some(max_wait))
         .with_max_waiters(100, 10)
 }
 
@@ -419,9 +424,11 @@ async fn redis_waiters_run_in_order_and_a_hang_up_gives_its_units_back() {
 #[tokio::test]
 async fn cluster_waiters_run_in_order_and_a_hang_up_gives_its_units_back() {
     let cluster = support::cluster::RedisCluster::start();
-    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = tollgate::store::RedisStore::connect(tollgate::store::RedisTarget::cluster(
+        &cluster.urls(),
+    ))
+    .await
+    .unwrap();
     redis_waiters_in_order(store).await;
 }
 

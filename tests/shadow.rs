@@ -6,12 +6,18 @@
 
 use tollgate_test_support as support;
 
-use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
+use std::{convert::Infallible, future::Future, num::NonZeroUsize, sync::Arc, time::Duration};
 
 use http::{Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use support::RedisServer;
-use tollgate::{Limit, RateLimitLayer, key::HeaderKey, store::{RedisStore, MemoryStore, Store}, headers::HeaderStyle, rules::Rules};
+use tollgate::{
+    Limit, RateLimitLayer,
+    headers::HeaderStyle,
+    key::HeaderKey,
+    rules::Rules,
+    store::{MemoryStore, RedisStore, Store},
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// `q` per hour, named `name`.
@@ -49,7 +55,7 @@ fn layer(store: &Arc<dyn Store>, limit: Limit) -> RateLimitLayer<HeaderKey, u32>
     RateLimitLayer::new(limit)
         .with_key(HeaderKey::new("x-key").unwrap())
         .with_headers(HeaderStyle::default().with_legacy(true))
-        .shared_store(store.clone())
+        .with_store(store.clone())
         .with_timeout(Some(Duration::from_secs(10)))
 }
 
@@ -158,7 +164,7 @@ fn redis_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
         let store = RedisStore::connect(&server.url()).await.unwrap();
-        scenario(store.with_block_cache(0)).await;
+        scenario(store.with_block_cache(None)).await;
     });
     assert_counts(&recorder);
     support::assert_every_key_expires(&server);
@@ -171,7 +177,7 @@ fn redis_block_cache_keeps_shadow_decisions_exact() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
         let store = RedisStore::connect(&server.url()).await.unwrap();
-        scenario(store.with_block_cache(1000)).await;
+        scenario(store.with_block_cache(NonZeroUsize::new(1000))).await;
     });
     assert_counts(&recorder);
 }
@@ -181,7 +187,9 @@ fn redis_block_cache_keeps_shadow_decisions_exact() {
 fn cluster_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
     let cluster = support::cluster::RedisCluster::start();
     let recorder = with_metrics(|| async {
-        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+            .await
+            .unwrap();
         scenario(store).await;
     });
     assert_counts(&recorder);

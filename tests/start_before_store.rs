@@ -15,7 +15,11 @@ use axum::{Router, body::Body, routing::get};
 use http::{Request, Response, StatusCode};
 use support::{RedisServer, fixed_window_count, free_port, logs::Logs, loopback_url};
 use tokio::time::timeout;
-use tollgate::{CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind, key::GlobalKey, store::{RedisStore, Store}};
+use tollgate::{
+    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind,
+    key::GlobalKey,
+    store::{RedisStore, Store},
+};
 use tower::ServiceExt;
 
 /// The limit Redis enforces once it is up.
@@ -237,10 +241,13 @@ async fn in_background_still_refuses_a_wrong_password() {
 #[cfg(feature = "cluster")]
 #[tokio::test]
 async fn a_cluster_in_the_background_is_refused() {
-    let error = RedisStore::connect_cluster(&[loopback_url(free_port(), false)])
-        .in_background(true)
-        .await
-        .unwrap_err();
+    let error = RedisStore::connect(tollgate::store::RedisTarget::cluster(&[loopback_url(
+        free_port(),
+        false,
+    )]))
+    .in_background(true)
+    .await
+    .unwrap_err();
     assert_eq!(error.kind(), StoreErrorKind::Unsupported);
     let cause = support::chain(&error);
     assert!(cause.contains("Redis Cluster"), "{cause}");
@@ -257,7 +264,7 @@ async fn a_sentinel_store_starts_before_its_master() {
     let master_port = free_port();
     let sentinel = SentinelProcess::watching(master_port);
     let config = SentinelConfig::new(&[sentinel.url()], MASTER_NAME);
-    let store = RedisStore::connect_sentinel(&config)
+    let store = RedisStore::connect(config.clone())
         .in_background(true)
         .await
         .expect("starts without its master");

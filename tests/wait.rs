@@ -59,7 +59,7 @@ fn service_on(
         .with_store(store)
         // Paused time runs ahead while Redis answers: no timeout.
         .with_timeout(None)
-        .with_max_wait(max_wait)
+        .with_max_wait(Some(max_wait))
         .with_max_waiters(total, per_key);
     let inner =
         service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) });
@@ -216,7 +216,7 @@ async fn a_request_waits_on_redis_too() {
         .with_key(HeaderKey::new("x-key").unwrap())
         .with_store(store)
         .with_timeout(Some(Duration::from_secs(10)))
-        .with_max_wait(Duration::from_secs(5))
+        .with_max_wait(Some(Duration::from_secs(5)))
         .with_max_waiters(10, 10);
     let inner =
         service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) });
@@ -266,7 +266,7 @@ async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
 
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(2)).unwrap())
         .with_key(HeaderKey::new("x-key").unwrap())
-        .with_max_wait(Duration::from_secs(5))
+        .with_max_wait(Some(Duration::from_secs(5)))
         .with_max_waiters(1, 1);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -24,7 +24,12 @@ use axum::{
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
-use tollgate::{FailurePolicy, RateLimitLayer, in_flight::{InFlightBody, InFlightLayer}, key::{ClientIp, GlobalKey, HeaderKey}, store::{Permits, MemoryStore, Store}};
+use tollgate::{
+    FailurePolicy, RateLimitLayer,
+    in_flight::{InFlightBody, InFlightLayer},
+    key::{ClientIp, GlobalKey, HeaderKey},
+    store::{MemoryStore, Permits, Store},
+};
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
 
@@ -612,15 +617,13 @@ fn route_service(
                 layer.with_limit(limit.limit.clone())
             };
         }
-        let mut layer = layer
+        let layer = layer
             .with_shadow(route.shadow)
-            .shared_store(store.clone())
+            .with_store(store.clone())
             .with_on_store_error(policy.clone())
             .with_timeout(Some(config.store.timeout))
             .with_name(name);
-        if let Some(delay) = route.delay {
-            layer = layer.with_max_wait(delay);
-        }
+        let layer = layer.with_max_wait(route.delay);
         service = keyed(
             layer,
             key,
@@ -788,14 +791,12 @@ fn plan_layer(
     let mut layer = RateLimitLayer::new(any.clone())
         .with_plans(built)
         .with_shadow(route.shadow)
-        .shared_store(store.clone())
+        .with_store(store.clone())
         .with_on_store_error(policy.clone())
         .with_timeout(Some(config.store.timeout))
         .with_name(name);
     // The plans are the route's limits too: their denials wait as the others do.
-    if let Some(delay) = route.delay {
-        layer = layer.with_max_wait(delay);
-    }
+    layer = layer.with_max_wait(route.delay);
     // Counted after the response as the route says, like its own limits; not on the
     // admin endpoints: they read and reset a route's own limits.
     keyed(
@@ -884,9 +885,11 @@ async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Connected, Err
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
-            tollgate::store::RedisStore::connect_tls(url, &tls_config(&config.tls)?)
-                .in_background(config.background)
-                .await
+            tollgate::store::RedisStore::connect(
+                tollgate::store::RedisTarget::node(url).with_tls(tls_config(&config.tls)?),
+            )
+            .in_background(config.background)
+            .await
         }
         #[cfg(not(feature = "tls"))]
         return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
@@ -929,12 +932,15 @@ async fn connect_redis_cluster(nodes: &[String], config: &StoreConfig) -> Result
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
-            tollgate::store::RedisStore::connect_cluster_tls(nodes, &tls_config(&config.tls)?).await
+            tollgate::store::RedisStore::connect(
+                tollgate::store::RedisTarget::cluster(nodes).with_tls(tls_config(&config.tls)?),
+            )
+            .await
         }
         #[cfg(not(feature = "tls"))]
         return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
     } else {
-        tollgate::store::RedisStore::connect_cluster(nodes).await
+        tollgate::store::RedisStore::connect(tollgate::store::RedisTarget::cluster(nodes)).await
     };
     let nodes: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
     let store = connecting.map_err(|e| {
@@ -966,6 +972,8 @@ async fn connect_redis_sentinel(
     if let Some(password) = &sentinel.password {
         library = library.with_master_user(sentinel.username.as_deref(), password);
     }
+    #[allow(unused_mut)]
+    let mut target = tollgate::store::RedisTarget::sentinel(library);
     // TLS to the master when the sentinels are reached over TLS.
     if sentinel
         .sentinels
@@ -974,11 +982,11 @@ async fn connect_redis_sentinel(
     {
         #[cfg(feature = "tls")]
         {
-            library = library.with_tls(tls_config(&config.tls)?);
+            target = target.with_tls(tls_config(&config.tls)?);
         }
     }
     let sentinels: Vec<String> = sentinel.sentinels.iter().map(|n| redact(n)).collect();
-    let store = tollgate::store::RedisStore::connect_sentinel(&library)
+    let store = tollgate::store::RedisStore::connect(target)
         .in_background(config.background)
         .await
         .map_err(|e| {

@@ -364,7 +364,8 @@ mod tests {
 
     #[test]
     fn forwarded_header_is_parsed() {
-        let key = ClientIp::new(["10.0.0.0/8".parse().unwrap()]).with_header(ForwardedHeader::Forwarded);
+        let key =
+            ClientIp::new(["10.0.0.0/8".parse().unwrap()]).with_header(ForwardedHeader::Forwarded);
         let mut req = Request::get("/")
             .header(
                 "forwarded",

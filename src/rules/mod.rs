@@ -33,5 +33,5 @@ pub(crate) mod set;
 
 pub(crate) use active::{Active, Cell, Chosen, Resolving};
 pub use handle::RulesHandle;
-pub use set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT, Rules};
 pub(crate) use set::unique;
+pub use set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT, Rules};

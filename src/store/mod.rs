@@ -26,7 +26,9 @@ pub use redis::SentinelConfig;
 #[cfg(feature = "tls")]
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
-pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisConnect, RedisStore, SCRIPT_SOURCE};
+pub use redis::{
+    DEFAULT_PREFIX, LeaseConfig, RedisConnect, RedisStore, RedisTarget, SCRIPT_SOURCE,
+};
 #[cfg(feature = "redis")]
 pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 

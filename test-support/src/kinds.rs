@@ -18,7 +18,11 @@ use std::{
 };
 
 use http::{Request, Response, StatusCode};
-use tollgate::{Limit, RateLimitLayer, key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey, KeyExtractor, PeerIp}, store::Store};
+use tollgate::{
+    Limit, RateLimitLayer,
+    key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey, KeyExtractor, PeerIp},
+    store::Store,
+};
 use tower::{Layer, ServiceExt, service_fn};
 
 /// The victim's address.
@@ -59,7 +63,7 @@ async fn status<K: KeyExtractor<()>>(
 ) -> StatusCode {
     let limit = Limit::fixed_window(1, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .shared_store(store.clone())
+        .with_store(store.clone())
         .with_key(key);
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(String::new()))

@@ -71,7 +71,13 @@ use axum::{
     response::{IntoResponse, Response},
     routing::get,
 };
-use tollgate::{FailurePolicy, Limit, RateLimitLayer, key::{GlobalKey, Key, KeyError, KeyExtractor}, store::{LeaseConfig, RedisStore, MemoryStore}, headers::HeaderStyle, in_flight::InFlightLayer};
+use tollgate::{
+    FailurePolicy, Limit, RateLimitLayer,
+    headers::HeaderStyle,
+    in_flight::InFlightLayer,
+    key::{GlobalKey, Key, KeyError, KeyExtractor},
+    store::{LeaseConfig, MemoryStore, RedisStore},
+};
 use tower::{ServiceExt, util::MapResponseLayer};
 use tower_governor::{
     GovernorError, GovernorLayer, governor::GovernorConfigBuilder,
@@ -382,18 +388,24 @@ async fn app(args: &Args) -> Result<Router, Error> {
     Ok(match args.mode {
         Mode::Plain => router,
         Mode::Memory => router.layer(layer.with_store(memory())),
-        Mode::MemoryNoHeaders => router.layer(layer.with_store(memory()).with_headers(HeaderStyle::NONE)),
+        Mode::MemoryNoHeaders => {
+            router.layer(layer.with_store(memory()).with_headers(HeaderStyle::NONE))
+        }
         Mode::Redis => router.layer(layer.with_store(RedisStore::connect(redis_url()?).await?)),
         Mode::RedisNoCoalesce => router.layer(
             layer.with_store(
                 RedisStore::connect(redis_url()?)
                     .await?
-                    .with_coalescing(false),
+                    .with_coalescing(None),
             ),
         ),
-        Mode::RedisNoCache => {
-            router.layer(layer.with_store(RedisStore::connect(redis_url()?).await?.with_block_cache(0)))
-        }
+        Mode::RedisNoCache => router.layer(
+            layer.with_store(
+                RedisStore::connect(redis_url()?)
+                    .await?
+                    .with_block_cache(None),
+            ),
+        ),
         Mode::RedisLease => router.layer(
             layer.with_store(
                 RedisStore::connect(redis_url()?)
@@ -413,16 +425,20 @@ async fn app(args: &Args) -> Result<Router, Error> {
             if args.cluster.is_empty() {
                 return Err("mode redis-cluster needs --cluster <url,url,..>".into());
             }
-            router.layer(layer.with_store(RedisStore::connect_cluster(&args.cluster).await?))
+            router.layer(layer.with_store(
+                RedisStore::connect(tollgate::store::RedisTarget::cluster(&args.cluster)).await?,
+            ))
         }
         Mode::RedisTls => router.layer(layer.with_store(connect_tls(args).await?)),
         Mode::MemoryLockout => router.layer(layer.with_store(memory())),
-        Mode::RedisLockout => router.layer(layer.with_store(RedisStore::connect(redis_url()?).await?)),
-        Mode::MemoryWait => router.layer(layer.with_store(memory()).with_max_wait(MAX_WAIT)),
+        Mode::RedisLockout => {
+            router.layer(layer.with_store(RedisStore::connect(redis_url()?).await?))
+        }
+        Mode::MemoryWait => router.layer(layer.with_store(memory()).with_max_wait(Some(MAX_WAIT))),
         Mode::RedisWait => router.layer(
             layer
                 .with_store(RedisStore::connect(redis_url()?).await?)
-                .with_max_wait(MAX_WAIT),
+                .with_max_wait(Some(MAX_WAIT)),
         ),
         Mode::MemoryInFlight | Mode::RedisInFlight => {
             let max = if reject {
@@ -545,7 +561,7 @@ async fn handwritten(State(state): State<Handwritten>, request: Request, next: N
         (false, _) => state.key.to_owned(),
     };
     let decided: redis::RedisResult<(i64, i64)> = FIXED_WINDOW
-        .with_key(key)
+        .key(key)
         .arg(state.limit)
         .arg(state.window_ms)
         .invoke_async(&mut connection)
@@ -565,7 +581,7 @@ async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
         .as_ref()
         .ok_or("mode redis-tls needs --redis-tls <rediss-url> --tls-ca <ca.pem>")?;
     let tls = tollgate::store::TlsConfig::new().with_ca_pem(std::fs::read(ca)?);
-    Ok(RedisStore::connect_tls(url, &tls).await?)
+    Ok(RedisStore::connect(tollgate::store::RedisTarget::node(url).with_tls(tls.clone())).await?)
 }
 
 #[cfg(not(feature = "tls"))]
