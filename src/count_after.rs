@@ -38,7 +38,7 @@
 //!   it was reserved), so **kept + in flight + reserved units are at most the limit**;
 //!   a request the [local fallback](crate::FailurePolicy::Local) decided is settled in
 //!   that store.
-//! - The store must implement [`Store::adjust`](crate::Store::adjust) (the memory and
+//! - The store must implement [`Store::adjust`](crate::store::Store::adjust) (the memory and
 //!   Redis stores do) and say when it decided
 //!   ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms)); otherwise units stay
 //!   spent.

@@ -129,7 +129,7 @@ impl HeaderWriter {
         Self::named(style, limits, &names)
     }
 
-    /// The writer of a [plan](crate::Plan)'s limits: each policy is called
+    /// The writer of a [plan](crate::plan::Plan)'s limits: each policy is called
     /// `<plan>.<policy>` (`"free.hourly"`, `"paid.100-per-1m"`), so clients and logs see
     /// which plan answered.
     pub(crate) fn for_plan(style: HeaderStyle, limits: &[Limit], plan: &str) -> Self {

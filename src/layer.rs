@@ -10,6 +10,8 @@ use tower_layer::Layer;
 
 use http::{HeaderMap, Response};
 
+#[cfg(doc)]
+use crate::rules::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 use crate::{
     CircuitBreaker, FailurePolicy, Limit, MissingKey,
     count_after::{CountWhen, LateCost, TrailerCost, UpFront},
@@ -22,8 +24,6 @@ use crate::{
     service::RateLimit,
     store::{MemoryStore, Store},
 };
-#[cfg(doc)]
-use crate::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 
 /// The name of a layer that was not given one with [`RateLimitLayer::with_name`].
 pub const DEFAULT_NAME: &str = "default";
@@ -261,7 +261,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// instead of failed; the client sees a slower answer, not a 429.
     ///
     /// - **Token bucket and GCRA limits reserve**: the layer asks the store to
-    ///   [reserve](crate::Store::reserve), which counts the request at once for the moment
+    ///   [reserve](crate::store::Store::reserve), which counts the request at once for the moment
     ///   it may run (a bucket goes into debt, GCRA's arrival time moves ahead) and answers
     ///   "allowed after [`wait`](crate::Decision::wait)". The request sleeps that long and
     ///   runs without asking again: nobody can overtake it, and it never waits in vain.

@@ -78,7 +78,7 @@
 //! # Plans
 //!
 //! Limits chosen per request (free, paid, internal): [`RateLimitLayer::with_plans`] with
-//! [`Plans`](plan::Plans), each [`Plan`](plan::Plan) a name and its limits or unlimited, picked by a header, a sync
+//! [`Plans`], each [`Plan`](plan::Plan) a name and its limits or unlimited, picked by a header, a sync
 //! resolver or a cached async [`PlanLookup`](plan::PlanLookup). Each plan keeps its own state; requests
 //! without a known plan get the default plan. See [`plan`].
 //!

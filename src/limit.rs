@@ -419,7 +419,7 @@ impl Limit {
     /// What a rules change that gives this limit a new `limit` or `burst` does to its
     /// state: [`OnChange::Reset`] (the default) starts fresh, [`OnChange::CarryOver`]
     /// keeps the spent budget, as [`OnChange`] defines per algorithm. See
-    /// [`RulesHandle`](crate::RulesHandle).
+    /// [`RulesHandle`](crate::rules::RulesHandle).
     ///
     /// Carrying over identifies the state by the limit's name, algorithm and window, so
     /// two limits of one rule set must not share all three.
@@ -547,7 +547,7 @@ impl Limit {
         self.params_fingerprint
     }
 
-    /// This limit with its state kept apart under `scope` (a [plan](crate::Plan)'s name):
+    /// This limit with its state kept apart under `scope` (a [plan](crate::plan::Plan)'s name):
     /// the same parameters under another store key, `@<scope>:<id>`. `@` is not a name
     /// character, so a scoped id never equals an unscoped one.
     pub(crate) fn scoped(&self, scope: &str) -> Self {

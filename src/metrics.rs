@@ -2,7 +2,7 @@
 //! `metrics`).
 //!
 //! With the feature on, every layer ([`RateLimitLayer`](crate::RateLimitLayer),
-//! [`InFlightLayer`](crate::InFlightLayer)) records, labelled with its
+//! [`InFlightLayer`](crate::in_flight::InFlightLayer)) records, labelled with its
 //! [`name`](crate::RateLimitLayer::with_name) as `route`:
 //!
 //! | metric | kind | labels | what |

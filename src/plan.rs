@@ -1,7 +1,7 @@
 //! [`Plans`]: limits chosen per request (free, paid, internal, ...).
 //!
 //! A [`Plan`] is a name with its limits, or unlimited. A layer given [`Plans`]
-//! ([`RateLimitLayer::with_plans`](crate::RateLimitLayer::with_plans), [`Rules::with_plans`](crate::Rules::with_plans)) asks
+//! ([`RateLimitLayer::with_plans`](crate::RateLimitLayer::with_plans), [`Rules::with_plans`](crate::rules::Rules::with_plans)) asks
 //! their resolver which plan each request is on, after its key is extracted, and decides
 //! the request under that plan's limits instead of the layer's own: all-or-nothing, in
 //! one store call, as always.
@@ -25,7 +25,7 @@
 //!   prepared once per plan. With the feature `metrics`, each request decided under a
 //!   plan is also counted in [`tollgate_plan_requests_total`](crate::metrics::PLAN_REQUESTS_TOTAL)
 //!   with the labels `route`, `plan` and `outcome`.
-//! - **Changes.** Plans are part of the [`Rules`](crate::Rules), so a [`RulesHandle`](crate::RulesHandle)
+//! - **Changes.** Plans are part of the [`Rules`](crate::rules::Rules), so a [`RulesHandle`](crate::rules::RulesHandle)
 //!   changes them while the layer serves.
 //!
 //! A layer without plans pays one predictable branch per request for them.
@@ -80,7 +80,7 @@ impl Plan {
     ///
     /// A name that is empty, longer than 64 bytes or not of `A-Z a-z 0-9 - _ .` (field
     /// `plan`), no limit (field `limits`), two different limits with one state (field
-    /// `name`, as for [`Rules::with_limits`](crate::Rules::with_limits)).
+    /// `name`, as for [`Rules::with_limits`](crate::rules::Rules::with_limits)).
     pub fn new(
         name: impl Into<String>,
         limits: impl IntoIterator<Item = Limit>,

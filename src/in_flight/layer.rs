@@ -127,7 +127,7 @@ impl<K, R> InFlightLayer<K, R> {
         }
     }
 
-    /// Keeps the permits in `store`: a [`MemoryStore`](crate::MemoryStore) (in the
+    /// Keeps the permits in `store`: a [`MemoryStore`](crate::store::MemoryStore) (in the
     /// process, shared with the layers on it) or a `RedisStore` (shared by every replica,
     /// see the [module docs](crate::in_flight#stores)).
     pub fn with_store(mut self, store: impl Permits) -> Self {
@@ -146,7 +146,7 @@ impl<K, R> InFlightLayer<K, R> {
     }
 
     /// How long taking a permit may take before the failure policy applies
-    /// ([`DEFAULT_TIMEOUT`](crate::DEFAULT_TIMEOUT) by default; `None`: as long as it
+    /// ([`DEFAULT_TIMEOUT`](crate::rules::DEFAULT_TIMEOUT) by default; `None`: as long as it
     /// takes). A permit taken after the timeout is given back at once.
     pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.settings.timeout = timeout;

@@ -36,7 +36,7 @@
 //! The permits live in a [`Permits`](crate::store::Permits) store, set with
 //! [`InFlightLayer::with_store`]:
 //!
-//! - In memory (the default, or a [`MemoryStore`](crate::MemoryStore) to share with other
+//! - In memory (the default, or a [`MemoryStore`](crate::store::MemoryStore) to share with other
 //!   layers): permits are counted in the process; a key with no request in flight takes
 //!   no memory.
 //! - Redis, one node, a cluster or Sentinel (feature `redis`, a `RedisStore`): permits are

@@ -162,7 +162,7 @@ pub(crate) struct Cell {
     pub(crate) current: AtomicU64,
     /// What outlives a change of the rules.
     pub(crate) lasting: Lasting,
-    /// Orders concurrent [`RulesHandle::set`](crate::RulesHandle::set) calls: versions
+    /// Orders concurrent [`RulesHandle::set`](crate::rules::RulesHandle::set) calls: versions
     /// only grow.
     pub(crate) next_version: AtomicU64,
 }

@@ -12,7 +12,7 @@ pub const DEFAULT_MAX_WAITERS: usize = 1024;
 pub const DEFAULT_MAX_WAITERS_PER_KEY: usize = 16;
 
 /// A layer's changeable configuration: its limits and policies. Built with
-/// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`](crate::RulesHandle::set).
+/// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`](crate::rules::RulesHandle::set).
 #[derive(Debug, Clone)]
 pub struct Rules {
     limits: Arc<[Limit]>,

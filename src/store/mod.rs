@@ -64,7 +64,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         self.check(key, limits, cost)
     }
 
-    /// Told by [`RulesHandle::set`](crate::RulesHandle::set) before `limits` come into
+    /// Told by [`RulesHandle::set`](crate::rules::RulesHandle::set) before `limits` come into
     /// force. A store that keeps limits besides the state (the memory store, to know when
     /// state expires) updates those whose state carries over; the default does nothing.
     fn limits_changed(&self, limits: &[Limit]) {

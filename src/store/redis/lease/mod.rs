@@ -197,7 +197,7 @@ impl Leases {
     }
 
     /// Spends `cost` from the lease of `key` under `limits` if it holds enough, refill
-    /// due or not (Redis must not be asked): [`Store::check_held`](crate::Store::check_held).
+    /// due or not (Redis must not be asked): [`Store::check_held`](crate::store::Store::check_held).
     pub(crate) fn spend_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
         let lookup = EntryKeyRef {
             key,
