@@ -8,7 +8,7 @@ use std::{convert::Infallible, hint::black_box, time::Duration};
 
 use futures_util::FutureExt;
 use http::{Request, Response};
-use tollgate::{HeaderStyle, Limit, RateLimitLayer, key::GlobalKey};
+use tollgate::{Limit, RateLimitLayer, headers::HeaderStyle, key::GlobalKey};
 use tower::{Layer, Service, service_fn};
 
 #[inline(never)]
@@ -34,9 +34,9 @@ fn main() {
         "deny" => Limit::fixed_window(1, Duration::from_secs(3600)).unwrap(),
         _ => Limit::fixed_window(100_000_000, Duration::from_secs(3600)).unwrap(),
     };
-    let mut layer = RateLimitLayer::new(limit).key(GlobalKey);
+    let mut layer = RateLimitLayer::new(limit).with_key(GlobalKey);
     if case == "allow_no_fields" {
-        layer = layer.headers(HeaderStyle::NONE);
+        layer = layer.with_headers(HeaderStyle::NONE);
     }
     let inner = service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new(())) });
     let mut service = layer.layer(inner);

@@ -8,7 +8,7 @@ use std::{convert::Infallible, hint::black_box, time::Duration};
 use criterion::{BenchmarkId, Criterion};
 use futures_util::FutureExt;
 use http::{HeaderValue, Request, Response, header::CONTENT_TYPE};
-use tollgate::{HeaderStyle, Limit, RateLimitLayer, key::GlobalKey};
+use tollgate::{Limit, RateLimitLayer, headers::HeaderStyle, key::GlobalKey};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// What a hello-world handler answers: a body and a content type.
@@ -55,8 +55,8 @@ pub(crate) fn bench_all(c: &mut Criterion) {
     for (name, limit, style) in cases {
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             let mut service = RateLimitLayer::new(limit.clone())
-                .key(GlobalKey)
-                .headers(style)
+                .with_key(GlobalKey)
+                .with_headers(style)
                 .layer(service_fn(hello));
             b.iter(|| black_box(run(&mut service)));
         });
@@ -68,7 +68,7 @@ pub(crate) fn bench_all(c: &mut Criterion) {
         ("axum_alone", None),
         (
             "axum_memory_allow",
-            Some(RateLimitLayer::new(allow_limit.clone()).key(GlobalKey)),
+            Some(RateLimitLayer::new(allow_limit.clone()).with_key(GlobalKey)),
         ),
     ];
     for (name, layer) in axum_cases {
@@ -103,7 +103,7 @@ pub(crate) fn bench_all(c: &mut Criterion) {
             let mut service = RateLimitLayer::new(
                 Limit::fixed_window(1_000_000_000, Duration::from_secs(1)).unwrap(),
             )
-            .key(GlobalKey)
+            .with_key(GlobalKey)
             .layer(service_fn(hello));
             b.iter(|| black_box(run(&mut service)));
         },

@@ -21,7 +21,7 @@ use std::{
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use governor::{Quota, RateLimiter};
-use tollgate::{Limit, MemoryStore, key::Key};
+use tollgate::{Limit, key::Key, store::MemoryStore};
 
 /// Threads per workload: `BENCH_THREADS` or 2.
 fn threads() -> u64 {

@@ -17,7 +17,7 @@ use std::{
 
 use governor::{Quota, RateLimiter};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-use tollgate::{Limit, MemoryStore, key::Key};
+use tollgate::{Limit, key::Key, store::MemoryStore};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;

@@ -7,7 +7,11 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion};
 use futures_util::future::join_all;
 use redis::{Script, aio::ConnectionManager};
-use tollgate::{Limit, Store, key::Key, store::RedisStore};
+use tollgate::{
+    Limit,
+    key::Key,
+    store::{RedisStore, Store},
+};
 
 use crate::support::RedisServer;
 
@@ -27,7 +31,9 @@ pub(crate) fn bench_all(c: &mut Criterion) {
     let cluster = crate::support::cluster::RedisCluster::start();
     #[cfg(feature = "cluster")]
     let cluster_store = runtime
-        .block_on(RedisStore::connect_cluster(&cluster.urls()))
+        .block_on(RedisStore::connect(tollgate::store::RedisTarget::cluster(
+            &cluster.urls(),
+        )))
         .unwrap();
     let trivial = Script::new("return redis.call('INCR', KEYS[1])");
     let limits = [Limit::fixed_window(u32::MAX, Duration::from_secs(60)).unwrap()];

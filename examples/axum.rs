@@ -38,14 +38,15 @@ async fn main() -> Result<(), Error> {
     // Every route: each client IP (the default key, read from axum's `ConnectInfo`) gets
     // bursts of 10 requests, refilled at one a second.
     let per_ip =
-        RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(10))?.named("ip")?);
+        RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(10))?.with_name("ip")?);
     // `/api` only: at most 3 requests in any minute per API key (a sliding window: a fixed
     // one, `Limit::per_minute`, lets 6 through around a minute's boundary). `hashed()`
     // keeps the key's SHA-256 in the store, not the key; `hashed_with(secret)` (an HMAC)
     // is better still once the store is a Redis that others can read.
-    let per_key =
-        RateLimitLayer::new(Limit::sliding_window(3, Duration::from_secs(60))?.named("api-key")?)
-            .key(HeaderKey::new("x-api-key")?.hashed());
+    let per_key = RateLimitLayer::new(
+        Limit::sliding_window(3, Duration::from_secs(60))?.with_name("api-key")?,
+    )
+    .with_key(HeaderKey::new("x-api-key")?.hashed());
 
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))

@@ -43,20 +43,21 @@ async fn main() -> Result<(), Error> {
 
     // Outer layer: every client IP (tonic's `TcpConnectInfo`, read with the `tonic`
     // feature) gets a bucket of 20 calls refilled at 20 per second.
-    let per_ip = RateLimitLayer::new(Limit::token_bucket(20, Duration::from_secs(1))?).name("ip");
+    let per_ip =
+        RateLimitLayer::new(Limit::token_bucket(20, Duration::from_secs(1))?).with_name("ip");
     // Inner layer: each API key gets 5 calls a minute. A call without the key is answered
     // UNAUTHENTICATED, and denied calls tell gRPC retry policies how long to wait.
     let per_key = RateLimitLayer::new(Limit::fixed_window(
         PER_KEY_PER_MINUTE,
         Duration::from_secs(60),
     )?)
-    .key(HeaderKey::new("x-api-key")?)
-    .on_rejection(
+    .with_key(HeaderKey::new("x-api-key")?)
+    .with_on_rejection(
         DefaultRejection::new()
-            .grpc_retry_pushback(true)
-            .grpc_missing_key(GrpcMissingKey::Unauthenticated),
+            .with_grpc_retry_pushback(true)
+            .with_grpc_missing_key(GrpcMissingKey::Unauthenticated),
     )
-    .name("api-key");
+    .with_name("api-key");
 
     let server = Server::builder()
         .layer(per_ip)

@@ -22,7 +22,11 @@ use axum::{
 use http_body_util::Empty;
 use hyper::body::Bytes;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use tollgate::{Limit, Plan, Plans, RateLimitLayer, key::HeaderKey};
+use tollgate::{
+    Limit, RateLimitLayer,
+    key::HeaderKey,
+    plan::{Plan, Plans},
+};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -59,8 +63,8 @@ async fn main() -> Result<(), Error> {
     // The layer's own limit applies to requests without a plan: never here, as there is a
     // default plan. Each plan's limits keep their own state per key.
     let limits = RateLimitLayer::new(free)
-        .key(HeaderKey::new("x-api-key")?.hashed())
-        .plans(plans);
+        .with_key(HeaderKey::new("x-api-key")?.hashed())
+        .with_plans(plans);
 
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))

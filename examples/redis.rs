@@ -50,9 +50,9 @@ async fn main() -> Result<(), Error> {
     let on_error = FailurePolicy::local();
 
     let per_ip =
-        RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(10))?.named("ip")?)
-            .store(store.clone())
-            .on_store_error(on_error.clone());
+        RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(10))?.with_name("ip")?)
+            .with_store(store.clone())
+            .with_on_store_error(on_error.clone());
     // In Redis anyone with `MONITOR` or a dump sees key names: keep an HMAC of the API
     // key there, under a secret of yours (from your secret store in real code).
     let secret = match std::env::var("API_KEY_SECRET") {
@@ -61,11 +61,12 @@ async fn main() -> Result<(), Error> {
         Err(_) => return Err("set API_KEY_SECRET, the secret API keys are hashed with".into()),
     };
     // At most 3 in any minute (a sliding window: no 6 around a minute's boundary).
-    let per_key =
-        RateLimitLayer::new(Limit::sliding_window(3, Duration::from_secs(60))?.named("api-key")?)
-            .key(HeaderKey::new("x-api-key")?.hashed_with(secret))
-            .store(store)
-            .on_store_error(on_error);
+    let per_key = RateLimitLayer::new(
+        Limit::sliding_window(3, Duration::from_secs(60))?.with_name("api-key")?,
+    )
+    .with_key(HeaderKey::new("x-api-key")?.hashed_with(secret))
+    .with_store(store)
+    .with_on_store_error(on_error);
 
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))

@@ -1,7 +1,7 @@
 //! [`Adjustment`]: units given back or charged after a request was decided.
 
 /// A change to a key's counted units after its request was decided, applied by
-/// [`Store::adjust`](crate::Store::adjust).
+/// [`Store::adjust`](crate::store::Store::adjust).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjustment {
     /// Gives back `units` charged by a decision made at `charged_at_ms`

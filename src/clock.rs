@@ -34,7 +34,7 @@ impl Clock for SystemClock {
 }
 
 /// The wall clock read once, then advanced by a monotonic counter: what in-process state
-/// is timed with ([`MemoryStore`](crate::MemoryStore)'s default, the Redis store's block
+/// is timed with ([`MemoryStore`](crate::store::MemoryStore)'s default, the Redis store's block
 /// cache).
 ///
 /// The counter is the CPU's time-stamp counter where it is invariant (through

@@ -1,7 +1,7 @@
 //! Counting after the response: units that stay spent only when the response says so
-//! ([`count_when`](crate::RateLimitLayer::count_when)), and costs known only once the
-//! response (or its trailers) is there ([`late_cost`](crate::RateLimitLayer::late_cost),
-//! [`late_cost_from_trailers`](crate::RateLimitLayer::late_cost_from_trailers)).
+//! ([`count_when`](crate::RateLimitLayer::with_count_when)), and costs known only once the
+//! response (or its trailers) is there ([`late_cost`](crate::RateLimitLayer::with_late_cost),
+//! [`late_cost_from_trailers`](crate::RateLimitLayer::with_late_cost_from_trailers)).
 //!
 //! # How it counts
 //!
@@ -30,7 +30,7 @@
 //!   (`algorithm::adjust`, hidden) says it exactly, and property tests hold the Lua to it.
 //! - **gRPC:** a call's status is in its trailers (the HTTP status is 200 either way), so
 //!   count gRPC calls by status with
-//!   [`late_cost_from_trailers`](crate::RateLimitLayer::late_cost_from_trailers), reading
+//!   [`late_cost_from_trailers`](crate::RateLimitLayer::with_late_cost_from_trailers), reading
 //!   `grpc-status` (`"0"`: `Some(0)` gives the unit back); a trailers-only answer (tonic's
 //!   errors) is read from its headers.
 //!
@@ -50,12 +50,12 @@
 //! - The response's rate-limit fields are those of the up-front decision.
 //! - It composes with every other feature of the layer: a request is decided under its
 //!   [plan](crate::plan)'s limits and charged there; its [shadow limits](crate::guide::shadow)
-//!   are charged and settled alike; with [`max_wait`](crate::RateLimitLayer::max_wait) a
+//!   are charged and settled alike; with [`max_wait`](crate::RateLimitLayer::with_max_wait) a
 //!   request that waited keeps the charge it waited for (a reserved one, from the moment
 //!   it was reserved), so **kept + in flight + reserved units are at most the limit**;
 //!   a request the [local fallback](crate::FailurePolicy::Local) decided is settled in
 //!   that store.
-//! - The store must implement [`Store::adjust`](crate::Store::adjust) (the memory and
+//! - The store must implement [`Store::adjust`](crate::store::Store::adjust) (the memory and
 //!   Redis stores do) and say when it decided
 //!   ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms), the time a refund
 //!   names); otherwise units stay spent. The primitive is
@@ -70,8 +70,8 @@
 //!
 //! // Five failed logins a minute; successful ones do not count.
 //! let layer = RateLimitLayer::new(Limit::per_minute(5)?)
-//!     .key(GlobalKey)
-//!     .count_when(|response: &http::Response<axum::body::Body>| {
+//!     .with_key(GlobalKey)
+//!     .with_count_when(|response: &http::Response<axum::body::Body>| {
 //!         response.status().is_client_error()
 //!     });
 //! # let _ = layer;
@@ -87,14 +87,14 @@
 //!
 //! // 10 000 tokens an hour: 1 up front, then what the `x-tokens-used` header says.
 //! let tokens = RateLimitLayer::new(Limit::token_bucket(10_000, Duration::from_secs(3600))?)
-//!     .key(HeaderKey::new("x-api-key")?)
-//!     .late_cost(|response: &http::Response<axum::body::Body>| {
+//!     .with_key(HeaderKey::new("x-api-key")?)
+//!     .with_late_cost(|response: &http::Response<axum::body::Body>| {
 //!         response.headers().get("x-tokens-used")?.to_str().ok()?.parse().ok()
 //!     });
 //! // The same from a gRPC trailer.
 //! let grpc = RateLimitLayer::new(Limit::token_bucket(10_000, Duration::from_secs(3600))?)
-//!     .key(HeaderKey::new("x-api-key")?)
-//!     .late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
+//!     .with_key(HeaderKey::new("x-api-key")?)
+//!     .with_late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
 //!         trailers?.get("x-tokens-used")?.to_str().ok()?.parse().ok()
 //!     });
 //! # let _ = (tokens, grpc);
@@ -151,7 +151,7 @@ impl<B> Recount<B> for UpFront {
 }
 
 /// Keeps a request's units only when the predicate holds on its response. Made by
-/// [`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when).
+/// [`RateLimitLayer::with_count_when`](crate::RateLimitLayer::with_count_when).
 #[derive(Clone, Copy)]
 pub struct CountWhen<P>(pub(crate) P);
 
@@ -178,7 +178,7 @@ where
 }
 
 /// Charges what the response says the request cost (`None`: its up-front cost). Made by
-/// [`RateLimitLayer::late_cost`](crate::RateLimitLayer::late_cost).
+/// [`RateLimitLayer::with_late_cost`](crate::RateLimitLayer::with_late_cost).
 #[derive(Clone, Copy)]
 pub struct LateCost<F>(pub(crate) F);
 
@@ -207,7 +207,7 @@ where
 /// Charges what the response's trailers say the request cost, once its body ends
 /// (`None`, or no trailers: its up-front cost). A trailers-only gRPC response
 /// (`grpc-status` in its headers) is read at once, its headers as its trailers. Made by
-/// [`RateLimitLayer::late_cost_from_trailers`](crate::RateLimitLayer::late_cost_from_trailers); responses get a [`CountedBody`].
+/// [`RateLimitLayer::with_late_cost_from_trailers`](crate::RateLimitLayer::with_late_cost_from_trailers); responses get a [`CountedBody`].
 #[derive(Clone, Copy)]
 pub struct TrailerCost<F>(pub(crate) F);
 

@@ -9,7 +9,7 @@ pub(crate) type LimitDecisions = SmallVec<[LimitDecision; 2]>;
 
 /// The outcome for one [`Limit`](crate::Limit) of a request.
 ///
-/// A custom [`Store`](crate::Store) builds these with [`allow`](Self::allow) and
+/// A custom [`Store`](crate::store::Store) builds these with [`allow`](Self::allow) and
 /// [`deny`](Self::deny).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -119,7 +119,7 @@ impl Decision {
     }
 
     /// The same decision, allowed after a wait of `wait_ms`: a reservation, made by
-    /// [`Store::reserve`](crate::Store::reserve). The units are counted already at the
+    /// [`Store::reserve`](crate::store::Store::reserve). The units are counted already at the
     /// moment the request may run; the caller waits `wait_ms`, then runs it without asking
     /// the store again. (0: no wait. Saturates at `u32::MAX` ms, about 49 days.)
     #[must_use]
@@ -129,8 +129,8 @@ impl Decision {
     }
 
     /// How long an allowed request must wait before it runs: zero unless the store
-    /// [reserved](crate::Store::reserve) its units for a moment ahead. See
-    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait).
+    /// [reserved](crate::store::Store::reserve) its units for a moment ahead. See
+    /// [`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait).
     pub fn wait(&self) -> Duration {
         Duration::from_millis(self.wait_ms())
     }
@@ -219,7 +219,7 @@ impl Decision {
 /// What a [`RateLimitLayer`](crate::RateLimitLayer) decided for a request, in the
 /// request's extensions for the inner service (as express-rate-limit's `req.rateLimit`):
 /// the decision (limit, remaining, reset per limit) and the [plan](crate::plan) it was
-/// decided under. With [`RateLimitLayer::request_info`](crate::RateLimitLayer::request_info),
+/// decided under. With [`RateLimitLayer::with_request_info`](crate::RateLimitLayer::with_request_info),
 /// set on every request the store allowed; absent on one let through
 /// without a decision (no key with [`MissingKey::Allow`](crate::MissingKey::Allow), a
 /// failing store under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow), an

@@ -38,7 +38,7 @@ impl fmt::Display for ConfigError {
 
 impl StdError for ConfigError {}
 
-/// What went wrong when a [`Store`](crate::Store) could not decide.
+/// What went wrong when a [`Store`](crate::store::Store) could not decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
@@ -51,9 +51,9 @@ pub enum StoreErrorKind {
     Response,
     /// Too many decisions are already waiting for the store.
     Overloaded,
-    /// The store does not implement this operation (a custom [`Store`](crate::Store)
-    /// without [`peek`](crate::Store::peek), [`reset`](crate::Store::reset) or
-    /// [`adjust`](crate::Store::adjust)).
+    /// The store does not implement this operation (a custom [`Store`](crate::store::Store)
+    /// without [`peek`](crate::store::Store::peek), [`reset`](crate::store::Store::reset) or
+    /// [`adjust`](crate::store::Store::adjust)).
     Unsupported,
 }
 
@@ -98,7 +98,7 @@ impl StoreError {
         }
     }
 
-    /// The store does not implement `operation`: what [`Store`](crate::Store)'s default
+    /// The store does not implement `operation`: what [`Store`](crate::store::Store)'s default
     /// methods answer.
     pub fn unsupported(operation: &str) -> Self {
         Self::new(

@@ -10,17 +10,17 @@
 //! - The fields follow draft-ietf-httpapi-ratelimit-headers-11, one item per limit. Each
 //!   layer *appends* its own field lines, so stacked layers each show their own items.
 //! - No `pk` (partition key) is sent: it would hand every client a stable identifier.
-//! - The policy name is the limit's [`named(..)`](crate::Limit::named) name or
+//! - The policy name is the limit's [`named(..)`](crate::Limit::with_name) name or
 //!   `<limit>-per-<window>` (under a [plan](crate::plan): `<plan>.<name>`).
 //! - On denied responses, `Retry-After: <seconds>`, rounded up and never 0, and never
 //!   earlier than any `t` of the same response.
-//! - [`.headers(HeaderStyle::default().with_legacy(true))`](crate::RateLimitLayer::headers)
+//! - [`.with_headers(HeaderStyle::default().with_legacy(true))`](crate::RateLimitLayer::with_headers)
 //!   adds the legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset`
 //!   (seconds) of the most restrictive limit; [`HeaderStyle::NONE`] removes the fields.
 //! - gRPC calls get the same values as metadata in a trailers-only answer, never HTTP 429:
 //!   see [the gRPC guide](crate::guide::grpc).
 //! - Customise the denied answer with
-//!   [`.on_rejection(|req: &Request<Body>, decision: &Decision| ..)`](crate::OnRejection);
+//!   [`.with_on_rejection(|req: &Request<Body>, decision: &Decision| ..)`](crate::OnRejection);
 //!   the layer still adds `Retry-After` and the rate-limit fields.
 //!   [`DefaultRejection`](crate::DefaultRejection) lists every answer the layer gives.
 use bytes::BytesMut;
@@ -42,7 +42,7 @@ pub static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-
 /// Which rate-limit fields responses carry.
 ///
 /// ```
-/// use tollgate::HeaderStyle;
+/// use tollgate::headers::HeaderStyle;
 ///
 /// // The IETF fields and the legacy `X-RateLimit-*` ones.
 /// let both = HeaderStyle::default().with_legacy(true);
@@ -142,7 +142,7 @@ impl HeaderWriter {
         Self::named(style, limits, &names)
     }
 
-    /// The writer of a [plan](crate::Plan)'s limits: each policy is called
+    /// The writer of a [plan](crate::plan::Plan)'s limits: each policy is called
     /// `<plan>.<policy>` (`"free.hourly"`, `"paid.100-per-1m"`), so clients and logs see
     /// which plan answered.
     pub(crate) fn for_plan(style: HeaderStyle, limits: &[Limit], plan: &str) -> Self {
@@ -266,7 +266,7 @@ mod tests {
     fn appends_rather_than_overwrites() {
         let inner = [Limit::fixed_window(10, Duration::from_secs(1))
             .unwrap()
-            .named("inner")
+            .with_name("inner")
             .unwrap()];
         let outer = [Limit::fixed_window(10, Duration::from_millis(500)).unwrap()];
         let mut headers = HeaderMap::new();

@@ -10,6 +10,8 @@ use tower_layer::Layer;
 
 use http::{HeaderMap, Response};
 
+#[cfg(doc)]
+use crate::rules::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 use crate::{
     CircuitBreaker, FailurePolicy, Limit, MissingKey,
     count_after::{CountWhen, LateCost, TrailerCost, UpFront},
@@ -22,10 +24,8 @@ use crate::{
     service::RateLimit,
     store::{MemoryStore, Store},
 };
-#[cfg(doc)]
-use crate::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 
-/// The name of a layer that was not given one with [`RateLimitLayer::name`].
+/// The name of a layer that was not given one with [`RateLimitLayer::with_name`].
 pub const DEFAULT_NAME: &str = "default";
 
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate) for an example.
@@ -40,7 +40,7 @@ pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront
     cost: C,
     rejection: R,
     /// How requests are counted: up front, or after their response
-    /// ([`count_when`](Self::count_when), [`late_cost`](Self::late_cost)).
+    /// ([`count_when`](Self::with_count_when), [`late_cost`](Self::with_late_cost)).
     recount: M,
     /// Everything that does not change the layer's type.
     settings: Settings,
@@ -157,7 +157,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Adding a limit equal to one already present changes nothing; one with the same
     /// [carried-over](crate::OnChange::CarryOver) state (name, algorithm and window)
     /// replaces it.
-    pub fn limit(mut self, limit: Limit) -> Self {
+    pub fn with_limit(mut self, limit: Limit) -> Self {
         self.settings.changed().rules.push_limit(limit);
         self
     }
@@ -165,7 +165,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Decides each request under the limits of its plan, picked by `plans`'s resolver;
     /// the limits given to the layer apply to requests without a plan when there is no
     /// default plan. See [`plan`](crate::plan).
-    pub fn plans(mut self, plans: crate::Plans) -> Self {
+    pub fn with_plans(mut self, plans: crate::Plans) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_plans(plans);
         self
@@ -175,7 +175,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// request it would reject passes and is counted as `would_reject` (feature
     /// `metrics`) and logged at `info`. An enforced limit with the same state becomes this
     /// shadow one. See [Shadow mode](crate::guide::shadow) and [`Rules::with_shadow_limits`].
-    pub fn shadow_limit(mut self, limit: Limit) -> Self {
+    pub fn with_shadow_limit(mut self, limit: Limit) -> Self {
         self.settings.changed().rules.push_shadow_limit(limit);
         self
     }
@@ -183,14 +183,14 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Puts every limit of the layer in shadow (`true`): a request that would get a 429
     /// goes to the inner service instead, and is counted as `would_reject` and logged.
     /// See [Shadow mode](crate::guide::shadow) and [`Rules::with_shadow`].
-    pub fn shadow(mut self, shadow: bool) -> Self {
+    pub fn with_shadow(mut self, shadow: bool) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_shadow(shadow);
         self
     }
 
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
-    pub fn key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M> {
+    pub fn with_key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M> {
         RateLimitLayer {
             key: Arc::new(key),
             cost: self.cost,
@@ -202,7 +202,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Charges each request `cost` units: a fixed `u32` or a closure
     /// `Fn(&Request<B>) -> u32`. See [`RequestCost`](crate::RequestCost).
-    pub fn cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M> {
+    pub fn with_cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M> {
         RateLimitLayer {
             key: self.key,
             cost,
@@ -213,26 +213,22 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     }
 
     /// Keeps the state in `store` (a `RedisStore` to share limits between replicas).
-    pub fn store(mut self, store: impl Store) -> Self {
+    /// To share one store between layers, give each a clone of an `Arc` of it
+    /// (`Arc<S>` and `Arc<dyn Store>` are stores).
+    pub fn with_store(mut self, store: impl Store) -> Self {
         self.settings.changed().store = Arc::new(store);
         self
     }
 
-    /// Keeps the state in a store already shared with other layers.
-    pub fn shared_store(mut self, store: Arc<dyn Store>) -> Self {
-        self.settings.changed().store = store;
-        self
-    }
-
     /// What requests get when the store fails or times out. See [`FailurePolicy`].
-    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+    pub fn with_on_store_error(mut self, policy: FailurePolicy) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_on_store_error(policy);
         self
     }
 
     /// What requests without a key get. See [`MissingKey`].
-    pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
+    pub fn with_on_missing_key(mut self, policy: MissingKey) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_on_missing_key(policy);
         self
@@ -241,7 +237,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// How long a store call may take before the failure policy applies
     /// ([`DEFAULT_TIMEOUT`] by default; `None` waits for the store as long as it takes).
     /// A call that timed out is never retried: it may already have counted.
-    pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_timeout(timeout);
         self
@@ -251,7 +247,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// the failure policy, so a dead Redis costs no timeout per request. On by default
     /// ([`CircuitBreaker::default`]: open after 5 consecutive failures, probe every
     /// 500 ms); `None` asks the store every time.
-    pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+    pub fn with_circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_circuit_breaker(breaker);
         self
@@ -264,12 +260,12 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Token bucket and GCRA limits *reserve* (the request is counted at once for the
     /// moment it may run, then sleeps and runs without asking again); the window
     /// algorithms, the log and lockouts sleep until `retry_after` and ask again. At most
-    /// [`max_waiters`](Self::max_waiters) requests wait. Waiting uses Tokio's timer: the
+    /// [`max_waiters`](Self::with_max_waiters) requests wait. Waiting uses Tokio's timer: the
     /// service must run on a Tokio runtime. See
     /// [Waiting instead of 429](crate::guide::waiting) for the guarantees, hanging up and
     /// replicas.
     ///
-    /// Off by default.
+    /// `None` (the default) turns waiting off.
     ///
     /// ```
     /// use std::time::Duration;
@@ -277,21 +273,21 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     ///
     /// // 10 a second; a burst above it is spread out over up to half a second.
     /// let layer = RateLimitLayer::new(Limit::gcra(10, Duration::from_secs(1))?)
-    ///     .max_wait(Duration::from_millis(500))
-    ///     .max_waiters(100, 5);
+    ///     .with_max_wait(Some(Duration::from_millis(500)))
+    ///     .with_max_waiters(100, 5);
     /// # Ok::<(), tollgate::ConfigError>(())
     /// ```
-    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+    pub fn with_max_wait(mut self, max_wait: Option<Duration>) -> Self {
         let settings = self.settings.changed();
-        settings.rules = settings.rules.clone().with_max_wait(Some(max_wait));
+        settings.rules = settings.rules.clone().with_max_wait(max_wait);
         self
     }
 
-    /// How many requests may [wait](Self::max_wait) at once: `total` for the layer (and
+    /// How many requests may [wait](Self::with_max_wait) at once: `total` for the layer (and
     /// its clones), `per_key` for one key ([`DEFAULT_MAX_WAITERS`] and
     /// [`DEFAULT_MAX_WAITERS_PER_KEY`] by default). Beyond either, a request is answered
     /// 429 at once.
-    pub fn max_waiters(mut self, total: usize, per_key: usize) -> Self {
+    pub fn with_max_waiters(mut self, total: usize, per_key: usize) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_max_waiters(total, per_key);
         self
@@ -300,14 +296,14 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// Puts a [`RateLimitInfo`](crate::RateLimitInfo) (the decision and its plan) in the
     /// extensions of each request the store allowed, for the inner service (a handler
     /// that shows a client its budget). Off by default. See [`Rules::with_request_info`].
-    pub fn request_info(mut self, on: bool) -> Self {
+    pub fn with_request_info(mut self, on: bool) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_request_info(on);
         self
     }
 
     /// Which rate-limit fields responses carry. See [`HeaderStyle`].
-    pub fn headers(mut self, style: HeaderStyle) -> Self {
+    pub fn with_headers(mut self, style: HeaderStyle) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_headers(style);
         self
@@ -315,7 +311,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Builds the answers to rejected requests with `rejection`. See
     /// [`OnRejection`](crate::OnRejection).
-    pub fn on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M> {
+    pub fn with_on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M> {
         RateLimitLayer {
             key: self.key,
             cost: self.cost,
@@ -337,7 +333,7 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Names this layer in metrics (the `route` label, feature `metrics`) and in the
     /// store-failure log lines; [`DEFAULT_NAME`] by default. See [`metrics`](crate::metrics).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.settings.name = name.into().into();
         self
     }
@@ -367,8 +363,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 }
 
 /// Counting after the response: one rule per layer, chosen once (a second would replace
-/// the first, so it does not compile). [`late_cost`](Self::late_cost) covers
-/// [`count_when`](Self::count_when): answer `Some(0)` for a response that does not count.
+/// the first, so it does not compile). [`late_cost`](Self::with_late_cost) covers
+/// [`count_when`](Self::with_count_when): answer `Some(0)` for a response that does not count.
 ///
 /// ```compile_fail
 /// use axum::{body::Body, http::Response};
@@ -376,15 +372,15 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 ///
 /// let limit = Limit::fixed_window(5, std::time::Duration::from_secs(60)).unwrap();
 /// let layer = RateLimitLayer::new(limit)
-///     .count_when(|r: &Response<Body>| r.status() == 401)
-///     .late_cost(|_: &Response<Body>| Some(1)); // a second rule: does not compile
+///     .with_count_when(|r: &Response<Body>| r.status() == 401)
+///     .with_late_cost(|_: &Response<Body>| Some(1)); // a second rule: does not compile
 /// ```
 impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
     /// Keeps a request's units spent only when `predicate` holds on its response (say,
     /// only failed logins count). The request is still checked first, so a key over its
     /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
     /// while requests are in flight, and what a dropped response or an error counts.
-    pub fn count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
+    pub fn with_count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
     where
         P: Fn(&Response<B>) -> bool,
     {
@@ -392,23 +388,23 @@ impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
     }
 
     /// Charges what `cost` reads from the response (say, a header with the tokens a
-    /// request used): the difference to the up-front [cost](Self::cost) is given back or
+    /// request used): the difference to the up-front [cost](Self::with_cost) is given back or
     /// charged late, even over the limit. `None` keeps the up-front cost. See
     /// [`count_after`](crate::count_after).
-    pub fn late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
+    pub fn with_late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
     where
         F: Fn(&Response<B>) -> Option<u32>,
     {
         self.recount(LateCost(cost))
     }
 
-    /// [`late_cost`](Self::late_cost) from the response's trailers (a gRPC trailer with
+    /// [`late_cost`](Self::with_late_cost) from the response's trailers (a gRPC trailer with
     /// the tokens used, or `grpc-status` to count only failed calls), read when the body
     /// ends; `cost` gets `None` when the body had no trailers. A trailers-only gRPC
     /// response (`grpc-status` in its headers, as tonic answers an error) is read at
     /// once, its headers standing for its trailers. The service answers with a
     /// [`CountedBody`](crate::count_after::CountedBody).
-    pub fn late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
+    pub fn with_late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
     where
         F: Fn(Option<&HeaderMap>) -> Option<u32>,
     {

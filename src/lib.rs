@@ -1,7 +1,7 @@
 //! Rate limiting for [Tower] services: axum and tonic apps add it with `.layer(..)`.
 //!
 //! For each request a [`KeyExtractor`](key::KeyExtractor) picks who it is counted against
-//! (client IP, an API key header, the authenticated user, ...), a [`Store`] decides it
+//! (client IP, an API key header, the authenticated user, ...), a [`Store`](store::Store) decides it
 //! atomically against one or more [`Limit`]s, and the request either reaches the inner
 //! service or is answered `429 Too Many Requests` with `Retry-After` (gRPC:
 //! `RESOURCE_EXHAUSTED`). Allowed and denied responses carry the IETF `RateLimit-Policy`
@@ -17,8 +17,8 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // 10 requests per second and 1000 per hour for each API key, all-or-nothing.
 //! let layer = RateLimitLayer::new(Limit::token_bucket(10, Duration::from_secs(1))?)
-//!     .limit(Limit::fixed_window(1000, Duration::from_secs(3600))?)
-//!     .key(HeaderKey::new("x-api-key")?);
+//!     .with_limit(Limit::fixed_window(1000, Duration::from_secs(3600))?)
+//!     .with_key(HeaderKey::new("x-api-key")?);
 //! let app: Router = Router::new().route("/", get(|| async { "hello" })).layer(layer);
 //! # Ok(()) }
 //! ```
@@ -29,8 +29,8 @@
 //! new in-memory store. Cloning a layer (or applying it with `Router::layer`, which clones
 //! it per route) **shares one budget**. A budget is a store's state for one key and one
 //! limit, so layers built separately share one exactly when they use the same store (one
-//! Redis for every replica, or [`shared_store`](RateLimitLayer::shared_store)), the same
-//! kind of key and equal limits with the same [`named`](Limit::named) name (or none). Keys
+//! Redis for every replica, or [`with_store`](RateLimitLayer::with_store)), the same
+//! kind of key and equal limits with the same [`named`](Limit::with_name) name (or none). Keys
 //! of different kinds never share one (see [`key`]). For separate budgets on one store,
 //! name the limits differently.
 //!
@@ -42,8 +42,8 @@
 //!
 //! # Stores
 //!
-//! - [`MemoryStore`]: in-process, the default. Each process has its own budget; it tracks
-//!   at most [`MemoryStore::DEFAULT_MAX_KEYS`] keys unless told otherwise.
+//! - [`MemoryStore`](store::MemoryStore): in-process, the default. Each process has its own budget; it tracks
+//!   at most [`MemoryStore::DEFAULT_MAX_KEYS`](store::MemoryStore::DEFAULT_MAX_KEYS) keys unless told otherwise.
 //! - `RedisStore` (feature `redis`): one atomic Lua script per decision on Redis 6.0+ and
 //!   Valkey, so every replica shares one budget; one node, [Cluster](guide::cluster),
 //!   [Sentinel](guide::sentinel), TLS and ACL users: [the Redis guide](guide::redis).
@@ -65,15 +65,16 @@
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
 //! - `redis`: `RedisStore` over redis-rs's auto-reconnecting `ConnectionManager`.
 //! - `bb8`: build a `RedisStore` from a bb8-redis pool.
-//! - `cluster`: `RedisStore::connect_cluster` for Redis Cluster.
+//! - `cluster`: `RedisStore::connect(RedisTarget::cluster(..))` for Redis Cluster.
 //! - `tls`: `rediss://` (one node, cluster, Sentinel) over rustls with the ring provider (no
 //!   system OpenSSL); `store::TlsConfig` for a private CA and client certificates.
-//! - `sentinel`: `RedisStore::connect_sentinel` follows the master Redis Sentinel names.
+//! - `sentinel`: `RedisStore::connect(SentinelConfig::new(..))` follows the master Redis
+//!   Sentinel names.
 //! - `metrics`: request counters and decision latency per layer through the `metrics`
 //!   facade; see [`metrics`].
 //! - `tonic`: [`PeerIp`](key::PeerIp) and [`ClientIp`](key::ClientIp) read tonic's
 //!   `TcpConnectInfo`, so `tonic::transport::Server::builder().layer(..)` can limit by IP.
-//! - `grpc-status-details`: `DefaultRejection::grpc_retry_info` puts a
+//! - `grpc-status-details`: `DefaultRejection::with_grpc_retry_info` puts a
 //!   `google.rpc.RetryInfo` into rate-limited gRPC answers (`grpc-status-details-bin`).
 //!
 //! [Tower]: https://docs.rs/tower
@@ -113,18 +114,21 @@ pub use breaker::CircuitBreaker;
 pub use decision::{Decision, LimitDecision, RateLimitInfo};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
-pub use headers::HeaderStyle;
-pub use in_flight::InFlightLayer;
 pub use layer::{DEFAULT_NAME, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
 pub use limiter::Limiter;
-pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
-pub use rules::set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
-pub use rules::{Rules, RulesHandle};
 pub use service::RateLimit;
-pub use store::{MemoryStore, Store};
+
+// One public path per type: a type with a public module of its own (plans, rules, stores,
+// headers, in-flight limits) is exported there only. These crate-internal shortcuts keep
+// `crate::Rules` and the like working inside the library; they are not API.
+pub(crate) use headers::HeaderStyle;
+pub(crate) use plan::Plans;
+pub(crate) use rules::{DEFAULT_TIMEOUT, Rules};
+#[cfg(test)]
+pub(crate) use store::MemoryStore;
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

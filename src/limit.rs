@@ -137,7 +137,7 @@ const MAX_CAPACITY_TIMES_WINDOW: u128 = 1 << 50;
 /// use tollgate::Limit;
 ///
 /// let per_second = Limit::token_bucket(10, Duration::from_secs(1))?.with_burst(20)?;
-/// let per_hour = Limit::fixed_window(1000, Duration::from_secs(3600))?.named("hourly")?;
+/// let per_hour = Limit::fixed_window(1000, Duration::from_secs(3600))?.with_name("hourly")?;
 /// assert_eq!(per_second.burst(), 20);
 /// assert!(Limit::fixed_window(0, Duration::from_secs(1)).is_err());
 /// # Ok::<(), tollgate::ConfigError>(())
@@ -170,7 +170,7 @@ pub struct Limit {
 }
 
 /// What happens to a limit's state (its spent budget) when a rules change gives it a new
-/// `limit` or `burst`; see [`Limit::on_change`]. A limit that does not change keeps its
+/// `limit` or `burst`; see [`Limit::with_on_change`]. A limit that does not change keeps its
 /// state either way, and a changed algorithm or window always starts fresh: the state's
 /// meaning depends on both.
 ///
@@ -395,7 +395,7 @@ impl Limit {
     ///
     /// When `name` is empty, longer than 64 bytes, or has characters other than ASCII
     /// letters, digits, `-`, `_` and `.`.
-    pub fn named(self, name: impl Into<String>) -> Result<Self, ConfigError> {
+    pub fn with_name(self, name: impl Into<String>) -> Result<Self, ConfigError> {
         let name = name.into();
         let valid = !name.is_empty()
             && name.len() <= 64
@@ -422,16 +422,16 @@ impl Limit {
     /// What a rules change that gives this limit a new `limit` or `burst` does to its
     /// state: [`OnChange::Reset`] (the default) starts fresh, [`OnChange::CarryOver`]
     /// keeps the spent budget, as [`OnChange`] defines per algorithm. See
-    /// [`RulesHandle`](crate::RulesHandle).
+    /// [`RulesHandle`](crate::rules::RulesHandle).
     ///
     /// Carrying over identifies the state by the limit's name, algorithm and window, so
     /// two limits of one rule set must not share all three.
     ///
     /// # Errors
     ///
-    /// [`OnChange::CarryOver`] for a limit without a [name](Self::named) (field `name`):
+    /// [`OnChange::CarryOver`] for a limit without a [name](Self::with_name) (field `name`):
     /// only a name says which limit a changed one was.
-    pub fn on_change(self, on_change: OnChange) -> Result<Self, ConfigError> {
+    pub fn with_on_change(self, on_change: OnChange) -> Result<Self, ConfigError> {
         if on_change == OnChange::CarryOver && self.name.is_none() {
             return Err(ConfigError::new(
                 "name",
@@ -515,7 +515,7 @@ impl Limit {
         self.burst
     }
 
-    /// The name given with [`named`](Self::named), if any.
+    /// The name given with [`named`](Self::with_name), if any.
     pub fn name(&self) -> Option<&str> {
         self.name.as_deref()
     }
@@ -551,7 +551,7 @@ impl Limit {
         self.params_fingerprint
     }
 
-    /// This limit with its state kept apart under `scope` (a [plan](crate::Plan)'s name):
+    /// This limit with its state kept apart under `scope` (a [plan](crate::plan::Plan)'s name):
     /// the same parameters under another store key, `@<scope>:<id>`. `@` is not a name
     /// character, so a scoped id never equals an unscoped one.
     pub(crate) fn scoped(&self, scope: &str) -> Self {
@@ -618,7 +618,7 @@ impl Limit {
     }
 
     /// This limit keeps what a request was charged up front: counting after the response
-    /// ([`count_when`](crate::RateLimitLayer::count_when), late costs) adjusts the layer's
+    /// ([`count_when`](crate::RateLimitLayer::with_count_when), late costs) adjusts the layer's
     /// other limits and leaves this one alone. One layer then counts requests and the
     /// tokens the responses report, with one store call up front and one after:
     ///
@@ -627,11 +627,11 @@ impl Limit {
     /// use tollgate::{Limit, RateLimitLayer, key::HeaderKey};
     ///
     /// let requests = Limit::token_bucket(20, Duration::from_secs(60))?.counted_up_front();
-    /// let tokens = Limit::fixed_window(10_000, Duration::from_secs(86_400))?.named("tokens")?;
+    /// let tokens = Limit::fixed_window(10_000, Duration::from_secs(86_400))?.with_name("tokens")?;
     /// let layer = RateLimitLayer::new(requests)
-    ///     .limit(tokens)
-    ///     .key(HeaderKey::new("x-api-key")?.hashed())
-    ///     .late_cost(|response: &http::Response<axum::body::Body>| {
+    ///     .with_limit(tokens)
+    ///     .with_key(HeaderKey::new("x-api-key")?.hashed())
+    ///     .with_late_cost(|response: &http::Response<axum::body::Body>| {
     ///         response.headers().get("x-tokens")?.to_str().ok()?.parse().ok()
     ///     });
     /// # let _ = layer;
@@ -753,29 +753,29 @@ mod tests {
         let a = Limit::token_bucket(5, Duration::from_secs(1)).unwrap();
         let b = a.clone().with_burst(6).unwrap();
         let c = Limit::gcra(5, Duration::from_secs(1)).unwrap();
-        let d = a.clone().named("api").unwrap();
+        let d = a.clone().with_name("api").unwrap();
         assert_eq!(a.id(), "tb:5:1000:5");
         assert_eq!(b.id(), "tb:5:1000:6");
         assert_eq!(c.id(), "gcra:5:1000:5");
         assert_eq!(d.id(), "api:tb:5:1000:5");
-        assert!(a.clone().named("a b").is_err());
+        assert!(a.clone().with_name("a b").is_err());
     }
 
     #[test]
     fn carried_over_ids_leave_out_limit_and_burst() {
         let a = Limit::token_bucket(5, Duration::from_secs(1))
             .unwrap()
-            .named("api")
+            .with_name("api")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap();
         let b = Limit::token_bucket(9, Duration::from_secs(1))
             .unwrap()
             .with_burst(20)
             .unwrap()
-            .named("api")
+            .with_name("api")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap();
         assert_eq!(a.id(), "api:tb:1000");
         assert_eq!(a.id(), b.id());
@@ -785,14 +785,14 @@ mod tests {
         // A new window or algorithm is new state.
         let c = Limit::token_bucket(5, Duration::from_secs(2))
             .unwrap()
-            .named("api")
+            .with_name("api")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap();
         assert_ne!(a.id(), c.id());
         let err = Limit::per_second(1)
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap_err();
         assert_eq!(err.field(), "name");
         assert_eq!(
@@ -817,17 +817,17 @@ mod tests {
             .clone()
             .with_lockout(Duration::from_secs(900))
             .unwrap()
-            .named("login")
+            .with_name("login")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap();
         // Kept through the other builder calls; not part of the state's identity, but of
         // the parameters a cache of decisions tells apart.
         assert_eq!(locked.lockout(), Some(Duration::from_secs(900)));
         let plain = limit
-            .named("login")
+            .with_name("login")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap();
         assert_eq!(plain.lockout(), None);
         assert_eq!(locked.id(), plain.id());
@@ -837,7 +837,7 @@ mod tests {
         // state: refused, naming the field.
         let err = crate::Rules::new([locked.clone(), plain]).unwrap_err();
         assert_eq!(err.field(), "lockout");
-        assert!(crate::Rules::new([locked.clone(), locked]).is_ok());
+        assert!(crate::rules::Rules::new([locked.clone(), locked]).is_ok());
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::{
 /// A handle on a [`RateLimitLayer`](crate::RateLimitLayer)'s budgets: what a key has
 /// left ([`peek`](Self::peek)) and a fresh budget for it ([`reset`](Self::reset)),
 /// always under the rules the layer enforces now (also after a
-/// [`RulesHandle::set`](crate::RulesHandle::set)) and on its store, with its timeout.
+/// [`RulesHandle::set`](crate::rules::RulesHandle::set)) and on its store, with its timeout.
 ///
 /// Made by [`RateLimitLayer::limiter`](crate::RateLimitLayer::limiter); cheap to clone
 /// into handlers. Keys are the layer's: [`key_of`](Self::key_of) asks the layer's
@@ -29,7 +29,7 @@ use crate::{
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let layer = RateLimitLayer::new(Limit::fixed_window(100, Duration::from_secs(60))?)
-///     .key(HeaderKey::new("x-api-key")?.hashed());
+///     .with_key(HeaderKey::new("x-api-key")?.hashed());
 /// let limiter = layer.limiter();
 ///
 /// // The key the layer gives requests with this API key.

@@ -2,8 +2,8 @@
 //! `metrics`).
 //!
 //! With the feature on, every layer ([`RateLimitLayer`](crate::RateLimitLayer),
-//! [`InFlightLayer`](crate::InFlightLayer)) records, labelled with its
-//! [`name`](crate::RateLimitLayer::name) as `route`:
+//! [`InFlightLayer`](crate::in_flight::InFlightLayer)) records, labelled with its
+//! [`name`](crate::RateLimitLayer::with_name) as `route`:
 //!
 //! | metric | kind | labels | what |
 //! |---|---|---|---|

@@ -1,7 +1,7 @@
 //! [`Plans`]: limits chosen per request (free, paid, internal, ...).
 //!
 //! A [`Plan`] is a name with its limits, or unlimited. A layer given [`Plans`]
-//! ([`RateLimitLayer::plans`](crate::RateLimitLayer::plans), [`Rules::with_plans`](crate::Rules::with_plans)) asks
+//! ([`RateLimitLayer::with_plans`](crate::RateLimitLayer::with_plans), [`Rules::with_plans`](crate::rules::Rules::with_plans)) asks
 //! their resolver which plan each request is on, after its key is extracted, and decides
 //! the request under that plan's limits instead of the layer's own: all-or-nothing, in
 //! one store call, as always.
@@ -17,7 +17,7 @@
 //! - **State.** Each plan's limits keep their own state: their store keys carry the
 //!   plan's name, so a client moving from `free` to `paid` starts `paid` with a full
 //!   budget, and moving back finds `free` as it left it. A plan built with
-//!   [`Plan::sharing_state`] keeps its limits' own keys instead: limits equal (or
+//!   [`Plan::with_shared_state`] keeps its limits' own keys instead: limits equal (or
 //!   [carried over](crate::OnChange::CarryOver) under one name) in two such plans share
 //!   one budget. So to let clients keep what they spent across plans, build the plans
 //!   with `Plan::sharing_state(true)` and give their limits one name with
@@ -31,14 +31,14 @@
 //!   with the labels `route`, `plan` and `outcome` (and in `tollgate_requests_total` as
 //!   before). An [unlimited](Plan::unlimited) plan makes no store call and writes no
 //!   fields.
-//! - **Changes.** Plans are part of the [`Rules`](crate::Rules), so a [`RulesHandle`](crate::RulesHandle)
+//! - **Changes.** Plans are part of the [`Rules`](crate::rules::Rules), so a [`RulesHandle`](crate::rules::RulesHandle)
 //!   changes them while the layer serves.
 //!
 //! A layer without plans pays one predictable branch per request for them.
 //!
 //! ```
 //! use std::time::Duration;
-//! use tollgate::{Limit, Plan, Plans, RateLimitLayer, key::HeaderKey};
+//! use tollgate::{Limit, RateLimitLayer, key::HeaderKey, plan::{Plan, Plans}};
 //!
 //! let hourly = |n| Limit::fixed_window(n, Duration::from_secs(3600));
 //! let plans = Plans::new([
@@ -51,8 +51,8 @@
 //! .with_resolver(|request| request.header("x-plan"));
 //! // The layer's own limit applies only without a plan: here never, as there is a default.
 //! let layer = RateLimitLayer::new(hourly(100)?)
-//!     .key(HeaderKey::new("x-api-key")?)
-//!     .plans(plans);
+//!     .with_key(HeaderKey::new("x-api-key")?)
+//!     .with_plans(plans);
 //! # let _ = layer;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -60,15 +60,15 @@
 //! # Lookups
 //!
 //! A [`PlanLookup`]'s answer (a plan name, or none for the default) is cached per key for
-//! the [TTL](PlanLookup::ttl) (60 s by default: how long a changed plan takes to apply) in
-//! a bounded `quick_cache` ([`max_keys`](PlanLookup::max_keys), 10 000 keys by default, the
+//! the [TTL](PlanLookup::with_ttl) (60 s by default: how long a changed plan takes to apply) in
+//! a bounded `quick_cache` ([`max_keys`](PlanLookup::with_max_keys), 10 000 keys by default, the
 //! coldest evicted first). A cache hit is decided at once, a miss waits for the lookup, and
 //! the requests of one key that miss together wait for one lookup (a cold key costs the
 //! database one query). Tests set a `ManualClock` with [`PlanLookup::with_clock`].
 //!
 //! ```
 //! use std::time::Duration;
-//! use tollgate::{Limit, Plan, PlanLookup, Plans, RateLimitLayer, key::{HeaderKey, Key}};
+//! use tollgate::{Limit, RateLimitLayer, key::{HeaderKey, Key}, plan::{Plan, PlanLookup, Plans}};
 //!
 //! let hourly = |n| Limit::fixed_window(n, Duration::from_secs(3600));
 //! let plans = Plans::new([Plan::new("free", [hourly(100)?])?, Plan::new("paid", [hourly(10_000)?])?])?
@@ -77,11 +77,11 @@
 //!     let plan: Option<String> = None; // SELECT plan FROM customers WHERE api_key = ...
 //!     Ok::<_, std::io::Error>(plan)
 //! })
-//! .ttl(Duration::from_secs(60))
-//! .max_keys(100_000);
+//! .with_ttl(Duration::from_secs(60))
+//! .with_max_keys(100_000);
 //! let layer = RateLimitLayer::new(hourly(100)?)
-//!     .key(HeaderKey::new("x-api-key")?)
-//!     .plans(plans.with_lookup(lookup));
+//!     .with_key(HeaderKey::new("x-api-key")?)
+//!     .with_plans(plans.with_lookup(lookup));
 //! # let _ = layer;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -121,7 +121,7 @@ impl Plan {
     ///
     /// A name that is empty, longer than 64 bytes or not of `A-Z a-z 0-9 - _ .` (field
     /// `plan`), no limit (field `limits`), two different limits with one state (field
-    /// `name`, as for [`Rules::with_limits`](crate::Rules::with_limits)).
+    /// `name`, as for [`Rules::with_limits`](crate::rules::Rules::with_limits)).
     pub fn new(
         name: impl Into<String>,
         limits: impl IntoIterator<Item = Limit>,
@@ -160,17 +160,17 @@ impl Plan {
     /// Whether this plan's limits keep their own state (`false`, the default: their store
     /// keys carry the plan's name) or share it with equal limits of the layer and of other
     /// sharing plans (`true`). Share to let a client who changes plans keep what it spent:
-    /// give the limits of both plans one [name](Limit::named) and
+    /// give the limits of both plans one [name](Limit::with_name) and
     /// [`OnChange::CarryOver`](crate::OnChange::CarryOver).
-    pub fn sharing_state(mut self, share: bool) -> Self {
+    pub fn with_shared_state(mut self, share: bool) -> Self {
         self.shared_state = share;
         self
     }
 
-    /// This plan's own [shadow limits](crate::Rules::with_shadow_limits), in place of the
+    /// This plan's own [shadow limits](crate::rules::Rules::with_shadow_limits), in place of the
     /// layer's (which a plan without its own has): say, a stricter free tier to try before
     /// it is enforced. An empty list gives the plan none. They keep their state as the
-    /// plan's limits do (see [`sharing_state`](Self::sharing_state)).
+    /// plan's limits do (see [`sharing_state`](Self::with_shared_state)).
     ///
     /// # Errors
     ///
@@ -216,7 +216,7 @@ impl Plan {
         self.limits.is_none()
     }
 
-    /// Whether the limits share their state. See [`sharing_state`](Self::sharing_state).
+    /// Whether the limits share their state. See [`sharing_state`](Self::with_shared_state).
     pub fn shares_state(&self) -> bool {
         self.shared_state
     }
@@ -430,22 +430,22 @@ impl fmt::Debug for Resolver {
 /// A request whose key has a fresh answer in the cache is decided at once; one whose key
 /// has none waits for the lookup, and requests for one key that miss together wait for
 /// one lookup. The answer, a plan name or none (the default plan), is kept for the
-/// [TTL](Self::ttl) in a cache of at most [`max_keys`](Self::max_keys) keys
+/// [TTL](Self::with_ttl) in a cache of at most [`max_keys`](Self::with_max_keys) keys
 /// (`quick_cache`, which evicts the coldest keys when full). A lookup that fails is
 /// logged at `warn` and not cached: the request gets the default plan, the next one
 /// looks up again.
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate::{PlanLookup, key::Key};
+/// use tollgate::{key::Key, plan::PlanLookup};
 ///
 /// let lookup = PlanLookup::new(|key: Key| async move {
 ///     // A database query in real code.
 ///     let plan = if key.as_str().ends_with("|vip") { Some("paid".to_owned()) } else { None };
 ///     Ok::<_, std::io::Error>(plan)
 /// })
-/// .ttl(Duration::from_secs(30))
-/// .max_keys(50_000);
+/// .with_ttl(Duration::from_secs(30))
+/// .with_max_keys(50_000);
 /// # let _ = lookup;
 /// ```
 #[derive(Clone)]
@@ -490,7 +490,7 @@ impl PlanLookup {
 
     /// How long an answer is kept ([`DEFAULT_TTL`](Self::DEFAULT_TTL) by default): how
     /// long a changed plan may take to apply. Zero looks up on every request.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         self
     }
@@ -498,7 +498,7 @@ impl PlanLookup {
     /// How many keys' answers are kept at most
     /// ([`DEFAULT_MAX_KEYS`](Self::DEFAULT_MAX_KEYS) by default; at least 1). Starts an
     /// empty cache.
-    pub fn max_keys(mut self, max_keys: usize) -> Self {
+    pub fn with_max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys.max(1);
         self.cache = Arc::new(Cache::new(self.max_keys));
         self
@@ -599,7 +599,7 @@ mod tests {
     #[test]
     fn a_plan_keeps_its_state_apart_unless_it_shares() {
         let own = Plan::new("free", [limit(10)]).unwrap();
-        let shared = own.clone().sharing_state(true);
+        let shared = own.clone().with_shared_state(true);
         let stored = own.stored_limits().unwrap();
         assert_eq!(stored[0].id(), format!("@free:{}", limit(10).id()));
         assert_ne!(stored[0].fingerprint(), limit(10).fingerprint());

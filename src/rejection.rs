@@ -27,7 +27,7 @@ pub trait OnRejection<ReqB, ResB>: Send + Sync + 'static {
 /// | case | HTTP | gRPC (HTTP 200, trailers-only) |
 /// |---|---|---|
 /// | rate limited | 429 Too Many Requests | `grpc-status: 8` RESOURCE_EXHAUSTED |
-/// | no key | 400 Bad Request | `grpc-status: 3` INVALID_ARGUMENT ([configurable](Self::grpc_missing_key)) |
+/// | no key | 400 Bad Request | `grpc-status: 3` INVALID_ARGUMENT ([configurable](Self::with_grpc_missing_key)) |
 /// | no key, server at fault ([`KeyError::is_misconfigured`]: no peer address) | 500 Internal Server Error, the fix in the body | `grpc-status: 13` INTERNAL, the fix in `grpc-message` |
 /// | store failed, policy deny | 503 Service Unavailable, `Retry-After: 1` | `grpc-status: 14` UNAVAILABLE, `retry-after: 1` |
 ///
@@ -42,7 +42,7 @@ pub trait OnRejection<ReqB, ResB>: Send + Sync + 'static {
 ///
 /// gRPC answers can carry more, opt-in:
 ///
-/// - [`grpc_retry_pushback`](Self::grpc_retry_pushback): `grpc-retry-pushback-ms`, the
+/// - [`grpc_retry_pushback`](Self::with_grpc_retry_pushback): `grpc-retry-pushback-ms`, the
 ///   header with which gRPC's built-in retry policy (gRFC A6) learns how long to wait.
 /// - `grpc_retry_info` (feature `grpc-status-details`): a
 ///   `google.rpc.RetryInfo` in `grpc-status-details-bin`, the rich error model that
@@ -54,11 +54,11 @@ pub trait OnRejection<ReqB, ResB>: Send + Sync + 'static {
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let layer = RateLimitLayer::new(Limit::fixed_window(100, Duration::from_secs(60))?)
-///     .key(HeaderKey::new("x-api-key")?)
-///     .on_rejection(
+///     .with_key(HeaderKey::new("x-api-key")?)
+///     .with_on_rejection(
 ///         DefaultRejection::new()
-///             .grpc_retry_pushback(true)
-///             .grpc_missing_key(GrpcMissingKey::Unauthenticated),
+///             .with_grpc_retry_pushback(true)
+///             .with_grpc_missing_key(GrpcMissingKey::Unauthenticated),
 ///     );
 /// # Ok(()) }
 /// ```
@@ -70,7 +70,7 @@ pub struct DefaultRejection {
     missing_key: GrpcMissingKey,
 }
 
-/// The gRPC status of a request without a key; see [`DefaultRejection::grpc_missing_key`].
+/// The gRPC status of a request without a key; see [`DefaultRejection::with_grpc_missing_key`].
 /// HTTP requests get 400 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -116,7 +116,7 @@ impl DefaultRejection {
     /// attempt (gRFC A6), instead of their own backoff; clients without one ignore it.
     /// Only calls whose status the retry policy lists (`RESOURCE_EXHAUSTED`, `UNAVAILABLE`)
     /// are retried at all.
-    pub const fn grpc_retry_pushback(mut self, enabled: bool) -> Self {
+    pub const fn with_grpc_retry_pushback(mut self, enabled: bool) -> Self {
         self.retry_pushback = enabled;
         self
     }
@@ -128,14 +128,14 @@ impl DefaultRejection {
     /// `tonic_types::StatusExt::get_details_retry_info`.
     #[cfg(feature = "grpc-status-details")]
     #[cfg_attr(docsrs, doc(cfg(feature = "grpc-status-details")))]
-    pub const fn grpc_retry_info(mut self, enabled: bool) -> Self {
+    pub const fn with_grpc_retry_info(mut self, enabled: bool) -> Self {
         self.retry_info = enabled;
         self
     }
 
     /// The gRPC status of a call without a key (when missing keys are rejected; see
     /// [`MissingKey`](crate::MissingKey)): INVALID_ARGUMENT by default.
-    pub const fn grpc_missing_key(mut self, status: GrpcMissingKey) -> Self {
+    pub const fn with_grpc_missing_key(mut self, status: GrpcMissingKey) -> Self {
         self.missing_key = status;
         self
     }
@@ -367,7 +367,7 @@ mod tests {
         assert_eq!(header(&response, "grpc-retry-pushback-ms"), None);
         assert_eq!(header(&response, "grpc-status-details-bin"), None);
 
-        let pushback = DefaultRejection::new().grpc_retry_pushback(true);
+        let pushback = DefaultRejection::new().with_grpc_retry_pushback(true);
         let response: Response<()> = pushback.rate_limited(&grpc_request(), &denied(2_500));
         assert_eq!(header(&response, "grpc-retry-pushback-ms"), Some("2500"));
         let response: Response<()> = pushback.store_failed(&grpc_request(), &StoreError::timeout());
@@ -379,8 +379,8 @@ mod tests {
     #[test]
     fn http_requests_ignore_the_grpc_options() {
         let rejection = DefaultRejection::new()
-            .grpc_retry_pushback(true)
-            .grpc_missing_key(GrpcMissingKey::Unauthenticated);
+            .with_grpc_retry_pushback(true)
+            .with_grpc_missing_key(GrpcMissingKey::Unauthenticated);
         let request = Request::get("/").body(()).unwrap();
         let response: Response<()> = rejection.rate_limited(&request, &denied(1));
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -418,7 +418,7 @@ mod tests {
         let response: Response<()> = DefaultRejection::new().key_missing(&grpc_request(), &error);
         assert_eq!(header(&response, "grpc-status"), Some("3"));
         let response: Response<()> = DefaultRejection::new()
-            .grpc_missing_key(GrpcMissingKey::Unauthenticated)
+            .with_grpc_missing_key(GrpcMissingKey::Unauthenticated)
             .key_missing(&grpc_request(), &error);
         assert_eq!(header(&response, "grpc-status"), Some("16"));
         assert_eq!(response.status(), StatusCode::OK);
@@ -430,7 +430,7 @@ mod tests {
         use base64::Engine as _;
         use prost::Message as _;
 
-        let rejection = DefaultRejection::new().grpc_retry_info(true);
+        let rejection = DefaultRejection::new().with_grpc_retry_info(true);
         // 2 ms: the protobuf is then 1 byte short of a multiple of 3, so padding would show.
         for ms in [2, 1_500, 3_600_000] {
             let response: Response<()> = rejection.rate_limited(&grpc_request(), &denied(ms));

@@ -34,9 +34,11 @@ use http_body_util::Empty;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, task::JoinSet, time::timeout};
 use tollgate::{
-    Decision, HeaderStyle, Limit, MemoryStore, MissingKey, RateLimitLayer, Store,
+    Decision, Limit, MissingKey, RateLimitLayer,
     clock::ManualClock,
+    headers::HeaderStyle,
     key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey},
+    store::{MemoryStore, Store},
 };
 use tower::{Service, ServiceBuilder, ServiceExt};
 
@@ -58,17 +60,17 @@ fn hourly(limit: u32) -> Limit {
 }
 
 fn named(limit: Limit, name: &str) -> Limit {
-    limit.named(name).unwrap()
+    limit.with_name(name).unwrap()
 }
 
 /// `limit` per hour and peer IP, in a fresh in-memory store on the frozen clock.
 fn per_hour(limit: u32) -> RateLimitLayer {
-    RateLimitLayer::new(hourly(limit)).store(memory())
+    RateLimitLayer::new(hourly(limit)).with_store(memory())
 }
 
 /// `limit` per hour for everyone together.
 fn global(limit: u32) -> RateLimitLayer<GlobalKey> {
-    per_hour(limit).key(GlobalKey)
+    per_hour(limit).with_key(GlobalKey)
 }
 
 async fn ok() -> &'static str {
@@ -272,10 +274,10 @@ async fn two_hundred_concurrent_requests(store: impl Store, keyed: Keyed) {
     // A generous store timeout: with the default 100 ms a loaded machine can fail open
     // (the default policy) and let more than 50 through; this test is about the limit.
     let layer = RateLimitLayer::new(hourly(50))
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)));
     let app = match keyed {
-        Keyed::Global => routes().layer(layer.key(GlobalKey)),
+        Keyed::Global => routes().layer(layer.with_key(GlobalKey)),
         Keyed::Peer => routes().layer(layer),
     };
     let uri: http::Uri = format!("http://{}/", serve(app).await).parse().unwrap();
@@ -337,15 +339,19 @@ async fn retry_after_rounds_up_and_is_never_earlier_than_any_t() {
     // One token per 3600/7 s = 514.285.. s: rounded up to 515, and the bucket's full
     // restore (t) would be later, so t is capped at Retry-After.
     let bucket = Limit::token_bucket(7, HOUR).unwrap();
-    let app = routes().layer(RateLimitLayer::new(bucket).store(memory()).key(GlobalKey));
+    let app = routes().layer(
+        RateLimitLayer::new(bucket)
+            .with_store(memory())
+            .with_key(GlobalKey),
+    );
     assert_eq!(statuses(&app, 7, || get("/")).await, expect(7, 0));
     assert_eq!(assert_limited(&send(&app, get("/")).await), 515);
 
     // Two limits in one layer: the hourly one denies; the daily one resets later.
     let limits = RateLimitLayer::new(named(hourly(1), "hourly"))
-        .limit(named(Limit::fixed_window(100, DAY).unwrap(), "daily"))
-        .store(memory())
-        .key(GlobalKey);
+        .with_limit(named(Limit::fixed_window(100, DAY).unwrap(), "daily"))
+        .with_store(memory())
+        .with_key(GlobalKey);
     let app = routes().layer(limits);
     assert_eq!(send(&app, get("/")).await.status(), OK);
     let denied = send(&app, get("/")).await;
@@ -360,12 +366,12 @@ async fn retry_after_rounds_up_and_is_never_earlier_than_any_t() {
 
 /// An inner and an outer layer, each with its own named limit.
 fn stacked(inner: Limit, outer: Limit) -> Router {
-    let inner = RateLimitLayer::new(named(inner, "inner")).store(memory());
-    let outer = RateLimitLayer::new(named(outer, "outer")).store(memory());
+    let inner = RateLimitLayer::new(named(inner, "inner")).with_store(memory());
+    let outer = RateLimitLayer::new(named(outer, "outer")).with_store(memory());
     // The layer added last runs first: `outer` decides before `inner`.
     routes()
-        .layer(inner.key(GlobalKey))
-        .layer(outer.key(GlobalKey))
+        .layer(inner.with_key(GlobalKey))
+        .layer(outer.with_key(GlobalKey))
 }
 
 #[tokio::test]
@@ -399,8 +405,8 @@ async fn stacked_layers_keep_retry_after_no_earlier_than_any_t() {
 
 /// The first response of a 3-per-hour layer that writes these fields.
 async fn first_response(ietf: bool, legacy: bool) -> Response<Body> {
-    let app =
-        routes().layer(global(3).headers(HeaderStyle::NONE.with_ietf(ietf).with_legacy(legacy)));
+    let app = routes()
+        .layer(global(3).with_headers(HeaderStyle::NONE.with_ietf(ietf).with_legacy(legacy)));
     send(&app, get("/")).await
 }
 
@@ -427,7 +433,7 @@ async fn legacy_fields_only_when_enabled() {
 
 #[tokio::test]
 async fn header_style_none_keeps_only_retry_after() {
-    let app = routes().layer(global(1).headers(HeaderStyle::NONE));
+    let app = routes().layer(global(1).with_headers(HeaderStyle::NONE));
     let allowed = send(&app, get("/")).await;
     assert_eq!(allowed.status(), OK);
     assert_no_rate_limit_fields(&allowed);
@@ -507,7 +513,9 @@ async fn served_without_connect_info_the_answer_names_the_fix() {
 /// the bug shown by `peer_ip_reads_mock_connect_info` is fixed).
 fn client_ip_from(ip: &str) -> Router {
     let trusted = ClientIp::new(["10.0.0.0/8".parse().unwrap()]);
-    routes().layer(per_hour(2).key(trusted)).layer(peer(ip))
+    routes()
+        .layer(per_hour(2).with_key(trusted))
+        .layer(peer(ip))
 }
 
 #[tokio::test]
@@ -537,7 +545,7 @@ async fn clients_behind_a_trusted_proxy_get_separate_budgets() {
 }
 
 fn by_api_key(limit: u32) -> RateLimitLayer<HeaderKey> {
-    per_hour(limit).key(HeaderKey::new("x-api-key").unwrap())
+    per_hour(limit).with_key(HeaderKey::new("x-api-key").unwrap())
 }
 
 #[tokio::test]
@@ -554,7 +562,7 @@ async fn a_missing_api_key_is_a_400_or_unlimited_when_allowed() {
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     assert_no_rate_limit_fields(&response);
 
-    let app = routes().layer(by_api_key(1).on_missing_key(MissingKey::Allow));
+    let app = routes().layer(by_api_key(1).with_on_missing_key(MissingKey::Allow));
     assert_eq!(statuses(&app, 3, || get("/")).await, [OK; 3]);
     assert_no_rate_limit_fields(&send(&app, get("/")).await);
     // Requests with a key are still limited.
@@ -590,8 +598,8 @@ fn hostile_values() -> Vec<HeaderValue> {
 async fn hostile_identities_get_their_own_buckets(store: impl Store) {
     let app = routes().layer(
         RateLimitLayer::new(hourly(1))
-            .store(store)
-            .key(HeaderKey::new("x-api-key").unwrap()),
+            .with_store(store)
+            .with_key(HeaderKey::new("x-api-key").unwrap()),
     );
     for value in hostile_values() {
         let label = format!("{:?}", value.as_bytes().get(..16));
@@ -654,7 +662,7 @@ fn user(name: &'static str) -> impl Fn() -> Request<Body> {
 
 #[tokio::test]
 async fn users_from_an_auth_middleware_get_their_own_budgets() {
-    let limit = per_hour(2).key(ExtensionKey::<UserId>::new());
+    let limit = per_hour(2).with_key(ExtensionKey::<UserId>::new());
     // The layer added last runs first: auth, then the rate limit.
     let app = routes()
         .layer(limit.clone())
@@ -686,7 +694,7 @@ async fn a_custom_rejection_still_gets_retry_after_and_the_fields() {
             .body(Body::from(body))
             .unwrap()
     };
-    let app = routes().layer(global(1).on_rejection(json));
+    let app = routes().layer(global(1).with_on_rejection(json));
     assert_eq!(send(&app, get("/a")).await.status(), OK);
     let denied = send(&app, get("/a")).await;
     assert_eq!(assert_limited(&denied), HOUR_LEFT);
@@ -773,7 +781,7 @@ async fn cost_weighs_requests() {
         let query = request.uri().query().unwrap_or("");
         query.strip_prefix("n=").map_or(1, |n| n.parse().unwrap())
     };
-    let app = routes().layer(global(10).cost(items));
+    let app = routes().layer(global(10).with_cost(items));
     let mut left = Vec::new();
     for uri in ["/?n=4", "/?n=4", "/?n=4", "/?n=2", "/"] {
         let response = send(&app, get(uri)).await;
@@ -851,9 +859,9 @@ mod redis_store {
     async fn dead_redis(policy: FailurePolicy) -> (RedisServer, Router) {
         let mut server = RedisServer::start();
         let layer = global(3)
-            .store(store(&server).await)
-            .on_store_error(policy)
-            .timeout(Some(Duration::from_millis(100)));
+            .with_store(store(&server).await)
+            .with_on_store_error(policy)
+            .with_timeout(Some(Duration::from_millis(100)));
         server.kill();
         (server, routes().layer(layer))
     }

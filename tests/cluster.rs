@@ -28,10 +28,10 @@ use support::{
 };
 use tokio::{task::JoinSet, time::timeout};
 use tollgate::{
-    Decision, FailurePolicy, Limit, RateLimitLayer, Store, StoreError, StoreErrorKind,
+    Decision, FailurePolicy, Limit, RateLimitLayer, StoreError, StoreErrorKind,
     clock::ManualClock,
     key::{GlobalKey, Key},
-    store::RedisStore,
+    store::{RedisStore, Store},
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -52,7 +52,7 @@ fn every_algorithm(limit: u32) -> [Limit; 5] {
 }
 
 async fn connect(cluster: &RedisCluster) -> RedisStore {
-    RedisStore::connect_cluster(&cluster.urls())
+    RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
         .await
         .unwrap()
         .with_clock(ManualClock::new(NOW_MS))
@@ -62,7 +62,7 @@ async fn connect(cluster: &RedisCluster) -> RedisStore {
 #[tokio::test]
 async fn kinds_of_keys_never_share_state_in_a_cluster() {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     support::kinds::kinds_never_share_state(Arc::new(store)).await;
 }
 
@@ -212,11 +212,11 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
     let hot = Key::new("hot");
     let tight = [Limit::fixed_window(20, HOUR)
         .unwrap()
-        .named("tight")
+        .with_name("tight")
         .unwrap()];
     let loose = [Limit::fixed_window(1_000_000, HOUR)
         .unwrap()
-        .named("loose")
+        .with_name("loose")
         .unwrap()];
     let tight_key = store.redis_key(&hot, &tight[0]);
     let loose_key = store.redis_key(&hot, &loose[0]);
@@ -241,10 +241,10 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
     let layered = Arc::new(Tally::default());
     for quota in [50, 1_000_000] {
         let layer = RateLimitLayer::new(Limit::fixed_window(quota, HOUR).unwrap())
-            .store(store.clone())
-            .key(GlobalKey)
-            .on_store_error(FailurePolicy::Allow)
-            .timeout(Some(Duration::from_secs(2)));
+            .with_store(store.clone())
+            .with_key(GlobalKey)
+            .with_on_store_error(FailurePolicy::Allow)
+            .with_timeout(Some(Duration::from_secs(2)));
         let service = layer.layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::from("ok")))
         }));
@@ -330,10 +330,10 @@ async fn a_killed_master_fails_over_and_limiting_resumes() {
         (FailurePolicy::Deny, StatusCode::SERVICE_UNAVAILABLE),
     ] {
         let layer = RateLimitLayer::new(Limit::fixed_window(1_000_000, HOUR).unwrap())
-            .store(store.clone())
-            .key(|_: &Request<()>| Some("hot"))
-            .on_store_error(policy.clone())
-            .timeout(Some(Duration::from_secs(2)));
+            .with_store(store.clone())
+            .with_key(|_: &Request<()>| Some("hot"))
+            .with_on_store_error(policy.clone())
+            .with_timeout(Some(Duration::from_secs(2)));
         let service = layer.layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::from("ok")))
         }));
@@ -452,7 +452,7 @@ async fn a_master_without_the_library_loads_it_on_demand() {
     if support::redis_server_major_version() < 7 {
         return; // no functions: NOSCRIPT reloads the script (the failover test)
     }
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = every_algorithm(2);
     let masters = cluster.masters();
     let flushed = masters[0];
@@ -492,7 +492,7 @@ async fn a_master_without_the_library_loads_it_on_demand() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_fixed_window_calls_go_to_their_own_function_on_every_master() {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = [Limit::fixed_window(3, HOUR).unwrap()];
     let functions = support::redis_server_major_version() >= 7;
     for master in cluster.masters() {
@@ -617,7 +617,7 @@ fn clients(cluster: &RedisCluster, index: usize, any: bool) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_of_many_slots_go_to_their_master_together_and_decide_exactly() {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = [
         Limit::fixed_window(3, HOUR).unwrap(),
         Limit::gcra(3, HOUR).unwrap(),
@@ -712,7 +712,7 @@ fn keys_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moving_a_slot_under_pipelined_traffic_counts_each_request_once() {
     let cluster = Arc::new(RedisCluster::start());
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
     let hot = Key::new("hot");
     let name = store.redis_key(&hot, &limit[0]);
@@ -787,7 +787,7 @@ async fn calls_of_many_slots_share_one_function_call_and_count_once_through_a_mi
     if support::redis_server_major_version() < 7 {
         return; // no functions: each slot its own script call (tests above)
     }
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limit = [Limit::fixed_window(1_000, HOUR).unwrap()];
     let from = cluster.masters()[0];
     let to = cluster.masters()[1];
@@ -897,7 +897,7 @@ fn field(info: &str, line: &str, name: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failover_pipelined_calls_reach_the_new_master() {
     let mut cluster = RedisCluster::start();
-    let store = connect(&cluster).await.with_block_cache(0);
+    let store = connect(&cluster).await.with_block_cache(None);
     let limits = [Limit::fixed_window(3, HOUR).unwrap()];
     let loose = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
     let master = cluster.masters()[0];
@@ -967,7 +967,7 @@ async fn after_a_failover_pipelined_calls_reach_the_new_master() {
 async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once() {
     const BURST: usize = 300;
     let cluster = RedisCluster::start();
-    let first = connect(&cluster).await.with_block_cache(0);
+    let first = connect(&cluster).await.with_block_cache(None);
     let limit = [Limit::fixed_window(1_000_000, HOUR).unwrap()];
     let hot = Key::new("hot");
     let name = first.redis_key(&hot, &limit[0]);
@@ -987,7 +987,7 @@ async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once(
         // A new store the first time (its slot map not read yet: the per-slot path),
         // then `first` (its own pipelines to the masters).
         let store = if round == 0 {
-            connect(&cluster).await.with_block_cache(0)
+            connect(&cluster).await.with_block_cache(None)
         } else {
             first.clone()
         };

@@ -17,10 +17,11 @@ use std::{
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode};
 use tollgate::{
-    FailurePolicy, Limit, MemoryStore, Plan, Plans, RateLimitLayer, Store,
+    FailurePolicy, Limit, RateLimitLayer,
     clock::ManualClock,
     key::{GlobalKey, Key},
-    store::RedisStore,
+    plan::{Plan, Plans},
+    store::{MemoryStore, RedisStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -105,11 +106,11 @@ async fn count_after_decides_under_plans(store: impl Store + Clone) {
     .unwrap()
     .with_header(HeaderName::from_static("x-plan"));
     let layer = RateLimitLayer::new(hourly(100))
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .plans(plans)
-        .count_when(unauthorized);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_plans(plans)
+        .with_count_when(unauthorized);
     let rules = layer.rules_handle();
     let service = layer.layer(handler());
     let free = [("x-plan", "free")];
@@ -161,7 +162,7 @@ async fn count_after_decides_under_plans_redis() {
 
 /// `max_wait` and `late_cost` together, in either builder order: a request over a token
 /// bucket is reserved and waits instead of a 429, and its late cost of 0 gives the reserved
-/// unit back. (Before: `.max_wait(..).late_cost(..)` dropped the wait: a 429 at once.)
+/// unit back. (Before: `.with_max_wait(..).with_late_cost(..)` dropped the wait: a 429 at once.)
 async fn count_after_waits_for_its_reservation(store: impl Store + Clone) {
     let bucket = Limit::token_bucket(1, SECOND).unwrap();
     let tokens = |response: &Response<Body>| {
@@ -171,11 +172,11 @@ async fn count_after_waits_for_its_reservation(store: impl Store + Clone) {
             .and_then(|v| v.to_str().ok()?.parse().ok())
     };
     let layer = RateLimitLayer::new(bucket)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .max_wait(Duration::from_secs(2))
-        .late_cost(tokens);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_max_wait(Some(Duration::from_secs(2)))
+        .with_late_cost(tokens);
     let limiter = layer.limiter();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -215,11 +216,11 @@ async fn count_after_waits_for_its_reservation_redis() {
 /// and answered 429.)
 async fn shadow_limits_reserve(store: impl Store + Clone) {
     let layer = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
-        .shadow_limit(hourly(100))
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .max_wait(Duration::from_secs(2));
+        .with_shadow_limit(hourly(100))
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_max_wait(Some(Duration::from_secs(2)));
     let limiter = layer.limiter();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -256,10 +257,10 @@ async fn dead_redis() -> (support::RedisServer, RedisStore) {
 async fn the_local_fallback_reserves_and_waits() {
     let (_server, store) = dead_redis().await;
     let service = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .on_store_error(FailurePolicy::Local(memory()))
-        .max_wait(Duration::from_secs(2))
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_on_store_error(FailurePolicy::Local(memory()))
+        .with_max_wait(Some(Duration::from_secs(2)))
         .layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
     let started = Instant::now();
@@ -283,10 +284,10 @@ async fn count_after_settles_in_the_local_fallback() {
     let (_server, store) = dead_redis().await;
     let local = memory();
     let layer = RateLimitLayer::new(hourly(2))
-        .key(GlobalKey)
-        .store(store)
-        .on_store_error(FailurePolicy::Local(local.clone()))
-        .count_when(unauthorized);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_on_store_error(FailurePolicy::Local(local.clone()))
+        .with_count_when(unauthorized);
     let service = layer.layer(handler());
     for _ in 0..6 {
         assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -325,12 +326,12 @@ async fn the_handler_sees_the_decision(store: impl Store + Clone) {
         Ok::<_, Infallible>(Response::new(Body::from(text)))
     });
     let service = RateLimitLayer::new(hourly(5))
-        .key(tollgate::key::HeaderKey::new("x-user").unwrap())
-        .on_missing_key(tollgate::MissingKey::Allow)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .plans(plans)
-        .request_info(true)
+        .with_key(tollgate::key::HeaderKey::new("x-user").unwrap())
+        .with_on_missing_key(tollgate::MissingKey::Allow)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_plans(plans)
+        .with_request_info(true)
         .layer(echo);
     let body = |headers: &'static [(&'static str, &'static str)]| {
         let service = service.clone();
@@ -368,8 +369,8 @@ async fn the_handler_sees_the_decision_redis() {
 #[tokio::test]
 async fn max_wait_changes_at_run_time() {
     let layer = RateLimitLayer::new(Limit::gcra(1, SECOND).unwrap())
-        .key(GlobalKey)
-        .store(memory());
+        .with_key(GlobalKey)
+        .with_store(memory());
     let rules = layer.rules_handle();
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[]).await, StatusCode::OK);
@@ -390,7 +391,7 @@ async fn max_wait_changes_at_run_time() {
 /// count as a request.)
 async fn counted_up_front_beside_a_late_cost(store: impl Store + Clone) {
     let requests = hourly(3).counted_up_front();
-    let tokens = hourly(100).named("tokens").unwrap();
+    let tokens = hourly(100).with_name("tokens").unwrap();
     let late = |response: &Response<Body>| {
         response
             .headers()
@@ -398,11 +399,11 @@ async fn counted_up_front_beside_a_late_cost(store: impl Store + Clone) {
             .and_then(|v| v.to_str().ok()?.parse().ok())
     };
     let layer = RateLimitLayer::new(requests.clone())
-        .limit(tokens.clone())
-        .key(GlobalKey)
-        .store(store.clone())
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost(late);
+        .with_limit(tokens.clone())
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost(late);
     let service = layer.layer(handler());
     assert_eq!(send(&service, &[("x-tokens", "0")]).await, StatusCode::OK);
     assert_eq!(send(&service, &[("x-tokens", "30")]).await, StatusCode::OK);
@@ -445,17 +446,17 @@ async fn a_plan_has_shadow_limits_of_its_own(store: impl Store + Clone) {
     let plans = Plans::new([
         Plan::new("free", [hourly(5)])
             .unwrap()
-            .with_shadow_limits([hourly(2).named("stricter").unwrap()])
+            .with_shadow_limits([hourly(2).with_name("stricter").unwrap()])
             .unwrap(),
         Plan::new("pro", [hourly(5)]).unwrap(),
     ])
     .unwrap()
     .with_header(HeaderName::from_static("x-plan"));
     let service = RateLimitLayer::new(hourly(100))
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .plans(plans)
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_plans(plans)
         .layer(handler());
     for _ in 0..3 {
         assert_eq!(send(&service, &[("x-plan", "pro")]).await, StatusCode::OK);

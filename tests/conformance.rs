@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use support::RedisServer;
 use tollgate::{
-    Algorithm, Decision, Limit, MemoryStore, OnChange, Store,
+    Algorithm, Decision, Limit, OnChange,
     clock::{Clock, ManualClock},
     key::Key,
-    store::RedisStore,
+    store::{MemoryStore, RedisStore, Store},
 };
 
 /// A store under test with the clock that drives it.
@@ -250,9 +250,9 @@ async fn a_clock_that_steps_back_grants_no_extra_budget(h: Harness) {
 fn api(algorithm: Algorithm, limit: u32, window: Duration, on_change: OnChange) -> Limit {
     Limit::new(algorithm, limit, window)
         .unwrap()
-        .named("api")
+        .with_name("api")
         .unwrap()
-        .on_change(on_change)
+        .with_on_change(on_change)
         .unwrap()
 }
 
@@ -300,9 +300,9 @@ async fn a_carried_over_token_bucket_keeps_its_tokens(h: Harness) {
             .unwrap()
             .with_burst(burst)
             .unwrap()
-            .named("api")
+            .with_name("api")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap()]
     };
     assert_eq!(h.allowed("a", &bucket(10, 10), 8).await, 8);
@@ -390,7 +390,7 @@ macro_rules! conformance {
                     let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
                     let server = RedisServer::start_tls(&tls);
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect_tls(&server.url(), &tls_config(&tls))
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::node(&server.url()).with_tls(tls_config(&tls)))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());
@@ -429,7 +429,7 @@ macro_rules! conformance {
                 async fn $scenario() {
                     let cluster = RedisCluster::start();
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect_cluster(&cluster.urls())
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());
@@ -476,7 +476,7 @@ mod cluster_tls {
                     let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
                     let cluster = RedisCluster::start_tls(&tls);
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect_cluster_tls(&cluster.urls(), &tls_config(&tls))
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()).with_tls(tls_config(&tls)))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());

@@ -24,10 +24,10 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, sync::Semaphore, task::JoinSet, time::timeout};
 use tollgate::{
-    Adjustment, Limit, MemoryStore, RateLimitLayer, Store,
+    Adjustment, Limit, RateLimitLayer,
     clock::ManualClock,
     key::{GlobalKey, HeaderKey, Key},
-    store::RedisStore,
+    store::{MemoryStore, RedisStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -94,11 +94,13 @@ async fn attempt(addr: SocketAddr, user: &str, password: &str) -> StatusCode {
 async fn only_failed_logins_count(store: impl Store + Clone) {
     for (i, limit) in every_algorithm(3).into_iter().enumerate() {
         let layer = RateLimitLayer::new(limit.clone())
-            .key(HeaderKey::new("x-user").unwrap())
-            .store(store.clone())
+            .with_key(HeaderKey::new("x-user").unwrap())
+            .with_store(store.clone())
             // Generous: a refund that timed out would stay spent (a loaded CI machine).
-            .timeout(Some(Duration::from_secs(5)))
-            .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+            .with_timeout(Some(Duration::from_secs(5)))
+            .with_count_when(|response: &Response<Body>| {
+                response.status() == StatusCode::UNAUTHORIZED
+            });
         let addr = serve(Router::new().route("/login", post(login)).layer(layer)).await;
         let user = format!("user{i}");
         for _ in 0..10 {
@@ -151,7 +153,7 @@ async fn only_failed_logins_count_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_failed_logins_count_cluster() {
     let cluster = support::cluster::RedisCluster::start();
-    let store = RedisStore::connect_cluster(&cluster.urls())
+    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
         .await
         .unwrap()
         .with_clock(ManualClock::new(NOW_MS));
@@ -181,10 +183,10 @@ async fn in_flight_requests_hold_their_units(store: impl Store + Clone) {
             })
         };
         let service = RateLimitLayer::new(limit.clone())
-            .key(GlobalKey)
-            .store(store.clone())
-            .timeout(Some(Duration::from_secs(10)))
-            .count_when(|_: &Response<Body>| false)
+            .with_key(GlobalKey)
+            .with_store(store.clone())
+            .with_timeout(Some(Duration::from_secs(10)))
+            .with_count_when(|_: &Response<Body>| false)
             .layer(handler);
         for round in 0..2 {
             let mut requests = JoinSet::new();
@@ -249,10 +251,10 @@ async fn in_flight_requests_hold_their_units_redis() {
 #[tokio::test]
 async fn a_dropped_response_and_an_error_keep_the_units() {
     let layer = RateLimitLayer::new(Limit::fixed_window(2, HOUR).unwrap())
-        .key(HeaderKey::new("x-user").unwrap())
-        .store(memory())
-        .timeout(Some(Duration::from_secs(5)))
-        .count_when(|_: &Response<Body>| false);
+        .with_key(HeaderKey::new("x-user").unwrap())
+        .with_store(memory())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_count_when(|_: &Response<Body>| false);
     // Debug, though a closure is not.
     assert!(format!("{layer:?}").contains("CountWhen(..)"));
     let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
@@ -307,10 +309,10 @@ async fn late_cost_from_a_header(store: impl Store + Clone) {
         }
     };
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost(|response: &Response<Body>| {
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost(|response: &Response<Body>| {
             response
                 .headers()
                 .get("x-cost")?
@@ -458,10 +460,10 @@ async fn late_cost_from_grpc_trailers(store: impl Store) {
 
     let used = Arc::new(AtomicU32::new(0));
     let layer = RateLimitLayer::new(Limit::fixed_window(5, HOUR).unwrap())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost_from_trailers(|trailers: Option<&http::HeaderMap>| {
             trailers?.get("x-tokens-used")?.to_str().ok()?.parse().ok()
         });
     let incoming =
@@ -530,7 +532,7 @@ async fn extreme_adjustments_are_harmless() {
         .with_prefix("extreme")
         .unwrap()
         .with_clock(clock.clone())
-        .with_block_cache(0);
+        .with_block_cache(None);
     let adjustments = [
         Adjustment::TopUp { units: u32::MAX },
         Adjustment::Refund {
@@ -574,18 +576,18 @@ async fn shadow_limits_are_refunded_too() {
     let store = memory();
     let enforced = Limit::fixed_window(3, HOUR)
         .unwrap()
-        .named("enforced")
+        .with_name("enforced")
         .unwrap();
     let shadow = Limit::fixed_window(5, HOUR)
         .unwrap()
-        .named("watched")
+        .with_name("watched")
         .unwrap();
     let layer = RateLimitLayer::new(enforced.clone())
-        .shadow_limit(shadow.clone())
-        .key(GlobalKey)
-        .store(store.clone())
-        .timeout(Some(Duration::from_secs(5)))
-        .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+        .with_shadow_limit(shadow.clone())
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
     let mut service = layer.layer(service_fn(|request: Request<Body>| async move {
         let status = if request.uri().path() == "/fail" {
             StatusCode::UNAUTHORIZED
@@ -621,11 +623,11 @@ async fn shadow_limits_are_refunded_too() {
     let store = memory();
     let watched = Limit::fixed_window(2, HOUR).unwrap();
     let mut service = RateLimitLayer::new(watched.clone())
-        .shadow(true)
-        .key(GlobalKey)
-        .store(store.clone())
-        .timeout(Some(Duration::from_secs(5)))
-        .count_when(|_: &Response<Body>| false)
+        .with_shadow(true)
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_count_when(|_: &Response<Body>| false)
         .layer(service_fn(|_: Request<Body>| async {
             Ok::<_, Infallible>(Response::new(Body::empty()))
         }));
@@ -648,10 +650,10 @@ async fn grpc_calls_count_by_status(count_failures: bool) {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
     let layer = RateLimitLayer::new(Limit::fixed_window(3, HOUR).unwrap())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(memory())
-        .timeout(Some(Duration::from_secs(5)))
-        .late_cost_from_trailers(move |trailers: Option<&http::HeaderMap>| {
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(memory())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_late_cost_from_trailers(move |trailers: Option<&http::HeaderMap>| {
             let ok = trailers?.get("grpc-status")? == "0";
             // None keeps the unit, Some(0) gives it back.
             (ok == count_failures).then_some(0)
@@ -731,7 +733,7 @@ async fn only_successful_grpc_calls_count() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_sent_after_a_refund_is_decided_after_it_redis() {
     let server = support::RedisServer::start();
-    let store = redis(&server, "order").await.with_block_cache(0);
+    let store = redis(&server, "order").await.with_block_cache(None);
     let limit = [Limit::fixed_window(1, HOUR).unwrap()];
     let mut late = Vec::new();
     for round in 0..200 {

@@ -11,6 +11,7 @@
 use tollgate_test_support as support;
 
 use std::{
+    num::NonZeroUsize,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -23,8 +24,10 @@ use http::{Request, Response, StatusCode};
 use support::RedisServer;
 use tokio::{task::JoinSet, time::timeout};
 use tollgate::{
-    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, Store, StoreErrorKind, key::GlobalKey,
-    key::Key, store::RedisStore,
+    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind,
+    key::GlobalKey,
+    key::Key,
+    store::{RedisStore, Store},
 };
 use tower::ServiceExt;
 
@@ -41,10 +44,10 @@ fn app(store: RedisStore, policy: FailurePolicy) -> Router {
 fn app_with_timeout(store: RedisStore, policy: FailurePolicy, timeout: Duration) -> Router {
     let limit = Limit::fixed_window(100_000_000, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(timeout))
-        .on_store_error(policy);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(timeout))
+        .with_on_store_error(policy);
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -292,10 +295,10 @@ async fn an_abandoned_probe_does_not_disable_limiting() {
     let store = RedisStore::connect(&server.url()).await.unwrap();
     // 3 per hour, failing open, 200 ms timeout, the default breaker (5 failures, 500 ms).
     let layer = RateLimitLayer::new(Limit::fixed_window(3, Duration::from_secs(3600)).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_millis(200)))
-        .on_store_error(FailurePolicy::Allow);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_millis(200)))
+        .with_on_store_error(FailurePolicy::Allow);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
@@ -348,7 +351,7 @@ async fn the_queue_of_waiting_decisions_is_bounded() {
     let store = RedisStore::connect(&server.url())
         .await
         .unwrap()
-        .with_queue_limit(64);
+        .with_coalescing(NonZeroUsize::new(64));
     let limits = [Limit::fixed_window(1_000_000, Duration::from_secs(3600)).unwrap()];
     // Warm up: the batching task runs.
     store.check(&Key::new("k"), &limits, 1).await.unwrap();
@@ -409,11 +412,11 @@ async fn without_the_breaker_every_request_waits_at_most_the_timeout() {
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let limit = Limit::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(TIMEOUT))
-        .circuit_breaker(None::<CircuitBreaker>)
-        .on_store_error(FailurePolicy::Deny);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(TIMEOUT))
+        .with_circuit_breaker(None::<CircuitBreaker>)
+        .with_on_store_error(FailurePolicy::Deny);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);

@@ -17,10 +17,10 @@ use std::{net::SocketAddr, time::Duration};
 
 use http_body_util::BodyExt;
 use tollgate::{
-    DefaultRejection, GrpcMissingKey, Limit, MemoryStore, MissingKey, OnRejection, RateLimitLayer,
-    Store,
+    DefaultRejection, GrpcMissingKey, Limit, MissingKey, OnRejection, RateLimitLayer,
     clock::ManualClock,
     key::{HeaderKey, KeyExtractor},
+    store::{MemoryStore, Store},
 };
 use tonic::{
     Code, Request, Status,
@@ -52,10 +52,10 @@ fn hourly(limit: u32) -> Limit {
 /// `limit` calls per hour for each `x-api-key`, in `store`.
 fn per_api_key(limit: u32, store: impl Store) -> RateLimitLayer<HeaderKey> {
     RateLimitLayer::new(hourly(limit))
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store)
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store)
         // Generous: on a loaded machine the default 100 ms would fail a Redis call open.
-        .timeout(Some(Duration::from_secs(10)))
+        .with_timeout(Some(Duration::from_secs(10)))
 }
 
 /// A health server behind a rate-limit layer, on a free loopback port; stopped on drop.
@@ -170,8 +170,8 @@ async fn calls_over_the_limit_are_resource_exhausted_with_retry_after_memory() {
 
 #[tokio::test]
 async fn retry_pushback_when_enabled() {
-    let layer =
-        per_api_key(1, memory()).on_rejection(DefaultRejection::new().grpc_retry_pushback(true));
+    let layer = per_api_key(1, memory())
+        .with_on_rejection(DefaultRejection::new().with_grpc_retry_pushback(true));
     let mut running = serve(layer).await;
     allowed(&mut running, Some("k1")).await;
     let status = denied(&mut running, Some("k1")).await;
@@ -188,10 +188,10 @@ async fn retry_pushback_when_enabled() {
 async fn retry_info_in_status_details_when_enabled() {
     use tonic_types::StatusExt;
 
-    let layer = per_api_key(1, memory()).on_rejection(
+    let layer = per_api_key(1, memory()).with_on_rejection(
         DefaultRejection::new()
-            .grpc_retry_info(true)
-            .grpc_retry_pushback(true),
+            .with_grpc_retry_info(true)
+            .with_grpc_retry_pushback(true),
     );
     let mut running = serve(layer).await;
     allowed(&mut running, Some("k1")).await;
@@ -264,13 +264,14 @@ async fn a_missing_api_key_is_invalid_argument_by_default() {
 
 #[tokio::test]
 async fn a_missing_api_key_can_be_unauthenticated_or_allowed() {
-    let layer = per_api_key(5, memory())
-        .on_rejection(DefaultRejection::new().grpc_missing_key(GrpcMissingKey::Unauthenticated));
+    let layer = per_api_key(5, memory()).with_on_rejection(
+        DefaultRejection::new().with_grpc_missing_key(GrpcMissingKey::Unauthenticated),
+    );
     let mut running = serve(layer).await;
     let status = denied(&mut running, None).await;
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
 
-    let layer = per_api_key(1, memory()).on_missing_key(MissingKey::Allow);
+    let layer = per_api_key(1, memory()).with_on_missing_key(MissingKey::Allow);
     let mut running = serve(layer).await;
     for _ in 0..3 {
         let metadata = allowed(&mut running, None).await;
@@ -298,8 +299,8 @@ async fn peer_ip_reads_tonics_connect_info() {
     // The default key: the TCP peer.
     let mut running = serve(
         RateLimitLayer::new(hourly(2))
-            .shared_store(store.clone())
-            .timeout(Some(Duration::from_secs(10))),
+            .with_store(store.clone())
+            .with_timeout(Some(Duration::from_secs(10))),
     )
     .await;
     allowed(&mut running, None).await;
@@ -328,7 +329,7 @@ async fn peer_ip_reads_tonics_connect_info() {
 #[cfg(not(feature = "tonic"))]
 #[tokio::test]
 async fn peer_ip_needs_the_tonic_feature() {
-    let mut running = serve(RateLimitLayer::new(hourly(2)).store(memory())).await;
+    let mut running = serve(RateLimitLayer::new(hourly(2)).with_store(memory())).await;
     let status = denied(&mut running, None).await;
     assert_eq!(status.code(), Code::Internal);
     assert!(status.message().contains("`tonic` feature"), "{status:?}");
@@ -397,7 +398,7 @@ mod redis {
     async fn a_server_stream_is_limited_at_its_start_redis() {
         let server = RedisServer::start();
         let layer = per_api_key(1, store(&server).await)
-            .on_rejection(DefaultRejection::new().grpc_retry_pushback(true));
+            .with_on_rejection(DefaultRejection::new().with_grpc_retry_pushback(true));
         let mut running = serve(layer).await;
         let mut watch = running.client.watch(check(Some("k1"))).await.unwrap();
         assert_eq!(next_status(watch.get_mut()).await, ServingStatus::Serving);
@@ -417,8 +418,8 @@ mod redis {
 #[tokio::test]
 async fn a_waiting_call_runs_at_its_turn_and_a_cancelled_one_gives_it_back() {
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(1)).unwrap())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .max_wait(Duration::from_secs(5));
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_max_wait(Some(Duration::from_secs(5)));
     let running = serve(layer).await;
     let t0 = std::time::Instant::now();
     let call = |timeout: Option<Duration>| {

@@ -248,8 +248,8 @@ proptest! {
         let trusted: Vec<IpNet> = TRUSTED[trusted].iter().map(|n| n.parse().unwrap()).collect();
         let header = if forwarded { ForwardedHeader::Forwarded } else { ForwardedHeader::XForwardedFor };
         let extractor = ClientIp::new(trusted.iter().copied())
-            .header(header)
-            .ipv6_prefix(ipv6_prefix);
+            .with_header(header)
+            .with_ipv6_prefix(ipv6_prefix);
         let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.trunc().contains(&ip));
 
         let mut headers = HeaderMap::new();

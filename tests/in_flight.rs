@@ -26,11 +26,10 @@ use http::{Request, Response, StatusCode, header::RETRY_AFTER};
 use http_body_util::BodyExt;
 use tokio::sync::{Notify, Semaphore};
 use tollgate::{
-    CircuitBreaker, ConfigError, FailurePolicy, InFlightLayer, MemoryStore, StoreError,
-    StoreErrorKind,
-    in_flight::{InFlight, InFlightBody},
+    CircuitBreaker, ConfigError, FailurePolicy, StoreError, StoreErrorKind,
+    in_flight::{InFlight, InFlightBody, InFlightLayer},
     key::{HeaderKey, Key, KeyExtractor},
-    store::{Acquired, Check, Permit, Permits},
+    store::{Acquired, Check, MemoryStore, Permit, Permits},
 };
 use tower::{Service, ServiceExt, service_fn};
 
@@ -125,11 +124,11 @@ fn flagged(client: &str, flag: &str) -> Request<Body> {
 fn by_client(max: u32) -> InFlightLayer<HeaderKey> {
     InFlightLayer::new(max)
         .unwrap()
-        .key(HeaderKey::new("x-client").unwrap())
+        .with_key(HeaderKey::new("x-client").unwrap())
         // A loaded machine must not fail a Redis call open: these tests are about counts.
-        .timeout(Some(Duration::from_secs(10)))
+        .with_timeout(Some(Duration::from_secs(10)))
         // Longer than DEADLINE: a permit that is not given back cannot pass for one that is.
-        .permit_ttl(TTL)
+        .with_permit_ttl(TTL)
 }
 
 async fn send(service: &mut Limited, request: Request<Body>) -> Answer {
@@ -354,9 +353,9 @@ async fn the_local_policy_counts_in_its_own_memory_store() {
     let memory = MemoryStore::new();
     let layer = |store: Arc<Failing>| {
         by_client(1)
-            .store(store)
-            .circuit_breaker(None)
-            .on_store_error(FailurePolicy::Local(memory.clone()))
+            .with_store(store)
+            .with_circuit_breaker(None)
+            .with_on_store_error(FailurePolicy::Local(memory.clone()))
     };
     let app = App::new();
     let mut one = app.service(&layer(failing()));
@@ -387,10 +386,10 @@ async fn a_failing_store_opens_the_circuit_and_the_policy_answers() {
     let (logs, _guard) = support::logs::Logs::capture();
     let store = failing();
     let layer = by_client(1)
-        .store(store.clone())
-        .circuit_breaker(Some(CircuitBreaker::new(2, Duration::from_secs(60))))
-        .on_store_error(FailurePolicy::Deny)
-        .name("uploads");
+        .with_store(store.clone())
+        .with_circuit_breaker(Some(CircuitBreaker::new(2, Duration::from_secs(60))))
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_name("uploads");
     let app = App::new();
     let mut service = app.service(&layer);
     for _ in 0..5 {
@@ -419,7 +418,9 @@ async fn a_failing_store_opens_the_circuit_and_the_policy_answers() {
 
     // Without a breaker every request asks the store.
     let store = failing();
-    let layer = by_client(1).store(store.clone()).circuit_breaker(None);
+    let layer = by_client(1)
+        .with_store(store.clone())
+        .with_circuit_breaker(None);
     let mut service = app.service(&layer);
     for _ in 0..5 {
         let answer = send(&mut service, request("a")).await;
@@ -436,9 +437,9 @@ async fn a_store_that_does_not_answer_times_out() {
     let store = failing();
     store.stalled.store(true, Ordering::SeqCst);
     let layer = by_client(1)
-        .store(store.clone())
-        .timeout(Some(Duration::from_millis(50)))
-        .on_store_error(FailurePolicy::Deny);
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_millis(50)))
+        .with_on_store_error(FailurePolicy::Deny);
     let app = App::new();
     let mut service = app.service(&layer);
     let start = tokio::time::Instant::now();
@@ -461,7 +462,7 @@ fn requests_are_counted_under_the_layers_name() {
     metrics::with_local_recorder(&recorder, || {
         runtime.block_on(async {
             let app = App::new();
-            let mut service = app.service(&by_client(1).name("streams"));
+            let mut service = app.service(&by_client(1).with_name("streams"));
             let _held = send(&mut service, request("a")).await;
             assert_denied(&send(&mut service, request("a")).await);
             assert_denied(&send(&mut service, request("a")).await);
@@ -505,7 +506,7 @@ mod redis {
     #[tokio::test]
     async fn redis_allows_two_in_flight_per_client() {
         let server = RedisServer::start();
-        two_in_flight(by_client(2).store(store(&server).await)).await;
+        two_in_flight(by_client(2).with_store(store(&server).await)).await;
         // Released permits leave nothing behind that lives forever.
         support::assert_every_key_expires(&server);
     }
@@ -514,14 +515,16 @@ mod redis {
     #[tokio::test]
     async fn cluster_allows_two_in_flight_per_client() {
         let cluster = support::cluster::RedisCluster::start();
-        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+            .await
+            .unwrap();
         // As an app that holds its store as `Arc<dyn Permits>` gives it.
         let store: Arc<dyn Permits> = Arc::new(store);
-        two_in_flight(by_client(2).store(store.clone())).await;
+        two_in_flight(by_client(2).with_store(store.clone())).await;
         // Two replicas (layers of their own) share the permits.
         let app = App::new();
-        let mut one = app.service(&by_client(2).store(store.clone()));
-        let mut other = app.service(&by_client(2).store(store));
+        let mut one = app.service(&by_client(2).with_store(store.clone()));
+        let mut other = app.service(&by_client(2).with_store(store));
         let _first = until_allowed(&mut one, "c").await;
         let _second = until_allowed(&mut one, "c").await;
         assert_denied(&send(&mut other, request("c")).await);
@@ -543,8 +546,8 @@ mod redis {
         }
         let config = tollgate::store::SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME)
             .with_master_user(Some("tollgate"), support::acl::PASSWORD);
-        let store = RedisStore::connect_sentinel(&config).await.unwrap();
-        two_in_flight(by_client(2).store(store)).await;
+        let store = RedisStore::connect(config.clone()).await.unwrap();
+        two_in_flight(by_client(2).with_store(store)).await;
     }
 
     /// Held permits are keys with a TTL no longer than the lease, named with the key's
@@ -552,7 +555,7 @@ mod redis {
     #[tokio::test]
     async fn permits_are_leases_with_a_ttl() {
         let server = RedisServer::start();
-        let layer = by_client(3).store(store(&server).await);
+        let layer = by_client(3).with_store(store(&server).await);
         let app = App::new();
         let mut service = app.service(&layer);
         let _held = send(&mut service, request("a")).await;
@@ -582,7 +585,7 @@ mod redis {
                     .await
                     .unwrap()
                     .with_clock(ManualClock::new(NOW_MS));
-                let layer = by_client(2).store(store);
+                let layer = by_client(2).with_store(store);
                 let app = App::new();
                 let mut service = app.service(&layer);
                 for _ in 0..2 {
@@ -597,7 +600,7 @@ mod redis {
         .unwrap();
 
         let clock = ManualClock::new(NOW_MS);
-        let layer = by_client(2).store(store(&server).await.with_clock(clock.clone()));
+        let layer = by_client(2).with_store(store(&server).await.with_clock(clock.clone()));
         let app = App::new();
         let mut service = app.service(&layer);
         assert_denied(&send(&mut service, request("a")).await);
@@ -616,8 +619,8 @@ mod redis {
     async fn long_requests_renew_their_permit() {
         let server = RedisServer::start();
         let layer = by_client(1)
-            .store(store(&server).await)
-            .permit_ttl(Duration::from_millis(600));
+            .with_store(store(&server).await)
+            .with_permit_ttl(Duration::from_millis(600));
         let app = App::new();
         let mut service = app.service(&layer);
         let held = send(&mut service, request("a")).await;
@@ -638,9 +641,9 @@ mod redis {
     async fn a_failing_redis_gets_the_failure_policy_and_limiting_comes_back() {
         let mut server = RedisServer::start();
         let open = by_client(1)
-            .store(store(&server).await)
-            .timeout(Some(Duration::from_secs(2)));
-        let closed = open.clone().on_store_error(FailurePolicy::Deny);
+            .with_store(store(&server).await)
+            .with_timeout(Some(Duration::from_secs(2)));
+        let closed = open.clone().with_on_store_error(FailurePolicy::Deny);
         let app = App::new();
         let mut open = app.service(&open);
         let mut closed = app.service(&closed);
@@ -677,8 +680,8 @@ mod redis {
     async fn a_permit_taken_after_the_timeout_is_given_back() {
         let server = RedisServer::start();
         let layer = by_client(1)
-            .store(store(&server).await)
-            .timeout(Some(Duration::from_millis(200)));
+            .with_store(store(&server).await)
+            .with_timeout(Some(Duration::from_millis(200)));
         let app = App::new();
         let mut service = app.service(&layer);
         // The scripts loaded, so that the paused call is the script itself.
@@ -747,7 +750,9 @@ mod redis {
         // Renewed every 5 s: the newcomer gets in long before the first renewal.
         let ttl = Duration::from_secs(15);
         let mut server = RedisServer::start();
-        let layer = by_client(2).store(store(&server).await).permit_ttl(ttl);
+        let layer = by_client(2)
+            .with_store(store(&server).await)
+            .with_permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let taken = Instant::now();
@@ -825,7 +830,7 @@ mod redis {
             RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
         // The leases never end on this clock: only the release can free the permit.
         let clock = ManualClock::new(NOW_MS);
-        let layer = by_client(1).store(store(&server).await.with_clock(clock));
+        let layer = by_client(1).with_store(store(&server).await.with_clock(clock));
         let app = App::new();
         let mut service = app.service(&layer);
         let held = send(&mut service, request("a")).await;
@@ -854,7 +859,7 @@ mod redis {
         let (logs, _guard) = support::logs::Logs::capture();
         let server = RedisServer::start();
         let clock = ManualClock::new(NOW_MS);
-        let layer = by_client(1).store(store(&server).await.with_clock(clock.clone()));
+        let layer = by_client(1).with_store(store(&server).await.with_clock(clock.clone()));
         let app = App::new();
         let mut service = app.service(&layer);
         let held = send(&mut service, request("a")).await;
@@ -881,8 +886,10 @@ mod redis {
     async fn a_cluster_failover_that_lost_the_permits_counts_running_requests_again() {
         let ttl = Duration::from_secs(6);
         let mut cluster = support::cluster::RedisCluster::start();
-        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
-        let layer = by_client(2).store(store).permit_ttl(ttl);
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+            .await
+            .unwrap();
+        let layer = by_client(2).with_store(store).with_permit_ttl(ttl);
         let app = App::new();
         let mut service = app.service(&layer);
         let first = send(&mut service, request("a")).await;
@@ -927,9 +934,9 @@ mod redis {
         let mut server = RedisServer::start();
         let memory = MemoryStore::new();
         let layer = by_client(1)
-            .store(store(&server).await)
-            .timeout(Some(Duration::from_secs(2)))
-            .on_store_error(FailurePolicy::Local(memory.clone()));
+            .with_store(store(&server).await)
+            .with_timeout(Some(Duration::from_secs(2)))
+            .with_on_store_error(FailurePolicy::Local(memory.clone()));
         let app = App::new();
         let mut service = app.service(&layer);
         server.kill();
@@ -959,7 +966,7 @@ async fn a_tonic_stream_holds_its_permit_until_the_client_drops_it() {
     let (_reporter, health) = tonic_health::server::health_reporter();
     let layer = InFlightLayer::new(1)
         .unwrap()
-        .key(HeaderKey::new("x-api-key").unwrap());
+        .with_key(HeaderKey::new("x-api-key").unwrap());
     let router = tonic::transport::Server::builder()
         .layer(layer)
         .add_service(health);

@@ -16,11 +16,11 @@ use std::{
 use proptest::prelude::*;
 use support::RedisServer;
 use tollgate::{
-    Algorithm, Decision, Limit, Store,
+    Algorithm, Decision, Limit,
     algorithm::{self, State},
     clock::{Clock, ManualClock},
     key::Key,
-    store::{LeaseConfig, RedisStore},
+    store::{LeaseConfig, RedisStore, Store},
 };
 
 /// A multiple of every window used here.
@@ -418,7 +418,9 @@ async fn the_rest_goes_to_another_node(server: &RedisServer, clock: &ManualClock
 async fn an_idle_lease_goes_back_and_another_node_spends_it() {
     let server = RedisServer::start();
     let clock = ManualClock::new(START);
-    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let config = LeaseConfig::new()
+        .with_idle(Duration::from_millis(100))
+        .unwrap();
     let (a, limit, key) = leased(&server, &clock, config).await;
     clock.advance(Duration::from_millis(150));
     until_counted(&server, &a, &key, &limit, 50).await;
@@ -630,7 +632,7 @@ proptest! {
             let url = SERVER.with(|s| s.url());
             let store = node(&url, &format!("model{case}"), &clock, LeaseConfig::new())
                 .await
-                .with_block_cache(0);
+                .with_block_cache(None);
             let mut states: Vec<State> = limits.iter().map(|l| State::new(l.algorithm())).collect();
             let key = Key::new("k");
             for (i, &(wait, cost)) in steps.iter().enumerate() {
@@ -661,7 +663,7 @@ async fn on_a_cluster_leases_keep_the_bound_and_go_back() {
     let cluster = support::cluster::RedisCluster::start();
     let clock = ManualClock::new(START);
     let connect = || async {
-        RedisStore::connect_cluster(&cluster.urls())
+        RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(clock.clone())
@@ -724,10 +726,10 @@ async fn leased_units_are_spent_while_the_circuit_is_open() {
     let store = node(&server.url(), "circuit", &clock, LeaseConfig::new()).await;
     let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
     let layer = RateLimitLayer::new(limit.clone())
-        .store(store.clone())
-        .key(HeaderKey::new("x-user").unwrap())
-        .on_store_error(FailurePolicy::Deny)
-        .timeout(Some(Duration::from_secs(2)));
+        .with_store(store.clone())
+        .with_key(HeaderKey::new("x-user").unwrap())
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_timeout(Some(Duration::from_secs(2)));
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, std::convert::Infallible>(Response::new(String::new()))
     }));
@@ -779,7 +781,7 @@ async fn without_coalescing_leases_work_the_same() {
     let key = Key::new("global");
     let store = node(&server.url(), "direct", &clock, LeaseConfig::new())
         .await
-        .with_coalescing(false);
+        .with_coalescing(None);
     let calls = script_calls(&server);
     for _ in 0..200 {
         assert!(
@@ -812,7 +814,9 @@ fn idle_leases_go_back_after_the_first_runtime_shut_down() {
             .build()
             .unwrap()
     };
-    let config = LeaseConfig::new().idle(Duration::from_millis(100)).unwrap();
+    let config = LeaseConfig::new()
+        .with_idle(Duration::from_millis(100))
+        .unwrap();
     let limit = Limit::fixed_window(1_000, Duration::from_secs(60)).unwrap();
     let limits = std::slice::from_ref(&limit);
     let (a, b) = (Key::new("a"), Key::new("b"));
@@ -946,10 +950,10 @@ fn layered(store: RedisStore, limit: &Limit) -> Node {
     use tollgate::{FailurePolicy, RateLimitLayer, key::GlobalKey};
     use tower::Layer;
     let layer = RateLimitLayer::new(limit.clone())
-        .store(store)
-        .key(GlobalKey)
-        .on_store_error(FailurePolicy::Deny)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_store(store)
+        .with_key(GlobalKey)
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_timeout(Some(Duration::from_secs(10)));
     let inner = tower::service_fn(|_: http::Request<()>| async {
         Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
     });
@@ -1485,7 +1489,7 @@ async fn a_lease_is_bounded_and_shrinks_as_the_budget_runs_low() {
     let clock = ManualClock::new(START);
     let mut conn = connection(&server).await;
     let limit = Limit::fixed_window(4_000, Duration::from_secs(3600)).unwrap();
-    let config = LeaseConfig::new().max_fraction(0.05).unwrap();
+    let config = LeaseConfig::new().with_max_fraction(0.05).unwrap();
     let key = Key::new("global");
     let nodes = [
         node(&server.url(), "shrink", &clock, config).await,

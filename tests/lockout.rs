@@ -15,9 +15,10 @@ use http_body_util::Empty;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tokio::{net::TcpListener, time::timeout};
 use tollgate::{
-    Limit, MemoryStore, RateLimitLayer, Store,
+    Limit, RateLimitLayer,
     clock::ManualClock,
     key::{GlobalKey, HeaderKey},
+    store::{MemoryStore, Store},
 };
 
 /// 20 s into a minute.
@@ -29,7 +30,7 @@ const LOCKOUT: Duration = Duration::from_secs(15 * 60);
 fn login() -> Limit {
     Limit::fixed_window(3, MINUTE)
         .unwrap()
-        .named("login")
+        .with_name("login")
         .unwrap()
         .with_lockout(LOCKOUT)
         .unwrap()
@@ -72,9 +73,9 @@ fn header<B>(response: &Response<B>, name: &str) -> Option<String> {
 async fn a_breach_locks_out_over_http(store: impl Store, clock: &ManualClock) {
     let addr = serve(
         RateLimitLayer::new(login())
-            .key(GlobalKey)
-            .store(store)
-            .timeout(Some(Duration::from_secs(10))),
+            .with_key(GlobalKey)
+            .with_store(store)
+            .with_timeout(Some(Duration::from_secs(10))),
     )
     .await;
     for remaining in [2, 1, 0] {
@@ -137,10 +138,10 @@ async fn only_the_limit_with_the_lockout_starts_a_block() {
     let clock = ManualClock::new(NOW_MS);
     let store = MemoryStore::new().with_clock(clock.clone());
     let layer = RateLimitLayer::new(login())
-        .limit(Limit::fixed_window(1, Duration::from_secs(1)).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_limit(Limit::fixed_window(1, Duration::from_secs(1)).unwrap())
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)));
     let addr = serve(layer).await;
     assert_eq!(post(addr).await.status(), StatusCode::OK);
     let denied = post(addr).await;
@@ -160,9 +161,9 @@ async fn a_breach_locks_out_over_grpc(store: impl Store, clock: &ManualClock) {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
     let layer = RateLimitLayer::new(login())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)));
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)));
     let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr: SocketAddr = incoming.local_addr().unwrap();
     let (_reporter, health) = tonic_health::server::health_reporter();
@@ -238,7 +239,7 @@ mod redis {
 
     /// Without the block cache, which would answer most of the denials by itself.
     async fn uncached(server: &RedisServer, clock: &ManualClock) -> RedisStore {
-        store(server, clock).await.with_block_cache(0)
+        store(server, clock).await.with_block_cache(None)
     }
 
     #[tokio::test]
@@ -297,11 +298,11 @@ mod redis {
         let store = RedisStore::connect(&server.url())
             .await
             .unwrap()
-            .with_block_cache(0);
+            .with_block_cache(None);
         let mut conn = support::test_connection(&server.url()).await;
         let limits = [Limit::gcra(1, Duration::from_secs(3_600))
             .unwrap()
-            .named("login")
+            .with_name("login")
             .unwrap()
             .with_lockout(LOCKOUT)
             .unwrap()];
@@ -434,11 +435,11 @@ mod cluster {
     async fn a_breach_locks_out_in_a_cluster() {
         let cluster = RedisCluster::start();
         let clock = ManualClock::new(NOW_MS);
-        let store = RedisStore::connect_cluster(&cluster.urls())
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(clock.clone())
-            .with_block_cache(0);
+            .with_block_cache(None);
         a_breach_locks_out_over_http(store.clone(), &clock).await;
 
         // Many keys, so that every master holds some blocks; two limits with lockouts.

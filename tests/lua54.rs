@@ -24,8 +24,11 @@ use mlua::{Lua, Value as LuaValue, Variadic};
 use redis::Value;
 use support::RedisServer;
 use tollgate::{
-    Adjustment, Algorithm, Limit, Store, clock::ManualClock, key::Key, store::LeaseConfig,
+    Adjustment, Algorithm, Limit,
+    clock::ManualClock,
+    key::Key,
     store::RedisStore,
+    store::{LeaseConfig, Store},
 };
 
 const START: u64 = 1_700_000_000_000;
@@ -371,7 +374,7 @@ async fn workload(url: &str, prefix: &str, resets: bool) {
         .with_prefix(prefix)
         .unwrap()
         .with_clock(clock.clone())
-        .with_block_cache(0);
+        .with_block_cache(None);
     let mut steps = Steps(7);
     let sets: Vec<Vec<Limit>> = Algorithm::ALL
         .iter()
@@ -389,7 +392,7 @@ async fn workload(url: &str, prefix: &str, resets: bool) {
                         .with_lockout(Duration::from_millis(700))
                         .unwrap(),
                     limit(Algorithm::FixedWindow, 20, 60_000)
-                        .named("day")
+                        .with_name("day")
                         .unwrap(),
                 ],
             ]
@@ -443,7 +446,7 @@ async fn workload(url: &str, prefix: &str, resets: bool) {
         .with_prefix(&format!("{prefix}l"))
         .unwrap()
         .with_clock(clock.clone())
-        .with_block_cache(0)
+        .with_block_cache(None)
         .with_leases(LeaseConfig::new());
     for algorithm in [
         Algorithm::FixedWindow,

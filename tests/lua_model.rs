@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tollgate::{
-    Algorithm, Decision, Limit, OnChange, Store,
+    Algorithm, Decision, Limit, OnChange,
     algorithm::{self, State},
     clock::{Clock, ManualClock},
     key::Key,
-    store::RedisStore,
+    store::{RedisStore, Store},
 };
 
 const START: u64 = 1_700_000_000_000;
@@ -190,9 +190,9 @@ fn versions_strategy() -> impl Strategy<Value = Vec<Limit>> {
                     _ => l,
                 };
                 let l = l
-                    .named("api")
+                    .with_name("api")
                     .unwrap()
-                    .on_change(OnChange::CarryOver)
+                    .with_on_change(OnChange::CarryOver)
                     .unwrap();
                 match lockout_ms {
                     0 => l,
@@ -989,7 +989,7 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
     if block_cache {
         store
     } else {
-        store.with_block_cache(0)
+        store.with_block_cache(None)
     }
 }
 

@@ -35,11 +35,12 @@ use std::{
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode};
 use tollgate::{
-    FailurePolicy, Limit, Limiter, MemoryStore, Plan, PlanLookup, Plans, RateLimitLayer,
-    RulesHandle, Store,
+    FailurePolicy, Limit, Limiter, RateLimitLayer,
     clock::ManualClock,
     key::{HeaderKey, Key, KeyExtractor},
-    store::{LeaseConfig, RedisStore},
+    plan::{Plan, PlanLookup, Plans},
+    rules::RulesHandle,
+    store::{LeaseConfig, MemoryStore, RedisStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn, util::BoxCloneSyncService};
 
@@ -207,7 +208,7 @@ fn limit(ctx: &Ctx, q: u32) -> Limit {
 fn shadow_limit(ctx: &Ctx) -> Limit {
     Limit::fixed_window(2 * ctx.scale(), HOUR)
         .unwrap()
-        .named("shadow")
+        .with_name("shadow")
         .unwrap()
 }
 
@@ -231,7 +232,7 @@ fn plans(ctx: &Ctx) -> Option<Plans> {
                 let pro = key.as_str().ends_with("-pro");
                 Ok::<_, Infallible>(pro.then(|| "pro".to_owned()))
             })
-            .ttl(Duration::ZERO),
+            .with_ttl(Duration::ZERO),
         )
     })
 }
@@ -289,30 +290,31 @@ where
 
 fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Setup {
     let mut layer = RateLimitLayer::new(limit(ctx, ctx.q(false)))
-        .key(key_extractor())
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)));
+        .with_key(key_extractor())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)));
     if let Some(plans) = plans(ctx) {
-        layer = layer.plans(plans);
+        layer = layer.with_plans(plans);
     }
     if ctx.has(F::Shadow) {
-        layer = layer.shadow_limit(shadow_limit(ctx));
+        layer = layer.with_shadow_limit(shadow_limit(ctx));
     }
     if ctx.has(F::MaxWait) {
-        layer = layer.max_wait(MAX_WAIT);
+        layer = layer.with_max_wait(Some(MAX_WAIT));
     }
     match ctx.policy() {
-        Some(F::Allow) => layer = layer.on_store_error(FailurePolicy::Allow),
-        Some(F::Deny) => layer = layer.on_store_error(FailurePolicy::Deny),
-        Some(F::Local) => layer = layer.on_store_error(FailurePolicy::Local(memory())),
+        Some(F::Allow) => layer = layer.with_on_store_error(FailurePolicy::Allow),
+        Some(F::Deny) => layer = layer.with_on_store_error(FailurePolicy::Deny),
+        Some(F::Local) => layer = layer.with_on_store_error(FailurePolicy::Local(memory())),
         _ => {}
     }
     if ctx.has(F::CountWhen) {
-        let layer = layer.count_when(|r: &Response<Body>| r.status() == StatusCode::UNAUTHORIZED);
+        let layer =
+            layer.with_count_when(|r: &Response<Body>| r.status() == StatusCode::UNAUTHORIZED);
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
         finish(layer, rules, limiter)
     } else if ctx.has(F::LateCost) {
-        let layer = layer.late_cost(|r: &Response<Body>| {
+        let layer = layer.with_late_cost(|r: &Response<Body>| {
             r.headers()
                 .get("x-tokens")
                 .and_then(|v| v.to_str().ok()?.parse().ok())
@@ -621,7 +623,7 @@ async fn redis_store(url: &str, prefix: &str, ctx: &Ctx) -> RedisStore {
 }
 
 async fn cluster_store(urls: &[String], prefix: &str, ctx: &Ctx) -> RedisStore {
-    let store = RedisStore::connect_cluster(urls)
+    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(urls))
         .await
         .unwrap()
         .with_prefix(prefix)

@@ -16,10 +16,11 @@ use std::{
 
 use http::{Request, Response, StatusCode};
 use tollgate::{
-    Decision, FailurePolicy, Limit, MemoryStore, RateLimitLayer, Rules, Store, StoreErrorKind,
+    Decision, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind,
     clock::ManualClock,
     key::{HeaderKey, Key},
-    store::Check,
+    rules::Rules,
+    store::{Check, MemoryStore, Store},
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -206,8 +207,8 @@ async fn the_memory_store_peeks_and_resets_lockouts() {
 #[tokio::test]
 async fn the_limiter_peeks_and_resets_what_the_layer_counts() {
     let layer = RateLimitLayer::new(Limit::fixed_window(2, HOUR).unwrap())
-        .store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
-        .key(HeaderKey::new("x-api-key").unwrap().hashed());
+        .with_store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
+        .with_key(HeaderKey::new("x-api-key").unwrap().hashed());
     let limiter = layer.limiter();
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
@@ -245,7 +246,7 @@ async fn the_limiter_peeks_and_resets_what_the_layer_counts() {
 /// plan's state of the key, so the client finds a full budget whatever its plan.
 #[tokio::test]
 async fn the_limiter_peeks_each_plan_and_resets_them_all() {
-    use tollgate::{Plan, Plans};
+    use tollgate::plan::{Plan, Plans};
     let plans = Plans::new([
         Plan::new("free", [Limit::fixed_window(2, HOUR).unwrap()]).unwrap(),
         Plan::new("paid", [Limit::fixed_window(5, HOUR).unwrap()]).unwrap(),
@@ -256,9 +257,9 @@ async fn the_limiter_peeks_each_plan_and_resets_them_all() {
     .unwrap()
     .with_header(http::HeaderName::from_static("x-plan"));
     let layer = RateLimitLayer::new(Limit::fixed_window(1, HOUR).unwrap())
-        .store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .plans(plans);
+        .with_store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_plans(plans);
     let limiter = layer.limiter();
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
@@ -337,9 +338,9 @@ async fn a_reset_clears_shadow_limits_and_the_local_fallback() {
     let enforced = Limit::fixed_window(5, HOUR).unwrap();
     let shadow = Limit::gcra(2, HOUR).unwrap();
     let layer = RateLimitLayer::new(enforced.clone())
-        .shadow_limit(shadow.clone())
-        .store(store.clone())
-        .on_store_error(FailurePolicy::Local(local.clone()));
+        .with_shadow_limit(shadow.clone())
+        .with_store(store.clone())
+        .with_on_store_error(FailurePolicy::Local(local.clone()));
     let limiter = layer.limiter();
     let key = Key::new("client");
     store
@@ -384,7 +385,7 @@ async fn a_store_without_peek_or_reset_says_so() {
         }
     }
     let limiter = RateLimitLayer::new(Limit::fixed_window(1, HOUR).unwrap())
-        .store(CheckOnly)
+        .with_store(CheckOnly)
         .limiter();
     let key = Key::new("k");
     let error = limiter.peek(&key, 1).await.unwrap_err();
@@ -453,7 +454,7 @@ mod redis_store {
         let clock = ManualClock::new(NOW_MS);
         let store = connect(&server, "lock-nc")
             .await
-            .with_block_cache(0)
+            .with_block_cache(None)
             .with_clock(clock.clone());
         peek_and_reset_with_a_lockout(&store, &clock).await;
         support::assert_every_key_expires(&server);
@@ -629,7 +630,7 @@ mod cluster_store {
     use support::cluster::RedisCluster;
 
     async fn connect(cluster: &RedisCluster) -> RedisStore {
-        RedisStore::connect_cluster(&cluster.urls())
+        RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS))
@@ -702,7 +703,7 @@ mod sentinel_store {
 
     async fn connect(setup: &SentinelSetup) -> RedisStore {
         let config = SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME);
-        RedisStore::connect_sentinel(&config)
+        RedisStore::connect(config.clone())
             .await
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS))

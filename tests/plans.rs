@@ -27,8 +27,11 @@ use http::{HeaderName, Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use support::RedisServer;
 use tollgate::{
-    Limit, MemoryStore, OnChange, Plan, PlanLookup, Plans, RateLimitLayer, Store,
-    clock::ManualClock, key::HeaderKey, store::RedisStore,
+    Limit, OnChange, RateLimitLayer,
+    clock::ManualClock,
+    key::HeaderKey,
+    plan::{Plan, PlanLookup, Plans},
+    store::{MemoryStore, RedisStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -40,13 +43,16 @@ const OK: StatusCode = StatusCode::OK;
 const LIMITED: StatusCode = StatusCode::TOO_MANY_REQUESTS;
 
 fn hourly(name: &str, q: u32) -> Limit {
-    Limit::fixed_window(q, HOUR).unwrap().named(name).unwrap()
+    Limit::fixed_window(q, HOUR)
+        .unwrap()
+        .with_name(name)
+        .unwrap()
 }
 
 fn per_minute(name: &str, q: u32) -> Limit {
     Limit::fixed_window(q, Duration::from_secs(60))
         .unwrap()
-        .named(name)
+        .with_name(name)
         .unwrap()
 }
 
@@ -123,9 +129,9 @@ fn plans() -> Plans {
 /// timeout: with the default 100 ms a loaded machine can fail open and let more through.
 fn layer(store: &Arc<dyn Store>) -> RateLimitLayer<HeaderKey, u32> {
     RateLimitLayer::new(hourly("layer", 1))
-        .key(HeaderKey::new("x-key").unwrap())
-        .shared_store(store.clone())
-        .timeout(Some(Duration::from_secs(10)))
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(10)))
 }
 
 /// The count of `tollgate_plan_requests_total` with `plan` and `outcome` on `route`.
@@ -172,8 +178,8 @@ fn fields(policy: &str, fields: &str) -> (Option<String>, Option<String>) {
 async fn scenario(store: impl Store, clock: ManualClock) {
     let store: Arc<dyn Store> = Arc::new(store);
     let mut service = layer(&store)
-        .plans(plans())
-        .name("plans")
+        .with_plans(plans())
+        .with_name("plans")
         .layer(service_fn(hello));
 
     // free: 2, then 429, with the plan's policy named.
@@ -247,17 +253,19 @@ async fn scenario(store: impl Store, clock: ManualClock) {
     let shared = |plan: &str, q| {
         Plan::new(
             plan,
-            [hourly("shared", q).on_change(OnChange::CarryOver).unwrap()],
+            [hourly("shared", q)
+                .with_on_change(OnChange::CarryOver)
+                .unwrap()],
         )
         .unwrap()
-        .sharing_state(true)
+        .with_shared_state(true)
     };
     let sharing = Plans::new([shared("trial", 2), shared("pro", 4)])
         .unwrap()
         .with_header(HeaderName::from_static("x-plan"));
     let mut service = layer(&store)
-        .plans(sharing)
-        .name("sharing")
+        .with_plans(sharing)
+        .with_name("sharing")
         .layer(service_fn(hello));
     assert_eq!(status(&mut service, "c", Some("trial")).await, OK);
     assert_eq!(status(&mut service, "c", Some("trial")).await, OK);
@@ -319,7 +327,7 @@ fn cluster_each_plan_decides_under_its_own_limits_and_state() {
     let cluster = support::cluster::RedisCluster::start();
     let recorder = with_metrics(|| async {
         let clock = ManualClock::new(NOW_MS);
-        let store = RedisStore::connect_cluster(&cluster.urls())
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
             .await
             .unwrap()
             .with_clock(clock.clone());
@@ -343,9 +351,9 @@ fn redis_a_plan_with_two_limits_is_one_script_call() {
                 .await
                 .unwrap()
                 .with_clock(ManualClock::new(NOW_MS))
-                .with_block_cache(0),
+                .with_block_cache(None),
         );
-        let mut service = layer(&store).plans(plans()).layer(service_fn(hello));
+        let mut service = layer(&store).with_plans(plans()).layer(service_fn(hello));
         // Loads the script.
         assert_eq!(status(&mut service, "a", Some("paid")).await, OK);
         let before = server.script_calls();
@@ -395,7 +403,7 @@ impl Database {
                 Ok(db.plans.lock().unwrap().get(key.as_str()).cloned())
             }
         })
-        .ttl(Duration::from_secs(30))
+        .with_ttl(Duration::from_secs(30))
         .with_clock(clock.clone())
     }
 }
@@ -414,7 +422,7 @@ async fn lookup_scenario(store: impl Store, clock: ManualClock) {
     .with_default("free")
     .unwrap()
     .with_lookup(db.lookup(&clock));
-    let mut service = layer(&store).plans(plans).layer(service_fn(hello));
+    let mut service = layer(&store).with_plans(plans).layer(service_fn(hello));
 
     let got = send(&mut service, "a", None).await;
     assert_eq!(
@@ -521,7 +529,7 @@ async fn a_sync_resolver_reads_an_extension_or_the_key() {
             .get::<Claims>()
             .map(|claims| claims.plan.as_str())
     });
-    let mut service = layer(&store).plans(plans).layer(service_fn(hello));
+    let mut service = layer(&store).with_plans(plans).layer(service_fn(hello));
     let with_claims = |key: &str, plan: &str| {
         let mut request = Request::builder().header("x-key", key).body(()).unwrap();
         request.extensions_mut().insert(Claims {
@@ -587,11 +595,11 @@ async fn axum_over_http_on_redis() {
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS)),
     );
-    let by_header = layer(&store).plans(plans());
+    let by_header = layer(&store).with_plans(plans());
     let clock = ManualClock::new(NOW_MS);
     let db = Database::default();
     db.set("vip", "paid");
-    let by_lookup = layer(&store).plans(plans().with_lookup(db.lookup(&clock)));
+    let by_lookup = layer(&store).with_plans(plans().with_lookup(db.lookup(&clock)));
     let app = axum::Router::new()
         .route("/header", axum::routing::get(|| async { "ok" }))
         .layer(by_header)
@@ -656,7 +664,7 @@ async fn a_tonic_client_gets_its_plans_fields() {
     let addr: SocketAddr = incoming.local_addr().unwrap();
     let (_reporter, health) = tonic_health::server::health_reporter();
     let router = Server::builder()
-        .layer(layer(&store).plans(plans()))
+        .layer(layer(&store).with_plans(plans()))
         .add_service(health);
     tokio::spawn(router.serve_with_incoming(incoming));
     let channel = Channel::from_shared(format!("http://{addr}"))
@@ -694,7 +702,7 @@ async fn a_tonic_client_gets_its_plans_fields() {
 #[tokio::test]
 async fn a_hostile_plan_header_gets_the_default_plan() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)));
-    let mut service = layer(&store).plans(plans()).layer(service_fn(hello));
+    let mut service = layer(&store).with_plans(plans()).layer(service_fn(hello));
     let long = "internal".repeat(10_000);
     let values = [
         http::HeaderValue::from_bytes(b"intern\xffal").unwrap(),

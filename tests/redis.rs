@@ -5,14 +5,14 @@
 
 use tollgate_test_support as support;
 
-use std::{convert::Infallible, sync::Arc, time::Duration};
+use std::{convert::Infallible, num::NonZeroUsize, sync::Arc, time::Duration};
 
 use http::{Request, Response, StatusCode};
 use support::{RedisServer, logs::Logs};
 use tollgate::{
-    FailurePolicy, Limit, RateLimitLayer, Store,
+    FailurePolicy, Limit, RateLimitLayer,
     key::{HeaderKey, Key},
-    store::RedisStore,
+    store::{RedisStore, Store},
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -46,13 +46,13 @@ const API_KEY: &str = "sk_live_0123456789abcdef";
 async fn with_api_key(store: &Arc<dyn Store>, key: HeaderKey, name: &str) -> StatusCode {
     let limit = Limit::fixed_window(10, Duration::from_secs(3600))
         .unwrap()
-        .named(name)
+        .with_name(name)
         .unwrap();
     let layer = RateLimitLayer::new(limit)
-        .shared_store(store.clone())
-        .key(key)
-        .on_store_error(FailurePolicy::Allow)
-        .timeout(Some(Duration::from_millis(500)));
+        .with_store(store.clone())
+        .with_key(key)
+        .with_on_store_error(FailurePolicy::Allow)
+        .with_timeout(Some(Duration::from_millis(500)));
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
@@ -150,7 +150,7 @@ async fn uncached(server: &RedisServer) -> RedisStore {
     RedisStore::connect(&server.url())
         .await
         .unwrap()
-        .with_block_cache(0)
+        .with_block_cache(None)
 }
 
 #[tokio::test]
@@ -241,7 +241,7 @@ async fn keys_follow_the_documented_layout() {
         Limit::fixed_window(5, Duration::from_secs(60)).unwrap(),
         Limit::token_bucket(5, Duration::from_secs(1))
             .unwrap()
-            .named("burst")
+            .with_name("burst")
             .unwrap(),
     ];
     store.check(&Key::new("user:1"), &limits, 1).await.unwrap();
@@ -496,15 +496,15 @@ async fn a_bad_url_is_an_error_not_a_panic() {
 #[derive(Debug, Clone, Copy)]
 enum Step {
     Clock,
-    QueueLimit,
-    Coalescing(bool),
+    NoBlockCache,
+    Coalescing(Option<NonZeroUsize>),
 }
 
 fn apply(store: RedisStore, step: Step, clock: &tollgate::clock::ManualClock) -> RedisStore {
     match step {
         Step::Clock => store.with_clock(clock.clone()),
-        Step::QueueLimit => store.with_queue_limit(1),
-        Step::Coalescing(on) => store.with_coalescing(on),
+        Step::NoBlockCache => store.with_block_cache(None),
+        Step::Coalescing(max) => store.with_coalescing(max),
     }
 }
 
@@ -537,20 +537,20 @@ async fn behaviour(store: &RedisStore, key: &str) -> (usize, bool) {
     (refused, on_the_clock)
 }
 
-/// `with_clock`, `with_queue_limit` and `with_coalescing` give the same store in any
-/// order: once, coalescing off after the others re-enabled it, and coalescing on reset an
-/// earlier queue limit.
+/// `with_clock`, `with_block_cache` and `with_coalescing` give the same store in any
+/// order: once, a clock or a block cache set after coalescing rebuilt the batching task
+/// with the default queue.
 #[tokio::test]
 async fn builder_calls_give_the_same_store_in_any_order() {
     let server = RedisServer::start();
     let clock = tollgate::clock::ManualClock::new(3_600_000 * 500_000 + 1_000);
     let connected = uncached(&server).await;
     let cases = [
-        (Step::Coalescing(false), (0, true)),
-        (Step::Coalescing(true), (19, true)),
+        (Step::Coalescing(None), (0, true)),
+        (Step::Coalescing(NonZeroUsize::new(1)), (19, true)),
     ];
     for (coalescing, expected) in cases {
-        for (i, order) in permutations([Step::Clock, Step::QueueLimit, coalescing])
+        for (i, order) in permutations([Step::Clock, Step::NoBlockCache, coalescing])
             .into_iter()
             .enumerate()
         {

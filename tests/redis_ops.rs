@@ -13,8 +13,10 @@ use axum::{Router, body::Body, routing::get};
 use http::{Request, StatusCode};
 use support::{RedisServer, acl};
 use tollgate::{
-    FailurePolicy, Limit, RateLimitLayer, Store, StoreError, key::GlobalKey, key::Key,
-    store::RedisStore,
+    FailurePolicy, Limit, RateLimitLayer, StoreError,
+    key::GlobalKey,
+    key::Key,
+    store::{RedisStore, Store},
 };
 use tower::ServiceExt;
 
@@ -55,7 +57,7 @@ async fn the_documented_acl_user_decides_on_redis_time() {
     let store = RedisStore::connect(&url).await.unwrap();
     assert!(decide_all(&store, "tenant").await.unwrap());
     // Without coalescing too (each decision its own EVALSHA).
-    let store = store.with_coalescing(false);
+    let store = store.with_coalescing(None);
     assert!(decide_all(&store, "other").await.unwrap());
     // After SCRIPT FLUSH (and FUNCTION FLUSH), the user may load the script (the library)
     // again by itself.
@@ -91,7 +93,7 @@ async fn an_acl_user_without_functions_falls_back_to_the_script() {
         let store = RedisStore::connect(&acl::url_for(&server, user))
             .await
             .unwrap()
-            .with_block_cache(0);
+            .with_block_cache(None);
         assert!(decide_all(&store, user).await.unwrap(), "{user}");
         assert!(server.calls("evalsha") >= 7, "{user}");
         // At most the first call tried FCALL.
@@ -102,7 +104,7 @@ async fn an_acl_user_without_functions_falls_back_to_the_script() {
     let store = RedisStore::connect(&acl::url_for(&server, "no-fcall"))
         .await
         .unwrap()
-        .with_block_cache(0);
+        .with_block_cache(None);
     server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let limit = [Limit::fixed_window(2, HOUR).unwrap()];
     let keys: Vec<Key> = (0..20).map(|i| Key::new(format!("cold-{i}"))).collect();
@@ -166,9 +168,9 @@ async fn a_narrower_acl_is_a_clear_noperm_answered_by_the_policy() {
         (FailurePolicy::Deny, StatusCode::SERVICE_UNAVAILABLE),
     ] {
         let layer = RateLimitLayer::new(Limit::sliding_window(5, HOUR).unwrap())
-            .key(GlobalKey)
-            .store(store.clone())
-            .on_store_error(policy.clone());
+            .with_key(GlobalKey)
+            .with_store(store.clone())
+            .with_on_store_error(policy.clone());
         let app = Router::new()
             .route("/", get(|| async { "ok" }))
             .layer(layer);
@@ -212,7 +214,7 @@ async fn cold_keys_outside_the_acl_key_pattern_are_a_clear_noperm() {
         .unwrap()
         .with_prefix("otherapp")
         .unwrap()
-        .with_block_cache(0);
+        .with_block_cache(None);
     let limit = [Limit::fixed_window(2, HOUR).unwrap()];
     let keys: Vec<Key> = (0..20).map(|i| Key::new(format!("cold-{i}"))).collect();
     let checks = keys.iter().map(|key| store.check(key, &limit, 1));
@@ -266,7 +268,7 @@ async fn an_emptied_script_cache_counts_each_request_once() {
     let store = RedisStore::connect(&acl::url_for(&server, "no-fcall"))
         .await
         .unwrap()
-        .with_block_cache(0)
+        .with_block_cache(None)
         .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
     let sha = redis::Script::new(tollgate::store::SCRIPT_SOURCE)
         .get_hash()
@@ -348,7 +350,7 @@ async fn a_demoted_master_is_a_readonly_error_answered_by_the_policy() {
     let store = RedisStore::connect(&demoted.url())
         .await
         .unwrap()
-        .with_block_cache(0);
+        .with_block_cache(None);
     let limit = [Limit::fixed_window(5, HOUR).unwrap()];
     assert!(
         store
@@ -378,9 +380,9 @@ async fn a_demoted_master_is_a_readonly_error_answered_by_the_policy() {
         assert!(read_only(&error), "{}", support::chain(&error));
     }
     let layer = RateLimitLayer::new(Limit::fixed_window(5, HOUR).unwrap())
-        .key(GlobalKey)
-        .store(store.clone())
-        .on_store_error(FailurePolicy::Deny);
+        .with_key(GlobalKey)
+        .with_store(store.clone())
+        .with_on_store_error(FailurePolicy::Deny);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
@@ -419,7 +421,7 @@ async fn a_busy_server_is_an_error_and_nothing_is_retried() {
     let store = RedisStore::connect(&server.url())
         .await
         .unwrap()
-        .with_block_cache(0)
+        .with_block_cache(None)
         .with_clock(tollgate::clock::ManualClock::new(1_700_000_000_000));
     let limit = [Limit::fixed_window(5, HOUR).unwrap()];
     let key = Key::new("busy");
@@ -467,7 +469,9 @@ async fn the_documented_acl_user_runs_on_a_cluster() {
     let urls: Vec<String> = (0..support::cluster::NODES)
         .map(|i| acl::url_for(cluster.node(i), "tollgate"))
         .collect();
-    let store = RedisStore::connect_cluster(&urls).await.unwrap();
+    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&urls))
+        .await
+        .unwrap();
     for tenant in 0..30 {
         assert!(
             decide_all(&store, &format!("tenant-{tenant}"))
@@ -500,9 +504,11 @@ mod tls {
     async fn tls_with_a_private_ca_and_a_client_certificate_decides() {
         let tls = Arc::new(TlsFiles::generate());
         let server = RedisServer::start_tls(&tls);
-        let store = RedisStore::connect_tls(&server.url(), &config(&tls))
-            .await
-            .unwrap();
+        let store = RedisStore::connect(
+            tollgate::store::RedisTarget::node(&server.url()).with_tls(config(&tls)),
+        )
+        .await
+        .unwrap();
         assert!(decide_all(&store, "a").await.unwrap());
     }
 
@@ -512,7 +518,10 @@ mod tls {
         let server = RedisServer::start_tls(&tls);
         let url = acl::least_privilege_user(&server, "tollgate");
         assert!(url.starts_with("rediss://tollgate:"), "{url}");
-        let store = RedisStore::connect_tls(&url, &config(&tls)).await.unwrap();
+        let store =
+            RedisStore::connect(tollgate::store::RedisTarget::node(&url).with_tls(config(&tls)))
+                .await
+                .unwrap();
         assert!(decide_all(&store, "a").await.unwrap());
     }
 
@@ -525,9 +534,11 @@ mod tls {
             .with_ca_pem(other.ca_pem.clone())
             .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
         let error = support::chain(
-            &RedisStore::connect_tls(&server.url(), &wrong_ca)
-                .await
-                .unwrap_err(),
+            &RedisStore::connect(
+                tollgate::store::RedisTarget::node(&server.url()).with_tls(wrong_ca.clone()),
+            )
+            .await
+            .unwrap_err(),
         );
         assert!(error.to_lowercase().contains("certificate"), "{error}");
         // The system's roots do not know the test CA either.
@@ -541,9 +552,11 @@ mod tls {
         let server = RedisServer::start_tls(&tls);
         let no_client_cert = TlsConfig::new().with_ca_pem(tls.ca_pem.clone());
         assert!(
-            RedisStore::connect_tls(&server.url(), &no_client_cert)
-                .await
-                .is_err()
+            RedisStore::connect(
+                tollgate::store::RedisTarget::node(&server.url()).with_tls(no_client_cert.clone())
+            )
+            .await
+            .is_err()
         );
     }
 
@@ -551,9 +564,11 @@ mod tls {
     async fn a_plain_url_given_to_connect_tls_is_refused() {
         let tls = TlsFiles::generate();
         let error = support::chain(
-            &RedisStore::connect_tls("redis://127.0.0.1:1", &config(&tls))
-                .await
-                .unwrap_err(),
+            &RedisStore::connect(
+                tollgate::store::RedisTarget::node("redis://127.0.0.1:1").with_tls(config(&tls)),
+            )
+            .await
+            .unwrap_err(),
         );
         assert!(error.contains("rediss://"), "{error}");
     }
@@ -564,17 +579,21 @@ mod tls {
         let server = RedisServer::start_tls(&tls);
         let garbage = TlsConfig::new().with_ca_pem("not a certificate");
         assert!(
-            RedisStore::connect_tls(&server.url(), &garbage)
-                .await
-                .is_err()
+            RedisStore::connect(
+                tollgate::store::RedisTarget::node(&server.url()).with_tls(garbage.clone())
+            )
+            .await
+            .is_err()
         );
         let bad_key = TlsConfig::new()
             .with_ca_pem(tls.ca_pem.clone())
             .with_client_cert_pem(tls.client_cert_pem.clone(), "-----BEGIN PRIVATE KEY-----\n");
         assert!(
-            RedisStore::connect_tls(&server.url(), &bad_key)
-                .await
-                .is_err()
+            RedisStore::connect(
+                tollgate::store::RedisTarget::node(&server.url()).with_tls(bad_key.clone())
+            )
+            .await
+            .is_err()
         );
     }
 }

@@ -1,4 +1,4 @@
-//! `RateLimitLayer::max_wait` with reservations (token bucket and GCRA): a request that
+//! `RateLimitLayer::with_max_wait` with reservations (token bucket and GCRA): a request that
 //! would fit within `max_wait` is counted at once for the moment it may run, waits, and
 //! runs without asking the store again. Waiters are served in order at their reserved
 //! times, a later request never overtakes them, none waits in vain, and a waiter that
@@ -24,10 +24,10 @@ use http::{Request, Response, StatusCode};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tollgate::{
-    Adjustment, Limit, MemoryStore, RateLimitLayer, Store,
+    Adjustment, Limit, RateLimitLayer,
     clock::Clock,
     key::{HeaderKey, Key},
-    store::Check,
+    store::{Check, MemoryStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -114,14 +114,14 @@ fn layer(limits: Vec<Limit>, store: impl Store, max_wait: Duration) -> RateLimit
     let mut limits = limits.into_iter();
     let mut layer = RateLimitLayer::new(limits.next().unwrap());
     for limit in limits {
-        layer = layer.limit(limit);
+        layer = layer.with_limit(limit);
     }
     layer
-        .key(HeaderKey::new("x-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)))
-        .max_wait(max_wait)
-        .max_waiters(100, 10)
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)))
+        .with_max_wait(Some(max_wait))
+        .with_max_waiters(100, 10)
 }
 
 fn request(key: &str, id: &str) -> Request<()> {
@@ -213,7 +213,7 @@ async fn token_bucket_waiters_run_in_order_and_beyond_max_wait_is_a_429() {
     let store = MemoryStore::new().with_clock(clock);
     let limit = Limit::token_bucket(4, Duration::from_secs(1)).unwrap();
     let runs = Runs::default();
-    let layer = layer(vec![limit], store, ms(1_000)).cost(|_: &Request<()>| 2);
+    let layer = layer(vec![limit], store, ms(1_000)).with_cost(|_: &Request<()>| 2);
     let svc = service(layer, &runs, t0);
     let mut waiting = Vec::new();
     for i in 0..4 {
@@ -424,9 +424,11 @@ async fn redis_waiters_run_in_order_and_a_hang_up_gives_its_units_back() {
 #[tokio::test]
 async fn cluster_waiters_run_in_order_and_a_hang_up_gives_its_units_back() {
     let cluster = support::cluster::RedisCluster::start();
-    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = tollgate::store::RedisStore::connect(tollgate::store::RedisTarget::cluster(
+        &cluster.urls(),
+    ))
+    .await
+    .unwrap();
     redis_waiters_in_order(store).await;
 }
 

@@ -10,10 +10,12 @@ use std::{convert::Infallible, sync::Arc, time::Duration};
 use http::{Request, Response, StatusCode};
 use support::RedisServer;
 use tollgate::{
-    FailurePolicy, HeaderStyle, Limit, MemoryStore, OnChange, RateLimitLayer, Rules, Store,
+    FailurePolicy, Limit, OnChange, RateLimitLayer,
     clock::ManualClock,
+    headers::HeaderStyle,
     key::{HeaderKey, Key},
-    store::RedisStore,
+    rules::Rules,
+    store::{MemoryStore, RedisStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -21,9 +23,9 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 fn hourly(name: &str, q: u32) -> Limit {
     Limit::fixed_window(q, Duration::from_secs(3600))
         .unwrap()
-        .named(name)
+        .with_name(name)
         .unwrap()
-        .on_change(OnChange::CarryOver)
+        .with_on_change(OnChange::CarryOver)
         .unwrap()
 }
 
@@ -33,9 +35,9 @@ fn rules(q: u32) -> Rules {
         hourly("a", q),
         Limit::sliding_window_counter(q, Duration::from_secs(3600))
             .unwrap()
-            .named("b")
+            .with_name("b")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap(),
     ])
     .unwrap()
@@ -96,10 +98,10 @@ fn request(key: &str) -> Request<()> {
 /// last limits hold with the budget spent under all of them.
 async fn raised_and_lowered_under_load(store: impl Store) {
     let layer = RateLimitLayer::new(hourly("a", 1))
-        .key(HeaderKey::new("x-key").unwrap())
-        .store(store)
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_store(store)
         // Generous: on a loaded machine the default 100 ms would fail a Redis call open.
-        .timeout(Some(Duration::from_secs(10)));
+        .with_timeout(Some(Duration::from_secs(10)));
     let handle = layer.rules_handle();
     handle.set(rules(1000));
     let service = layer.layer(service_fn(hello));
@@ -165,7 +167,9 @@ async fn redis_limits_raised_and_lowered_under_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_limits_raised_and_lowered_under_load() {
     let cluster = support::cluster::RedisCluster::start();
-    let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+    let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+        .await
+        .unwrap();
     raised_and_lowered_under_load(store).await;
     assert!(cluster.assert_every_key_expires() > 0);
 }
@@ -179,10 +183,10 @@ async fn memory_limits_raised_and_lowered_under_load() {
 /// share the handle's rules.
 #[tokio::test]
 async fn a_handle_changes_the_layer_and_its_clones_only() {
-    let layer = RateLimitLayer::new(hourly("a", 1)).key(HeaderKey::new("x-key").unwrap());
+    let layer = RateLimitLayer::new(hourly("a", 1)).with_key(HeaderKey::new("x-key").unwrap());
     let clone = layer.clone();
     let handle = layer.rules_handle();
-    let other = layer.clone().limit(hourly("c", 7));
+    let other = layer.clone().with_limit(hourly("c", 7));
     handle.set(rules(5));
     assert_eq!(clone.limits()[0].limit(), 5);
     assert_eq!(other.limits().len(), 2);
@@ -226,9 +230,9 @@ async fn memory_sweeps_judge_expiry_by_the_limits_in_force() {
             .unwrap()
             .with_burst(10)
             .unwrap()
-            .named("api")
+            .with_name("api")
             .unwrap()
-            .on_change(OnChange::CarryOver)
+            .with_on_change(OnChange::CarryOver)
             .unwrap()]
     };
     let key = Key::new("a");
@@ -262,6 +266,6 @@ async fn memory_sweeps_judge_expiry_by_the_limits_in_force() {
 }
 
 #[allow(dead_code)]
-fn assert_send_sync(handle: tollgate::RulesHandle) -> Arc<dyn Send + Sync> {
+fn assert_send_sync(handle: tollgate::rules::RulesHandle) -> Arc<dyn Send + Sync> {
     Arc::new(handle)
 }

@@ -44,7 +44,7 @@ const PACE: Duration = Duration::from_millis(1);
 
 async fn connect(setup: &SentinelSetup) -> RedisStore {
     let config = SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME);
-    RedisStore::connect_sentinel(&config)
+    RedisStore::connect(config.clone())
         .await
         .unwrap()
         .with_clock(ManualClock::new(NOW_MS))
@@ -86,7 +86,7 @@ async fn finds_the_master_and_decides() {
 
     // An unknown master name fails at connect, clearly.
     let wrong = SentinelConfig::new(&setup.sentinel_urls(), "no-such-master");
-    let error = support::chain(&RedisStore::connect_sentinel(&wrong).await.unwrap_err());
+    let error = support::chain(&RedisStore::connect(wrong.clone()).await.unwrap_err());
     assert!(error.to_lowercase().contains("master"), "{error}");
 }
 
@@ -101,7 +101,7 @@ async fn logs_in_to_the_master_as_an_acl_user() {
     }
     let config = SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME)
         .with_master_user(Some("tollgate"), support::acl::PASSWORD);
-    let store = RedisStore::connect_sentinel(&config).await.unwrap();
+    let store = RedisStore::connect(config.clone()).await.unwrap();
     let limit = [Limit::sliding_window(2, HOUR).unwrap()];
     assert!(
         check(&store, &Key::new("a"), &limit)
@@ -111,7 +111,7 @@ async fn logs_in_to_the_master_as_an_acl_user() {
     );
     let wrong = SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME)
         .with_master_user(Some("tollgate"), "wrong");
-    assert!(RedisStore::connect_sentinel(&wrong).await.is_err());
+    assert!(RedisStore::connect(wrong.clone()).await.is_err());
 }
 
 /// Everything over TLS: `rediss://` sentinels, and the master reached over TLS with the
@@ -126,8 +126,9 @@ async fn finds_the_master_over_tls() {
     let certificates = tollgate::store::TlsConfig::new()
         .with_ca_pem(tls.ca_pem.clone())
         .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
-    let config = SentinelConfig::new(&urls, MASTER_NAME).with_tls(certificates);
-    let store = RedisStore::connect_sentinel(&config).await.unwrap();
+    let target = tollgate::store::RedisTarget::sentinel(SentinelConfig::new(&urls, MASTER_NAME))
+        .with_tls(certificates);
+    let store = RedisStore::connect(target).await.unwrap();
     let limit = [Limit::fixed_window(2, HOUR).unwrap()];
     let key = Key::new("a");
     for _ in 0..2 {
@@ -163,11 +164,11 @@ async fn failover_under_load(trigger: Trigger) {
     let hot = Key::new("hot");
     let tight = [Limit::fixed_window(20, HOUR)
         .unwrap()
-        .named("tight")
+        .with_name("tight")
         .unwrap()];
     let loose = [Limit::fixed_window(1_000_000, HOUR)
         .unwrap()
-        .named("loose")
+        .with_name("loose")
         .unwrap()];
     for i in 0..20 {
         assert!(
@@ -186,10 +187,10 @@ async fn failover_under_load(trigger: Trigger) {
     let layered = Arc::new(Tally::default());
     for quota in [50, 1_000_000] {
         let layer = RateLimitLayer::new(Limit::fixed_window(quota, HOUR).unwrap())
-            .store(store.clone())
-            .key(GlobalKey)
-            .on_store_error(FailurePolicy::Allow)
-            .timeout(Some(Duration::from_secs(2)));
+            .with_store(store.clone())
+            .with_key(GlobalKey)
+            .with_on_store_error(FailurePolicy::Allow)
+            .with_timeout(Some(Duration::from_secs(2)));
         let service = layer.layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::from("ok")))
         }));

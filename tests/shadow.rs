@@ -6,14 +6,17 @@
 
 use tollgate_test_support as support;
 
-use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
+use std::{convert::Infallible, future::Future, num::NonZeroUsize, sync::Arc, time::Duration};
 
 use http::{Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use support::RedisServer;
 use tollgate::{
-    HeaderStyle, Limit, MemoryStore, RateLimitLayer, Rules, Store, key::HeaderKey,
-    store::RedisStore,
+    Limit, RateLimitLayer,
+    headers::HeaderStyle,
+    key::HeaderKey,
+    rules::Rules,
+    store::{MemoryStore, RedisStore, Store},
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -21,7 +24,7 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 fn hourly(name: &str, q: u32) -> Limit {
     Limit::fixed_window(q, Duration::from_secs(3600))
         .unwrap()
-        .named(name)
+        .with_name(name)
         .unwrap()
 }
 
@@ -50,10 +53,10 @@ where
 /// shift the counts the tests assert.
 fn layer(store: &Arc<dyn Store>, limit: Limit) -> RateLimitLayer<HeaderKey, u32> {
     RateLimitLayer::new(limit)
-        .key(HeaderKey::new("x-key").unwrap())
-        .headers(HeaderStyle::default().with_legacy(true))
-        .shared_store(store.clone())
-        .timeout(Some(Duration::from_secs(10)))
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_headers(HeaderStyle::default().with_legacy(true))
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(10)))
 }
 
 /// The count of `outcome` on route `route` in `recorder`'s page.
@@ -85,11 +88,11 @@ async fn scenario(store: impl Store) {
     // enforced one: the enforced limit must count exactly as a layer without the shadow
     // limit does, on another key of the same store.
     let mut shadowed = layer(&store, enforced())
-        .shadow_limit(hourly("shadow", 2))
-        .name("mixed")
+        .with_shadow_limit(hourly("shadow", 2))
+        .with_name("mixed")
         .layer(service_fn(hello));
     let mut plain = layer(&store, enforced())
-        .name("plain")
+        .with_name("plain")
         .layer(service_fn(hello));
     let mut with_shadow = Vec::new();
     let mut without = Vec::new();
@@ -117,8 +120,8 @@ async fn scenario(store: impl Store) {
     // A shadow limit above the enforced one counts the requests the enforced one
     // rejects too: it sees what a layer in front would.
     let mut wide = layer(&store, hourly("narrow", 2))
-        .shadow_limit(hourly("wide", 4))
-        .name("wide")
+        .with_shadow_limit(hourly("wide", 4))
+        .with_name("wide")
         .layer(service_fn(hello));
     for _ in 0..4 {
         send(&mut wide, "c").await;
@@ -130,8 +133,8 @@ async fn scenario(store: impl Store) {
 
     // A layer in shadow: nothing is rejected, and no rate-limit fields are written.
     let mut watching = layer(&store, hourly("watch", 2))
-        .shadow(true)
-        .name("watch")
+        .with_shadow(true)
+        .with_name("watch")
         .layer(service_fn(hello));
     for _ in 0..5 {
         assert_eq!(send(&mut watching, "e").await, (ok, None));
@@ -161,7 +164,7 @@ fn redis_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
         let store = RedisStore::connect(&server.url()).await.unwrap();
-        scenario(store.with_block_cache(0)).await;
+        scenario(store.with_block_cache(None)).await;
     });
     assert_counts(&recorder);
     support::assert_every_key_expires(&server);
@@ -174,7 +177,7 @@ fn redis_block_cache_keeps_shadow_decisions_exact() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
         let store = RedisStore::connect(&server.url()).await.unwrap();
-        scenario(store.with_block_cache(1000)).await;
+        scenario(store.with_block_cache(NonZeroUsize::new(1000))).await;
     });
     assert_counts(&recorder);
 }
@@ -184,7 +187,9 @@ fn redis_block_cache_keeps_shadow_decisions_exact() {
 fn cluster_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
     let cluster = support::cluster::RedisCluster::start();
     let recorder = with_metrics(|| async {
-        let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        let store = RedisStore::connect(tollgate::store::RedisTarget::cluster(&cluster.urls()))
+            .await
+            .unwrap();
         scenario(store).await;
     });
     assert_counts(&recorder);
@@ -197,7 +202,7 @@ fn cluster_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
 fn the_rules_handle_turns_shadow_on_and_off() {
     let recorder = with_metrics(|| async {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-        let layer = layer(&store, hourly("h", 1)).name("live");
+        let layer = layer(&store, hourly("h", 1)).with_name("live");
         let handle = layer.rules_handle();
         let mut service = layer.layer(service_fn(hello));
         assert_eq!(send(&mut service, "k").await.0, StatusCode::OK);
@@ -235,7 +240,7 @@ fn a_shadow_limit_with_the_state_of_an_enforced_one_is_refused() {
         .unwrap_err();
     assert!(error.to_string().contains("shadow_limits"), "{error}");
     // The builder moves it to shadow instead.
-    let layer = RateLimitLayer::new(hourly("h", 1)).shadow_limit(hourly("h", 1));
+    let layer = RateLimitLayer::new(hourly("h", 1)).with_shadow_limit(hourly("h", 1));
     let rules = layer.rules_handle().rules();
     assert!(rules.limits().is_empty());
     assert_eq!(rules.shadow_limits().len(), 1);
@@ -251,9 +256,9 @@ fn a_layer_in_shadow_lets_requests_through_when_its_store_fails() {
         let store: Arc<dyn Store> = Arc::new(RedisStore::connect(&url).await.unwrap());
         server.kill();
         let mut service = layer(&store, hourly("h", 1))
-            .shadow(true)
-            .on_store_error(tollgate::FailurePolicy::Deny)
-            .name("dead")
+            .with_shadow(true)
+            .with_on_store_error(tollgate::FailurePolicy::Deny)
+            .with_name("dead")
             .layer(service_fn(hello));
         assert_eq!(send(&mut service, "k").await, (StatusCode::OK, None));
     });

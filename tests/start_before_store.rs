@@ -16,8 +16,9 @@ use http::{Request, Response, StatusCode};
 use support::{RedisServer, fixed_window_count, free_port, logs::Logs, loopback_url};
 use tokio::time::timeout;
 use tollgate::{
-    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, Store, StoreErrorKind, key::GlobalKey,
-    store::RedisStore,
+    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer, StoreErrorKind,
+    key::GlobalKey,
+    store::{RedisStore, Store},
 };
 use tower::ServiceExt;
 
@@ -31,11 +32,11 @@ fn app(store: RedisStore, policy: FailurePolicy) -> Router {
     // No timeout and no breaker: nothing but the store itself can make a request fast
     // while Redis is down.
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .timeout(None)
-        .circuit_breaker(None)
-        .on_store_error(policy);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_timeout(None)
+        .with_circuit_breaker(None)
+        .with_on_store_error(policy);
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -162,10 +163,10 @@ async fn the_circuit_breaker_lets_redis_in_once_it_is_up() {
         .unwrap();
     let limit = Limit::fixed_window(LIMIT, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .key(GlobalKey)
-        .store(store)
-        .circuit_breaker(Some(CircuitBreaker::default()))
-        .on_store_error(FailurePolicy::Deny);
+        .with_key(GlobalKey)
+        .with_store(store)
+        .with_circuit_breaker(Some(CircuitBreaker::default()))
+        .with_on_store_error(FailurePolicy::Deny);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
@@ -240,10 +241,13 @@ async fn in_background_still_refuses_a_wrong_password() {
 #[cfg(feature = "cluster")]
 #[tokio::test]
 async fn a_cluster_in_the_background_is_refused() {
-    let error = RedisStore::connect_cluster(&[loopback_url(free_port(), false)])
-        .in_background(true)
-        .await
-        .unwrap_err();
+    let error = RedisStore::connect(tollgate::store::RedisTarget::cluster(&[loopback_url(
+        free_port(),
+        false,
+    )]))
+    .in_background(true)
+    .await
+    .unwrap_err();
     assert_eq!(error.kind(), StoreErrorKind::Unsupported);
     let cause = support::chain(&error);
     assert!(cause.contains("Redis Cluster"), "{cause}");
@@ -260,7 +264,7 @@ async fn a_sentinel_store_starts_before_its_master() {
     let master_port = free_port();
     let sentinel = SentinelProcess::watching(master_port);
     let config = SentinelConfig::new(&[sentinel.url()], MASTER_NAME);
-    let store = RedisStore::connect_sentinel(&config)
+    let store = RedisStore::connect(config.clone())
         .in_background(true)
         .await
         .expect("starts without its master");

@@ -20,10 +20,11 @@ use axum::{
 };
 use http::{HeaderName, Request, Response, StatusCode};
 use tollgate::{
-    CircuitBreaker, FailurePolicy, Limit, MemoryStore, Plan, Plans, RateLimitLayer, Store,
+    CircuitBreaker, FailurePolicy, Limit, RateLimitLayer,
     clock::ManualClock,
     key::{ClientIp, HeaderKey},
-    store::RedisStore,
+    plan::{Plan, Plans},
+    store::{MemoryStore, RedisStore, Store},
 };
 use tower::ServiceExt;
 
@@ -64,11 +65,11 @@ fn login_app(store: impl Store) -> Router {
         .with_lockout(15 * MINUTE)
         .unwrap();
     let layer = RateLimitLayer::new(logins)
-        .key(ClientIp::new(["10.0.0.0/8".parse().unwrap()]))
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .on_store_error(FailurePolicy::Deny)
-        .count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
+        .with_key(ClientIp::new(["10.0.0.0/8".parse().unwrap()]))
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_count_when(|response: &Response<Body>| response.status() == StatusCode::UNAUTHORIZED);
     // Every request arrives from the proxy at 10.0.0.1, which names the client.
     Router::new()
         .route("/login", post(login))
@@ -147,11 +148,11 @@ fn plans(v: u32) -> Plans {
         [
             Limit::fixed_window(per_minute, MINUTE)
                 .unwrap()
-                .named("minute")
+                .with_name("minute")
                 .unwrap(),
             Limit::fixed_window(per_minute * 100, DAY)
                 .unwrap()
-                .named("day")
+                .with_name("day")
                 .unwrap(),
         ]
     };
@@ -181,10 +182,10 @@ fn quotas(response: &Response<Body>) -> Vec<u32> {
 
 async fn runtime_changes(store: impl Store) {
     let layer = RateLimitLayer::new(Limit::fixed_window(1, MINUTE).unwrap())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(5)))
-        .plans(plans(1));
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_plans(plans(1));
     let rules = layer.rules_handle();
     let app = Router::new()
         .route("/", axum::routing::get(|| async { "ok" }))
@@ -254,10 +255,10 @@ async fn runtime_changes_on_redis_give_every_response_one_rule_set() {
 async fn a_waiting_line_survives_a_change_of_limits() {
     let bucket = Limit::token_bucket(1, Duration::from_secs(1)).unwrap();
     let layer = RateLimitLayer::new(bucket.clone())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
-        .max_wait(Duration::from_secs(3))
-        .max_waiters(1, 1);
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(MemoryStore::new().with_clock(ManualClock::new(NOW_MS)))
+        .with_max_wait(Some(Duration::from_secs(3)))
+        .with_max_waiters(1, 1);
     let rules = layer.rules_handle();
     let app = Router::new()
         .route("/", axum::routing::get(|| async { "ok" }))
@@ -294,11 +295,11 @@ async fn an_open_breaker_survives_a_change_of_limits() {
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let limit = Limit::fixed_window(100, MINUTE).unwrap();
     let layer = RateLimitLayer::new(limit.clone())
-        .key(HeaderKey::new("x-api-key").unwrap())
-        .store(store.clone())
-        .timeout(Some(Duration::from_secs(5)))
-        .on_store_error(FailurePolicy::Deny)
-        .circuit_breaker(Some(CircuitBreaker::new(2, Duration::from_secs(120))));
+        .with_key(HeaderKey::new("x-api-key").unwrap())
+        .with_store(store.clone())
+        .with_timeout(Some(Duration::from_secs(5)))
+        .with_on_store_error(FailurePolicy::Deny)
+        .with_circuit_breaker(Some(CircuitBreaker::new(2, Duration::from_secs(120))));
     let rules = layer.rules_handle();
     let app = Router::new()
         .route("/", axum::routing::get(|| async { "ok" }))
@@ -307,10 +308,10 @@ async fn an_open_breaker_survives_a_change_of_limits() {
         .route("/", axum::routing::get(|| async { "ok" }))
         .layer(
             RateLimitLayer::new(limit)
-                .key(HeaderKey::new("x-api-key").unwrap())
-                .store(store)
-                .timeout(Some(Duration::from_secs(5)))
-                .on_store_error(FailurePolicy::Deny),
+                .with_key(HeaderKey::new("x-api-key").unwrap())
+                .with_store(store)
+                .with_timeout(Some(Duration::from_secs(5)))
+                .with_on_store_error(FailurePolicy::Deny),
         );
     let get = || {
         Request::get("/")

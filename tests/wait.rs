@@ -1,4 +1,4 @@
-//! `RateLimitLayer::max_wait`: a denied request whose `retry_after` is within the bound
+//! `RateLimitLayer::with_max_wait`: a denied request whose `retry_after` is within the bound
 //! waits and then passes, instead of a 429; the line is bounded per layer and per key, and
 //! a client that hangs up gives its place back. Most of these use fixed windows, which
 //! wait and ask again; reservations (token bucket, GCRA) are in tests/reserve.rs.
@@ -14,7 +14,7 @@ use std::{convert::Infallible, time::Duration};
 use futures_util::FutureExt;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
-use tollgate::{Limit, MemoryStore, RateLimitLayer, clock::Clock, key::HeaderKey};
+use tollgate::{Limit, RateLimitLayer, clock::Clock, key::HeaderKey, store::MemoryStore};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// Milliseconds since a start on an aligned second, on Tokio's clock.
@@ -49,18 +49,18 @@ fn service(max_wait: Duration, total: usize, per_key: usize) -> Svc {
 }
 
 fn service_on(
-    store: impl tollgate::Store,
+    store: impl tollgate::store::Store,
     max_wait: Duration,
     total: usize,
     per_key: usize,
 ) -> Svc {
     let layer = RateLimitLayer::new(Limit::fixed_window(2, Duration::from_secs(1)).unwrap())
-        .key(HeaderKey::new("x-key").unwrap())
-        .store(store)
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_store(store)
         // Paused time runs ahead while Redis answers: no timeout.
-        .timeout(None)
-        .max_wait(max_wait)
-        .max_waiters(total, per_key);
+        .with_timeout(None)
+        .with_max_wait(Some(max_wait))
+        .with_max_waiters(total, per_key);
     let inner =
         service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) });
     tower::util::BoxCloneService::new(layer.layer(inner))
@@ -213,11 +213,11 @@ async fn a_request_waits_on_redis_too() {
         .await
         .unwrap();
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_millis(500)).unwrap())
-        .key(HeaderKey::new("x-key").unwrap())
-        .store(store)
-        .timeout(Some(Duration::from_secs(10)))
-        .max_wait(Duration::from_secs(5))
-        .max_waiters(10, 10);
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_store(store)
+        .with_timeout(Some(Duration::from_secs(10)))
+        .with_max_wait(Some(Duration::from_secs(5)))
+        .with_max_waiters(10, 10);
     let inner =
         service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) });
     let service: Svc = tower::util::BoxCloneService::new(layer.layer(inner));
@@ -239,15 +239,15 @@ async fn a_request_waits_on_redis_too() {
     // Without max_wait, the same two requests: the second is a 429 (it is sent at once,
     // well within the 500 ms).
     let strict = RateLimitLayer::new(Limit::gcra(1, Duration::from_millis(500)).unwrap())
-        .key(HeaderKey::new("x-key").unwrap())
-        .store(
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_store(
             tollgate::store::RedisStore::connect(&server.url())
                 .await
                 .unwrap()
                 .with_prefix("strict")
                 .unwrap(),
         )
-        .timeout(Some(Duration::from_secs(10)));
+        .with_timeout(Some(Duration::from_secs(10)));
     let inner =
         service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) });
     let strict: Svc = tower::util::BoxCloneService::new(strict.layer(inner));
@@ -265,9 +265,9 @@ async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
     use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(2)).unwrap())
-        .key(HeaderKey::new("x-key").unwrap())
-        .max_wait(Duration::from_secs(5))
-        .max_waiters(1, 1);
+        .with_key(HeaderKey::new("x-key").unwrap())
+        .with_max_wait(Some(Duration::from_secs(5)))
+        .with_max_waiters(1, 1);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = Router::new()

@@ -110,7 +110,7 @@ fuzz_target!(|input: Input| {
     };
     let extractor = ClientIp::new(trusted.iter().copied())
         .header(header)
-        .ipv6_prefix(input.ipv6_prefix);
+        .with_ipv6_prefix(input.ipv6_prefix);
     let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.trunc().contains(&ip));
     let peer = input.peer.ip();
 

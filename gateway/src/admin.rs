@@ -122,7 +122,7 @@ impl Entry {
         .map_err(|e| store_error(&e))
     }
 
-    fn rules(&self) -> tollgate::Rules {
+    fn rules(&self) -> tollgate::rules::Rules {
         match &self.limiter {
             AnyLimiter::Ip(l) => l.rules(),
             AnyLimiter::Header(l) => l.rules(),
@@ -403,7 +403,7 @@ fn peek_body(
     route: &str,
     kind: &KeySpec,
     cost: u32,
-    rules: &tollgate::Rules,
+    rules: &tollgate::rules::Rules,
     enforced: &Decision,
     shadow: &Decision,
 ) -> String {

@@ -704,7 +704,7 @@ impl RawStore {
         tollgate::store::validate_prefix(&prefix)
             .map_err(|e| ConfigError::new("store.prefix", e.to_string()))?;
         let timeout = match self.timeout_ms {
-            None => tollgate::DEFAULT_TIMEOUT,
+            None => tollgate::rules::DEFAULT_TIMEOUT,
             Some(0) => {
                 return Err(ConfigError::new(
                     "store.timeout_ms",
@@ -1058,7 +1058,7 @@ fn validate_plans(
     for (j, plan) in raw.into_iter().enumerate() {
         let at = format!("{at}.plans[{j}]");
         // The library's rule for plan names.
-        tollgate::Plan::unlimited(plan.name.as_str())
+        tollgate::plan::Plan::unlimited(plan.name.as_str())
             .map_err(|e| ConfigError::new(format!("{at}.name"), e.to_string()))?;
         if let Some(other) = plans.iter().position(|p| p.name == plan.name) {
             return Err(ConfigError::new(
@@ -1107,7 +1107,7 @@ fn validate_plans(
                     limits.push(limit.limit);
                 }
                 // Two limits of a plan with one state (the library's check).
-                tollgate::Plan::new(plan.name.as_str(), limits.clone())
+                tollgate::plan::Plan::new(plan.name.as_str(), limits.clone())
                     .map_err(|e| ConfigError::new(format!("{at}.limits"), e.to_string()))?;
                 Some(limits)
             }
@@ -1195,10 +1195,10 @@ impl RawLimit {
         }
         // A name unique to this limit: equal limits on two routes keep separate budgets.
         let name = self.name.unwrap_or_else(|| format!("r{route}-l{index}"));
-        let mut limit = limit.named(name).map_err(lib)?;
+        let mut limit = limit.with_name(name).map_err(lib)?;
         if let Some(on_change) = &self.on_change {
             let on_change: OnChange = on_change.parse().map_err(lib)?;
-            limit = limit.on_change(on_change).map_err(lib)?;
+            limit = limit.with_on_change(on_change).map_err(lib)?;
         }
         if let Some(lockout) = &self.lockout {
             let lockout = humantime::parse_duration(lockout).map_err(|e| {
@@ -1420,7 +1420,7 @@ mod tests {
             "#,
         )
         .unwrap();
-        assert_eq!(config.store.timeout, tollgate::DEFAULT_TIMEOUT);
+        assert_eq!(config.store.timeout, tollgate::rules::DEFAULT_TIMEOUT);
         assert_eq!(config.store.on_error, OnError::Allow);
         assert_eq!(config.store.prefix, "tollgate");
         assert_eq!(config.server, ServerConfig::default());

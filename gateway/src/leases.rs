@@ -88,13 +88,13 @@ impl LeasesConfig {
         };
         let mut config = tollgate::store::LeaseConfig::new();
         if let Some(period) = self.period {
-            config = config.period(period).map_err(field)?;
+            config = config.with_period(period).map_err(field)?;
         }
         if let Some(fraction) = self.max_fraction {
-            config = config.max_fraction(fraction).map_err(field)?;
+            config = config.with_max_fraction(fraction).map_err(field)?;
         }
         if let Some(idle) = self.idle {
-            config = config.idle(idle).map_err(field)?;
+            config = config.with_idle(idle).map_err(field)?;
         }
         Ok(config)
     }

@@ -25,10 +25,10 @@ use axum::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tollgate::{
-    FailurePolicy, InFlightLayer, MemoryStore, RateLimitLayer, Store,
-    in_flight::InFlightBody,
+    FailurePolicy, RateLimitLayer,
+    in_flight::{InFlightBody, InFlightLayer},
     key::{ClientIp, GlobalKey, HeaderKey},
-    store::Permits,
+    store::{MemoryStore, Permits, Store},
 };
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 use tower_http::limit::RequestBodyLimitLayer;
@@ -612,20 +612,18 @@ fn route_service(
         let mut layer = RateLimitLayer::new(limits[0].limit.clone());
         for limit in &limits {
             layer = if limit.shadow {
-                layer.shadow_limit(limit.limit.clone())
+                layer.with_shadow_limit(limit.limit.clone())
             } else {
-                layer.limit(limit.limit.clone())
+                layer.with_limit(limit.limit.clone())
             };
         }
-        let mut layer = layer
-            .shadow(route.shadow)
-            .shared_store(store.clone())
-            .on_store_error(policy.clone())
-            .timeout(Some(config.store.timeout))
-            .name(name);
-        if let Some(delay) = route.delay {
-            layer = layer.max_wait(delay);
-        }
+        let layer = layer
+            .with_shadow(route.shadow)
+            .with_store(store.clone())
+            .with_on_store_error(policy.clone())
+            .with_timeout(Some(config.store.timeout))
+            .with_name(name);
+        let layer = layer.with_max_wait(route.delay);
         service = keyed(
             layer,
             key,
@@ -659,10 +657,10 @@ fn in_flight(
         .unwrap_or(KeySpec::Ip);
     let layer = InFlightLayer::new(max)
         .expect("max_in_flight validated with the config")
-        .store(permits.clone())
-        .on_store_error(policy.clone())
-        .timeout(Some(config.store.timeout))
-        .name(format!("{} in_flight", route.path));
+        .with_store(permits.clone())
+        .with_on_store_error(policy.clone())
+        .with_timeout(Some(config.store.timeout))
+        .with_name(format!("{} in_flight", route.path));
     // The permit rides in the body until it ends: boxed into axum's body here.
     fn boxed<S>(service: S) -> RouteService
     where
@@ -681,11 +679,11 @@ fn in_flight(
     match key {
         KeySpec::Ip => boxed(
             layer
-                .key(ClientIp::new(config.trusted_proxies.iter().copied()))
+                .with_key(ClientIp::new(config.trusted_proxies.iter().copied()))
                 .layer(service),
         ),
-        KeySpec::Header(name) => boxed(layer.key(header_key(name, config)).layer(service)),
-        KeySpec::Global => boxed(layer.key(GlobalKey).layer(service)),
+        KeySpec::Header(name) => boxed(layer.with_key(header_key(name, config)).layer(service)),
+        KeySpec::Global => boxed(layer.with_key(GlobalKey).layer(service)),
     }
 }
 
@@ -701,14 +699,14 @@ fn keyed(
 ) -> RouteService {
     match key {
         KeySpec::Ip => {
-            let layer = layer.key(ClientIp::new(config.trusted_proxies.iter().copied()));
+            let layer = layer.with_key(ClientIp::new(config.trusted_proxies.iter().copied()));
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::ip(path, layer.limiter()));
             }
             wrap(layer, after, service)
         }
         KeySpec::Header(name) => {
-            let layer = layer.key(header_key(name.clone(), config));
+            let layer = layer.with_key(header_key(name.clone(), config));
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::header(
                     path,
@@ -719,7 +717,7 @@ fn keyed(
             wrap(layer, after, service)
         }
         KeySpec::Global => {
-            let layer = layer.key(GlobalKey);
+            let layer = layer.with_key(GlobalKey);
             if let Some((path, admin)) = admin {
                 admin.push(admin::Entry::global(path, layer.limiter()));
             }
@@ -753,7 +751,7 @@ where
         None => BoxCloneSyncService::new(layer.layer(service)),
         Some(after) => {
             let after = after.clone();
-            let layer = layer.late_cost(move |response: &Response| after.cost(response));
+            let layer = layer.with_late_cost(move |response: &Response| after.cost(response));
             BoxCloneSyncService::new(layer.layer(service))
         }
     }
@@ -775,13 +773,13 @@ fn plan_layer(
         return service;
     };
     let built = plans.plans.iter().map(|plan| match &plan.limits {
-        Some(limits) => tollgate::Plan::new(plan.name.as_str(), limits.iter().cloned()),
-        None => tollgate::Plan::unlimited(plan.name.as_str()),
+        Some(limits) => tollgate::plan::Plan::new(plan.name.as_str(), limits.iter().cloned()),
+        None => tollgate::plan::Plan::unlimited(plan.name.as_str()),
     });
     // Validated with the config: these cannot fail.
     let built = built
         .collect::<Result<Vec<_>, _>>()
-        .and_then(tollgate::Plans::new)
+        .and_then(tollgate::plan::Plans::new)
         .and_then(|p| p.with_default(&plans.default))
         .expect("plans validated with the config")
         .with_header(plans.header.clone());
@@ -791,16 +789,14 @@ fn plan_layer(
         format!("{} plans", route.path)
     };
     let mut layer = RateLimitLayer::new(any.clone())
-        .plans(built)
-        .shadow(route.shadow)
-        .shared_store(store.clone())
-        .on_store_error(policy.clone())
-        .timeout(Some(config.store.timeout))
-        .name(name);
+        .with_plans(built)
+        .with_shadow(route.shadow)
+        .with_store(store.clone())
+        .with_on_store_error(policy.clone())
+        .with_timeout(Some(config.store.timeout))
+        .with_name(name);
     // The plans are the route's limits too: their denials wait as the others do.
-    if let Some(delay) = route.delay {
-        layer = layer.max_wait(delay);
-    }
+    layer = layer.with_max_wait(route.delay);
     // Counted after the response as the route says, like its own limits; not on the
     // admin endpoints: they read and reset a route's own limits.
     keyed(
@@ -889,9 +885,11 @@ async fn connect_redis(url: &str, config: &StoreConfig) -> Result<Connected, Err
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
-            tollgate::store::RedisStore::connect_tls(url, &tls_config(&config.tls)?)
-                .in_background(config.background)
-                .await
+            tollgate::store::RedisStore::connect(
+                tollgate::store::RedisTarget::node(url).with_tls(tls_config(&config.tls)?),
+            )
+            .in_background(config.background)
+            .await
         }
         #[cfg(not(feature = "tls"))]
         return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
@@ -934,12 +932,15 @@ async fn connect_redis_cluster(nodes: &[String], config: &StoreConfig) -> Result
     let connecting = if config.tls.is_set() {
         #[cfg(feature = "tls")]
         {
-            tollgate::store::RedisStore::connect_cluster_tls(nodes, &tls_config(&config.tls)?).await
+            tollgate::store::RedisStore::connect(
+                tollgate::store::RedisTarget::cluster(nodes).with_tls(tls_config(&config.tls)?),
+            )
+            .await
         }
         #[cfg(not(feature = "tls"))]
         return Err("store.tls_ca_file: needs the gateway built with the tls feature".into());
     } else {
-        tollgate::store::RedisStore::connect_cluster(nodes).await
+        tollgate::store::RedisStore::connect(tollgate::store::RedisTarget::cluster(nodes)).await
     };
     let nodes: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
     let store = connecting.map_err(|e| {
@@ -971,6 +972,8 @@ async fn connect_redis_sentinel(
     if let Some(password) = &sentinel.password {
         library = library.with_master_user(sentinel.username.as_deref(), password);
     }
+    #[allow(unused_mut)]
+    let mut target = tollgate::store::RedisTarget::sentinel(library);
     // TLS to the master when the sentinels are reached over TLS.
     if sentinel
         .sentinels
@@ -979,11 +982,11 @@ async fn connect_redis_sentinel(
     {
         #[cfg(feature = "tls")]
         {
-            library = library.with_tls(tls_config(&config.tls)?);
+            target = target.with_tls(tls_config(&config.tls)?);
         }
     }
     let sentinels: Vec<String> = sentinel.sentinels.iter().map(|n| redact(n)).collect();
-    let store = tollgate::store::RedisStore::connect_sentinel(&library)
+    let store = tollgate::store::RedisStore::connect(target)
         .in_background(config.background)
         .await
         .map_err(|e| {

@@ -947,7 +947,7 @@ fn the_documented_config_shape_is_valid() {
     let config = Config::parse(shape).unwrap_or_else(|e| panic!("{doc}: {e}\n{shape}"));
     assert_eq!(config.server, config::ServerConfig::default(), "{doc}");
     assert_eq!(config.store.prefix, "tollgate");
-    assert_eq!(config.store.timeout, tollgate::DEFAULT_TIMEOUT);
+    assert_eq!(config.store.timeout, tollgate::rules::DEFAULT_TIMEOUT);
     assert_eq!(config.routes.len(), 1);
 }
 

@@ -1,5 +1,5 @@
 //! In-flight permits with a TTL: the specification the Redis store's in-flight scripts
-//! follow (see [`InFlightLayer`](crate::InFlightLayer)). The memory store needs no TTL:
+//! follow (see [`InFlightLayer`](crate::in_flight::InFlightLayer)). The memory store needs no TTL:
 //! a permit there ends when its holder releases it.
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
-//! Waiting instead of answering 429 ([`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait)).
+//! Waiting instead of answering 429 ([`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait)).
 //!
 //! **Reserved** (token bucket and GCRA limits): the layer asks the store to
-//! [reserve](crate::Store::reserve) within `max_wait`. A request that does not fit now but
+//! [reserve](crate::store::Store::reserve) within `max_wait`. A request that does not fit now but
 //! would within `max_wait` is counted at once, for the moment it may run, and answered
 //! "allowed after `wait`": it takes a place in line, sleeps `wait` and then calls the
 //! inner service without asking the store again. Its units are its own: no later request
@@ -244,7 +244,7 @@ pub(crate) fn refused(decision: &Decision) -> Decision {
 }
 
 /// Gives a reservation's units back: `cost` units charged by `decision`, through
-/// [`Store::adjust`](crate::Store::adjust) under the layer's timeout and breaker. A call
+/// [`Store::adjust`](crate::store::Store::adjust) under the layer's timeout and breaker. A call
 /// that has to wait for the store is spawned (the request it belonged to is gone);
 /// without a Tokio runtime, or when the store does not say when it decided, nothing is
 /// given back.
@@ -446,7 +446,7 @@ mod tests {
     use crate::LimitDecision;
 
     fn store() -> Guarded {
-        Guarded::new(Arc::new(crate::MemoryStore::new()), None, None)
+        Guarded::new(Arc::new(crate::store::MemoryStore::new()), None, None)
     }
 
     fn denied(retry_after_ms: u64) -> Decision {

@@ -16,7 +16,7 @@
 //! | Connecting: TLS, ACL users (least privilege) | [`redis#connecting`](redis#connecting) |
 //! | Redis Cluster: key layout, failover, resharding, pipelines | [`cluster`] |
 //! | Redis Sentinel | [`sentinel`] |
-//! | The in-memory store: bounds, eviction | [`MemoryStore`](crate::MemoryStore) |
+//! | The in-memory store: bounds, eviction | [`MemoryStore`](crate::store::MemoryStore) |
 //! | When the store fails: timeouts, breaker, block cache, fallback | [`failures`] |
 //! | Leased quota for hot keys | [`leases`] |
 //! | Lockout after a breach | [`lockout`] |

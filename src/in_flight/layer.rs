@@ -89,7 +89,7 @@ impl InFlightLayer {
                 max,
                 store: Arc::new(LocalPermits::new()),
                 ttl: DEFAULT_PERMIT_TTL,
-                timeout: Some(crate::DEFAULT_TIMEOUT),
+                timeout: Some(crate::rules::DEFAULT_TIMEOUT),
                 breaker: Some(Arc::new(Breaker::new(CircuitBreaker::default()))),
                 on_store_error: FailurePolicy::Allow,
                 on_missing_key: MissingKey::Reject,
@@ -107,7 +107,7 @@ impl<K, R> InFlightLayer<K, R> {
     }
 
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
-    pub fn key<K2>(self, key: K2) -> InFlightLayer<K2, R> {
+    pub fn with_key<K2>(self, key: K2) -> InFlightLayer<K2, R> {
         InFlightLayer {
             key: Arc::new(key),
             rejection: self.rejection,
@@ -118,8 +118,8 @@ impl<K, R> InFlightLayer<K, R> {
     /// Answers denied requests, requests without a key and store failures with
     /// `rejection` (see [`OnRejection`](crate::OnRejection)). A denied request's
     /// [`Decision`](crate::Decision) has one limit of `max` with nothing remaining and the
-    /// [`retry_after`](Self::retry_after) wait.
-    pub fn on_rejection<R2>(self, rejection: R2) -> InFlightLayer<K, R2> {
+    /// [`retry_after`](Self::with_retry_after) wait.
+    pub fn with_on_rejection<R2>(self, rejection: R2) -> InFlightLayer<K, R2> {
         InFlightLayer {
             key: self.key,
             rejection: Arc::new(rejection),
@@ -127,10 +127,10 @@ impl<K, R> InFlightLayer<K, R> {
         }
     }
 
-    /// Keeps the permits in `store`: a [`MemoryStore`](crate::MemoryStore) (in the
+    /// Keeps the permits in `store`: a [`MemoryStore`](crate::store::MemoryStore) (in the
     /// process, shared with the layers on it) or a `RedisStore` (shared by every replica,
     /// see the [module docs](crate::in_flight#stores)).
-    pub fn store(mut self, store: impl Permits) -> Self {
+    pub fn with_store(mut self, store: impl Permits) -> Self {
         self.settings.store = Arc::new(store);
         self
     }
@@ -140,15 +140,15 @@ impl<K, R> InFlightLayer<K, R> {
     /// permits stay taken, and a permit whose removal failed. A request in flight renews
     /// its permit every third of it, which is also how long running requests may go
     /// uncounted after Redis lost their permits.
-    pub fn permit_ttl(mut self, ttl: Duration) -> Self {
+    pub fn with_permit_ttl(mut self, ttl: Duration) -> Self {
         self.settings.ttl = ttl.max(Duration::from_millis(3));
         self
     }
 
     /// How long taking a permit may take before the failure policy applies
-    /// ([`DEFAULT_TIMEOUT`](crate::DEFAULT_TIMEOUT) by default; `None`: as long as it
+    /// ([`DEFAULT_TIMEOUT`](crate::rules::DEFAULT_TIMEOUT) by default; `None`: as long as it
     /// takes). A permit taken after the timeout is given back at once.
-    pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.settings.timeout = timeout;
         self
     }
@@ -156,8 +156,8 @@ impl<K, R> InFlightLayer<K, R> {
     /// Stops asking a store that keeps failing, for a moment: its requests go straight to
     /// the failure policy, so a dead Redis costs no timeout per request. On by default
     /// ([`CircuitBreaker::default`]); `None` asks the store every time. As
-    /// [`RateLimitLayer::circuit_breaker`](crate::RateLimitLayer::circuit_breaker).
-    pub fn circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+    /// [`RateLimitLayer::with_circuit_breaker`](crate::RateLimitLayer::with_circuit_breaker).
+    pub fn with_circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
         self.settings.breaker = breaker.map(|config| Arc::new(Breaker::new(config)));
         self
     }
@@ -165,20 +165,20 @@ impl<K, R> InFlightLayer<K, R> {
     /// What requests get when the store fails or times out ([`FailurePolicy::Allow`] by
     /// default). [`FailurePolicy::Local`] counts the permits in its memory store, in the
     /// process, until the store answers again.
-    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+    pub fn with_on_store_error(mut self, policy: FailurePolicy) -> Self {
         self.settings.on_store_error = policy;
         self
     }
 
     /// What requests without a key get ([`MissingKey::Reject`] by default).
-    pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
+    pub fn with_on_missing_key(mut self, policy: MissingKey) -> Self {
         self.settings.on_missing_key = policy;
         self
     }
 
     /// The `Retry-After` of a denied request ([`DEFAULT_RETRY_AFTER`] by default; rounded
     /// up to whole seconds, at least 1).
-    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+    pub fn with_retry_after(mut self, retry_after: Duration) -> Self {
         self.settings.retry_after = retry_after;
         self
     }
@@ -186,7 +186,7 @@ impl<K, R> InFlightLayer<K, R> {
     /// Names this layer in metrics (the `route` label, feature `metrics`) and in the
     /// store-failure log lines; [`DEFAULT_NAME`](crate::DEFAULT_NAME) by default. See
     /// [`metrics`](crate::metrics).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.settings.name = name.into().into();
         self
     }

@@ -10,7 +10,7 @@
 //! (nginx `limit_conn`, Traefik `inFlightReq`; tower's `ConcurrencyLimitLayer` is one
 //! global count).
 //!
-//! - Denied: `Retry-After: 1` ([`InFlightLayer::retry_after`] to change it: nobody knows
+//! - Denied: `Retry-After: 1` ([`InFlightLayer::with_retry_after`] to change it: nobody knows
 //!   when a request in flight ends), and no `RateLimit` fields: they describe windows,
 //!   not concurrency.
 //! - The response body is wrapped ([`InFlightBody`]) to see its end: that is why this is a
@@ -20,36 +20,36 @@
 //! ```
 //! use std::time::Duration;
 //! use axum::{Router, routing::get};
-//! use tollgate::{InFlightLayer, Limit, RateLimitLayer, key::HeaderKey};
+//! use tollgate::{Limit, RateLimitLayer, key::HeaderKey, in_flight::InFlightLayer};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let app: Router = Router::new()
 //!     .route("/", get(|| async { "hello" }))
 //!     // At most 4 requests at once per API key ...
-//!     .layer(InFlightLayer::new(4)?.key(HeaderKey::new("x-api-key")?))
+//!     .layer(InFlightLayer::new(4)?.with_key(HeaderKey::new("x-api-key")?))
 //!     // ... and 100 a minute.
-//!     .layer(RateLimitLayer::new(Limit::per_minute(100)?).key(HeaderKey::new("x-api-key")?));
+//!     .layer(RateLimitLayer::new(Limit::per_minute(100)?).with_key(HeaderKey::new("x-api-key")?));
 //! # Ok(()) }
 //! ```
 //!
-//! As a `RateLimitLayer`, it asks its store under a [timeout](InFlightLayer::timeout) and
-//! a [circuit breaker](InFlightLayer::circuit_breaker), applies its [`FailurePolicy`]
+//! As a `RateLimitLayer`, it asks its store under a [timeout](InFlightLayer::with_timeout) and
+//! a [circuit breaker](InFlightLayer::with_circuit_breaker), applies its [`FailurePolicy`]
 //! when the store fails, and counts its requests in [`metrics`](crate::metrics) under its
-//! [name](InFlightLayer::name). Under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow)
+//! [name](InFlightLayer::with_name). Under [`FailurePolicy::Allow`](crate::FailurePolicy::Allow)
 //! (the default) a request the store could not answer runs holding no permit. A permit
 //! taken after a timeout, or by a request dropped while asking, is given back at once.
 //!
 //! # Stores
 //!
 //! The permits live in a [`Permits`](crate::store::Permits) store, set with
-//! [`InFlightLayer::store`]:
+//! [`InFlightLayer::with_store`]:
 //!
-//! - In memory (the default, or a [`MemoryStore`](crate::MemoryStore) to share with other
+//! - In memory (the default, or a [`MemoryStore`](crate::store::MemoryStore) to share with other
 //!   layers): permits are counted in the process; a key with no request in flight takes
 //!   no memory.
 //! - Redis, one node, a cluster or Sentinel (feature `redis`, a `RedisStore`): permits are
 //!   entries with a TTL in a sorted set `<prefix>:{<key>}:inflight:<max>` (one hash tag,
-//!   so one cluster slot), renewed every third of the [TTL](InFlightLayer::permit_ttl)
+//!   so one cluster slot), renewed every third of the [TTL](InFlightLayer::with_permit_ttl)
 //!   while the request runs and removed when it ends. **A node that dies holds its
 //!   permits at most one TTL longer** ([`DEFAULT_PERMIT_TTL`], 10 s). When Redis fails or
 //!   does not answer within the timeout, the layer's [`FailurePolicy`] applies: allow

@@ -52,7 +52,7 @@ impl PeerIp {
 
     /// Groups IPv6 clients by their first `bits` bits (1 to 128; 128 keys every address
     /// separately). Values above 128 are treated as 128.
-    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+    pub fn with_ipv6_prefix(mut self, bits: u8) -> Self {
         self.ipv6_prefix = bits.clamp(1, 128);
         self
     }
@@ -129,13 +129,13 @@ impl ClientIp {
     }
 
     /// Reads `header` instead of X-Forwarded-For.
-    pub fn header(mut self, header: ForwardedHeader) -> Self {
+    pub fn with_header(mut self, header: ForwardedHeader) -> Self {
         self.header = header;
         self
     }
 
-    /// Groups IPv6 clients by their first `bits` bits; see [`PeerIp::ipv6_prefix`].
-    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+    /// Groups IPv6 clients by their first `bits` bits; see [`PeerIp::with_ipv6_prefix`].
+    pub fn with_ipv6_prefix(mut self, bits: u8) -> Self {
         self.ipv6_prefix = bits.clamp(1, 128);
         self
     }
@@ -364,7 +364,8 @@ mod tests {
 
     #[test]
     fn forwarded_header_is_parsed() {
-        let key = ClientIp::new(["10.0.0.0/8".parse().unwrap()]).header(ForwardedHeader::Forwarded);
+        let key =
+            ClientIp::new(["10.0.0.0/8".parse().unwrap()]).with_header(ForwardedHeader::Forwarded);
         let mut req = Request::get("/")
             .header(
                 "forwarded",

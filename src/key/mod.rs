@@ -23,7 +23,7 @@
 //! address is the client. A client cannot choose its key by sending these headers.
 //!
 //! Requests without a key are answered 400 (gRPC: `INVALID_ARGUMENT`), or passed on
-//! unlimited with [`.on_missing_key(MissingKey::Allow)`](crate::MissingKey). A server that
+//! unlimited with [`.with_on_missing_key(MissingKey::Allow)`](crate::MissingKey). A server that
 //! gives [`PeerIp`] or [`ClientIp`] no peer address (axum served without
 //! `into_make_service_with_connect_info::<SocketAddr>()`) is misconfigured, not the client:
 //! those requests get 500 (gRPC: `INTERNAL`) with the fix in the body (`grpc-message`), and

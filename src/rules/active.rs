@@ -189,7 +189,7 @@ pub(crate) struct Cell {
     pub(crate) current: AtomicU64,
     /// What outlives a change of the rules.
     pub(crate) lasting: Lasting,
-    /// Orders concurrent [`RulesHandle::set`](crate::RulesHandle::set) calls: versions
+    /// Orders concurrent [`RulesHandle::set`](crate::rules::RulesHandle::set) calls: versions
     /// only grow.
     pub(crate) next_version: AtomicU64,
 }
@@ -369,7 +369,7 @@ mod tests {
     #[test]
     fn a_breaker_outlives_rules_that_keep_its_settings() {
         let lasting = Lasting {
-            store: Arc::new(crate::MemoryStore::new()),
+            store: Arc::new(crate::store::MemoryStore::new()),
             queue: Arc::default(),
             breaker: Mutex::default(),
         };

@@ -19,7 +19,7 @@ use crate::{FailurePolicy, store::Store};
 ///
 /// What happens to the budgets: a limit that does not change keeps its state; a changed
 /// one starts fresh or carries its state over, as each [`Limit`](crate::Limit) chose with
-/// [`Limit::on_change`](crate::Limit::on_change). A store's state is never rewritten by a change: the new
+/// [`Limit::with_on_change`](crate::Limit::with_on_change). A store's state is never rewritten by a change: the new
 /// parameters apply to each key's state when its next request reads it.
 #[derive(Clone)]
 pub struct RulesHandle {

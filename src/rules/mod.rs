@@ -14,12 +14,12 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tollgate::{Limit, OnChange, RateLimitLayer, Rules};
+//! use tollgate::{Limit, OnChange, RateLimitLayer, rules::Rules};
 //!
 //! let per_minute = |n| -> Result<Limit, tollgate::ConfigError> {
 //!     Limit::token_bucket(n, Duration::from_secs(60))?
-//!         .named("api")?
-//!         .on_change(OnChange::CarryOver)
+//!         .with_name("api")?
+//!         .with_on_change(OnChange::CarryOver)
 //! };
 //! let layer = RateLimitLayer::new(per_minute(100)?);
 //! let rules = layer.rules_handle();
@@ -61,5 +61,5 @@ pub(crate) mod set;
 
 pub(crate) use active::{Active, Cell, Chosen, Resolving};
 pub use handle::RulesHandle;
-pub use set::Rules;
+pub use set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT, Rules};
 pub(crate) use set::{disjoint, unique};

@@ -12,7 +12,7 @@ pub const DEFAULT_MAX_WAITERS: usize = 1024;
 pub const DEFAULT_MAX_WAITERS_PER_KEY: usize = 16;
 
 /// A layer's changeable configuration: its limits and policies. Built with
-/// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`](crate::RulesHandle::set).
+/// [`Rules::new`] and the `with_*` methods, applied with [`RulesHandle::set`](crate::rules::RulesHandle::set).
 #[derive(Debug, Clone)]
 pub struct Rules {
     limits: Arc<[Limit]>,
@@ -61,7 +61,7 @@ impl Rules {
     }
 
     /// The same rules with these limits instead (all must allow a request, as for
-    /// [`RateLimitLayer::limit`](crate::RateLimitLayer::limit); equal limits count once).
+    /// [`RateLimitLayer::with_limit`](crate::RateLimitLayer::with_limit); equal limits count once).
     ///
     /// # Errors
     ///
@@ -146,7 +146,7 @@ impl Rules {
 
     /// The same rules with this store timeout: how long a store call may take before the
     /// failure policy applies ([`DEFAULT_TIMEOUT`] by default; `None` waits as long as it
-    /// takes). See [`RateLimitLayer::timeout`](crate::RateLimitLayer::timeout).
+    /// takes). See [`RateLimitLayer::with_timeout`](crate::RateLimitLayer::with_timeout).
     pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.timeout = timeout;
         self
@@ -154,7 +154,7 @@ impl Rules {
 
     /// The same rules with this circuit breaker (`None`: none). A change of its settings
     /// starts it closed; rules that keep them keep its state. See
-    /// [`RateLimitLayer::circuit_breaker`](crate::RateLimitLayer::circuit_breaker).
+    /// [`RateLimitLayer::with_circuit_breaker`](crate::RateLimitLayer::with_circuit_breaker).
     pub fn with_circuit_breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
         self.circuit_breaker = breaker;
         self
@@ -162,14 +162,14 @@ impl Rules {
 
     /// The same rules letting a denied request wait up to `max_wait` (`None`: answered
     /// at once). Requests waiting when it changes keep their place. See
-    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait).
+    /// [`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait).
     pub fn with_max_wait(mut self, max_wait: Option<Duration>) -> Self {
         self.max_wait = max_wait.filter(|wait| !wait.is_zero());
         self
     }
 
     /// The same rules with these bounds on waiting requests: `total` per layer, `per_key`
-    /// per key. See [`RateLimitLayer::max_waiters`](crate::RateLimitLayer::max_waiters).
+    /// per key. See [`RateLimitLayer::with_max_waiters`](crate::RateLimitLayer::with_max_waiters).
     pub fn with_max_waiters(mut self, total: usize, per_key: usize) -> Self {
         self.max_waiters = (total, per_key);
         self

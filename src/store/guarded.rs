@@ -137,7 +137,7 @@ impl Guarded {
     }
 
     /// [`check_now`](Self::check_now) for [`Store::reserve`]: a layer with
-    /// [`max_wait`](crate::RateLimitLayer::max_wait) asks this. With the circuit open, as
+    /// [`max_wait`](crate::RateLimitLayer::with_max_wait) asks this. With the circuit open, as
     /// a check (quota held already, or the failure policy): nothing is reserved then.
     pub(crate) fn reserve_now(
         &self,

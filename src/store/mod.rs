@@ -28,7 +28,9 @@ pub use redis::SentinelConfig;
 #[cfg(feature = "tls")]
 pub use redis::TlsConfig;
 #[cfg(feature = "redis")]
-pub use redis::{DEFAULT_PREFIX, LeaseConfig, RedisConnect, RedisStore, SCRIPT_SOURCE};
+pub use redis::{
+    DEFAULT_PREFIX, LeaseConfig, RedisConnect, RedisStore, RedisTarget, SCRIPT_SOURCE,
+};
 #[cfg(feature = "redis")]
 pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 
@@ -55,7 +57,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// by moving its arrival time ahead, by at most what refills in `max_wait_ms`), and
     /// only when every limit of the request can: a window, a log or a lockout among them
     /// makes it the plain denial of [`check`](Self::check).
-    /// [`RateLimitLayer::max_wait`](crate::RateLimitLayer::max_wait) asks this.
+    /// [`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait) asks this.
     ///
     /// The default reserves nothing: it answers [`check`](Self::check), and the layer
     /// waits out a denial and asks again.
@@ -64,7 +66,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         self.check(key, limits, cost)
     }
 
-    /// Told by [`RulesHandle::set`](crate::RulesHandle::set) before `limits` come into
+    /// Told by [`RulesHandle::set`](crate::rules::RulesHandle::set) before `limits` come into
     /// force. A store that keeps limits besides the state (the memory store, to know when
     /// state expires) updates those whose state carries over; the default does nothing.
     fn limits_changed(&self, limits: &[Limit]) {
@@ -101,7 +103,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Gives back or charges units after a request was decided (see [`Adjustment`]),
     /// for every limit of `key` in one atomic step. The decision is the state after it.
-    /// Counting after the response ([`RateLimitLayer::count_when`](crate::RateLimitLayer::count_when),
+    /// Counting after the response ([`RateLimitLayer::with_count_when`](crate::RateLimitLayer::with_count_when),
     /// late costs) needs it; the default fails with [`StoreErrorKind::Unsupported`].
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         let _ = (key, limits, adjustment);

@@ -1,4 +1,4 @@
-//! [`Permits`]: where the permits of an [`InFlightLayer`](crate::InFlightLayer) are
+//! [`Permits`]: where the permits of an [`InFlightLayer`](crate::in_flight::InFlightLayer) are
 //! counted, next to [`Store`](super::Store) (where decisions are made).
 //!
 //! A permit is taken by one call and given back by another, explicitly: a store that
@@ -23,7 +23,7 @@ use tokio::sync::oneshot;
 use super::{Check, MemoryStore};
 use crate::key::Key;
 
-/// Counts requests in flight per key: what an [`InFlightLayer`](crate::InFlightLayer)
+/// Counts requests in flight per key: what an [`InFlightLayer`](crate::in_flight::InFlightLayer)
 /// keeps its permits in. Implemented by [`MemoryStore`] (in the process) and `RedisStore`
 /// (feature `redis`: shared by every replica, as leases).
 pub trait Permits: Send + Sync + fmt::Debug + 'static {

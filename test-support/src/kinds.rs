@@ -19,8 +19,9 @@ use std::{
 
 use http::{Request, Response, StatusCode};
 use tollgate::{
-    Limit, RateLimitLayer, Store,
+    Limit, RateLimitLayer,
     key::{ClientIp, ExtensionKey, GlobalKey, HeaderKey, KeyExtractor, PeerIp},
+    store::Store,
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -62,8 +63,8 @@ async fn status<K: KeyExtractor<()>>(
 ) -> StatusCode {
     let limit = Limit::fixed_window(1, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
-        .shared_store(store.clone())
-        .key(key);
+        .with_store(store.clone())
+        .with_key(key);
     let service = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));

@@ -165,7 +165,10 @@ pub fn named(headers: &HeaderMap) -> Vec<IpAddr> {
 pub fn peer_key(ip: IpAddr, prefix: u8) -> Key {
     let mut req = Request::new(());
     req.extensions_mut().insert(SocketAddr::new(ip, 1));
-    PeerIp::new().ipv6_prefix(prefix).extract(&req).unwrap()
+    PeerIp::new()
+        .with_ipv6_prefix(prefix)
+        .extract(&req)
+        .unwrap()
 }
 
 /// An IPv4 address, an IPv6 address (prefix 128) or an IPv6 network of `prefix` bits, in

@@ -72,9 +72,11 @@ use axum::{
     routing::get,
 };
 use tollgate::{
-    FailurePolicy, HeaderStyle, InFlightLayer, Limit, MemoryStore, RateLimitLayer,
+    FailurePolicy, Limit, RateLimitLayer,
+    headers::HeaderStyle,
+    in_flight::InFlightLayer,
     key::{GlobalKey, Key, KeyError, KeyExtractor},
-    store::{LeaseConfig, RedisStore},
+    store::{LeaseConfig, MemoryStore, RedisStore},
 };
 use tower::{ServiceExt, util::MapResponseLayer};
 use tower_governor::{
@@ -372,8 +374,8 @@ async fn app(args: &Args) -> Result<Router, Error> {
     } else {
         fixed_window
     })
-    .key(BenchKey { per_client })
-    .on_store_error(FailurePolicy::Deny);
+    .with_key(BenchKey { per_client })
+    .with_on_store_error(FailurePolicy::Deny);
     let redis_url = || {
         args.redis
             .as_deref()
@@ -385,21 +387,27 @@ async fn app(args: &Args) -> Result<Router, Error> {
     };
     Ok(match args.mode {
         Mode::Plain => router,
-        Mode::Memory => router.layer(layer.store(memory())),
-        Mode::MemoryNoHeaders => router.layer(layer.store(memory()).headers(HeaderStyle::NONE)),
-        Mode::Redis => router.layer(layer.store(RedisStore::connect(redis_url()?).await?)),
+        Mode::Memory => router.layer(layer.with_store(memory())),
+        Mode::MemoryNoHeaders => {
+            router.layer(layer.with_store(memory()).with_headers(HeaderStyle::NONE))
+        }
+        Mode::Redis => router.layer(layer.with_store(RedisStore::connect(redis_url()?).await?)),
         Mode::RedisNoCoalesce => router.layer(
-            layer.store(
+            layer.with_store(
                 RedisStore::connect(redis_url()?)
                     .await?
-                    .with_coalescing(false),
+                    .with_coalescing(None),
             ),
         ),
-        Mode::RedisNoCache => {
-            router.layer(layer.store(RedisStore::connect(redis_url()?).await?.with_block_cache(0)))
-        }
+        Mode::RedisNoCache => router.layer(
+            layer.with_store(
+                RedisStore::connect(redis_url()?)
+                    .await?
+                    .with_block_cache(None),
+            ),
+        ),
         Mode::RedisLease => router.layer(
-            layer.store(
+            layer.with_store(
                 RedisStore::connect(redis_url()?)
                     .await?
                     .with_leases(LeaseConfig::new()),
@@ -411,22 +419,26 @@ async fn app(args: &Args) -> Result<Router, Error> {
                 .max_size(16)
                 .build(manager)
                 .await?;
-            router.layer(layer.store(RedisStore::from_pool(pool)))
+            router.layer(layer.with_store(RedisStore::from_pool(pool)))
         }
         Mode::RedisCluster => {
             if args.cluster.is_empty() {
                 return Err("mode redis-cluster needs --cluster <url,url,..>".into());
             }
-            router.layer(layer.store(RedisStore::connect_cluster(&args.cluster).await?))
+            router.layer(layer.with_store(
+                RedisStore::connect(tollgate::store::RedisTarget::cluster(&args.cluster)).await?,
+            ))
         }
-        Mode::RedisTls => router.layer(layer.store(connect_tls(args).await?)),
-        Mode::MemoryLockout => router.layer(layer.store(memory())),
-        Mode::RedisLockout => router.layer(layer.store(RedisStore::connect(redis_url()?).await?)),
-        Mode::MemoryWait => router.layer(layer.store(memory()).max_wait(MAX_WAIT)),
+        Mode::RedisTls => router.layer(layer.with_store(connect_tls(args).await?)),
+        Mode::MemoryLockout => router.layer(layer.with_store(memory())),
+        Mode::RedisLockout => {
+            router.layer(layer.with_store(RedisStore::connect(redis_url()?).await?))
+        }
+        Mode::MemoryWait => router.layer(layer.with_store(memory()).with_max_wait(Some(MAX_WAIT))),
         Mode::RedisWait => router.layer(
             layer
-                .store(RedisStore::connect(redis_url()?).await?)
-                .max_wait(MAX_WAIT),
+                .with_store(RedisStore::connect(redis_url()?).await?)
+                .with_max_wait(Some(MAX_WAIT)),
         ),
         Mode::MemoryInFlight | Mode::RedisInFlight => {
             let max = if reject {
@@ -435,10 +447,10 @@ async fn app(args: &Args) -> Result<Router, Error> {
                 ALLOW_IN_FLIGHT
             };
             let mut in_flight = InFlightLayer::new(max)?
-                .key(BenchKey { per_client })
-                .on_store_error(FailurePolicy::Deny);
+                .with_key(BenchKey { per_client })
+                .with_on_store_error(FailurePolicy::Deny);
             if args.mode == Mode::RedisInFlight {
-                in_flight = in_flight.store(RedisStore::connect(redis_url()?).await?);
+                in_flight = in_flight.with_store(RedisStore::connect(redis_url()?).await?);
             }
             let router = router.route(HOLD_PATH, get(hold)).layer(in_flight);
             if reject {
@@ -569,7 +581,7 @@ async fn connect_tls(args: &Args) -> Result<RedisStore, Error> {
         .as_ref()
         .ok_or("mode redis-tls needs --redis-tls <rediss-url> --tls-ca <ca.pem>")?;
     let tls = tollgate::store::TlsConfig::new().with_ca_pem(std::fs::read(ca)?);
-    Ok(RedisStore::connect_tls(url, &tls).await?)
+    Ok(RedisStore::connect(tollgate::store::RedisTarget::node(url).with_tls(tls.clone())).await?)
 }
 
 #[cfg(not(feature = "tls"))]

@@ -14,6 +14,9 @@ use super::{
 };
 use crate::{Decision, StoreError, StoreErrorKind, clock::Clock};
 
+/// Decisions that may wait for a batch by default.
+pub(crate) const DEFAULT_QUEUE: std::num::NonZeroUsize = std::num::NonZeroUsize::new(4096).unwrap();
+
 /// How the batching task behaves.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CoalescerConfig {
@@ -29,7 +32,7 @@ pub(crate) struct CoalescerConfig {
 impl Default for CoalescerConfig {
     fn default() -> Self {
         Self {
-            queue: 4096,
+            queue: DEFAULT_QUEUE.get(),
             max_batch: 128,
             max_in_flight: 2,
         }

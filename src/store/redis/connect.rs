@@ -27,61 +27,159 @@ use super::{
 };
 use crate::{StoreError, StoreErrorKind};
 
-/// A connection to Redis about to be made: what [`RedisStore::connect`] and the other
-/// `connect_*` constructors return. Awaiting it connects.
+/// A connection to Redis about to be made: what [`RedisStore::connect`] returns. Awaiting
+/// it connects.
 ///
 /// By default a Redis that cannot be reached fails the await, so that a wrong address is
 /// seen at start. [`in_background`](Self::in_background) starts the service anyway.
 #[must_use = "nothing connects until it is awaited"]
 pub struct RedisConnect {
     /// Taken when first polled.
-    target: Option<Target>,
+    target: Option<RedisTarget>,
     background: bool,
     running: Option<BoxFuture<'static, Result<RedisStore, StoreError>>>,
 }
 
+/// Where a [`RedisStore`] connects: what [`RedisStore::connect`] takes, as redis-rs's
+/// `Client::open` takes `impl IntoConnectionInfo`. A URL (`&str`, `String`) is one node;
+/// [`cluster`](Self::cluster) and [`sentinel`](Self::sentinel) name the other
+/// deployments, and [`with_tls`](Self::with_tls) a private CA or a client certificate for
+/// any of them.
+///
+/// ```no_run
+/// # #[cfg(all(feature = "cluster", feature = "tls"))]
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tollgate::store::{RedisStore, RedisTarget, TlsConfig};
+///
+/// // One node, TLS with the system's root certificates.
+/// let one = RedisStore::connect("rediss://tollgate:secret@redis.internal:6380").await?;
+/// // A cluster over TLS with a private CA.
+/// let tls = TlsConfig::new().with_ca_pem(std::fs::read("ca.crt")?);
+/// let nodes = ["rediss://10.0.0.1:7000", "rediss://10.0.0.2:7000"];
+/// let cluster = RedisStore::connect(RedisTarget::cluster(&nodes).with_tls(tls)).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisTarget {
+    kind: Target,
+    #[cfg(feature = "tls")]
+    tls: Option<TlsConfig>,
+}
+
 /// What to connect to.
+#[derive(Clone)]
 enum Target {
-    Client(Result<redis::Client, StoreError>),
+    Node(String),
     #[cfg(feature = "cluster")]
-    Cluster {
-        nodes: Vec<String>,
-        tls: Option<TlsConfig>,
-    },
+    Cluster(Vec<String>),
     #[cfg(feature = "sentinel")]
     Sentinel(SentinelConfig),
 }
 
-impl RedisConnect {
-    fn client(client: Result<redis::Client, StoreError>) -> Self {
-        Self {
-            target: Some(Target::Client(client)),
-            background: false,
-            running: None,
-        }
+impl RedisTarget {
+    /// The Redis at `url`: `redis://[[user]:password@]host:port[/db]`, or `rediss://...`
+    /// for TLS (feature `tls`; the system's root certificates are trusted unless
+    /// [`with_tls`](Self::with_tls) says otherwise). The same as passing the URL itself.
+    pub fn node(url: impl Into<String>) -> Self {
+        Self::new(Target::Node(url.into()))
     }
 
+    /// A Redis Cluster, reached through any of its `nodes` (feature `cluster`).
+    ///
+    /// Every key of one decision shares a hash tag, so each script runs on the one master
+    /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
+    /// redirections (failover, resharding) are followed by redis-rs, and the script is
+    /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot, and
+    /// the calls of the slots one master owns go to it together, in one pipeline (see
+    /// [Redis Cluster](crate::guide::cluster)).
     #[cfg(feature = "cluster")]
-    fn cluster<N: AsRef<str>>(nodes: &[N], tls: Option<&TlsConfig>) -> Self {
-        Self {
-            target: Some(Target::Cluster {
-                nodes: nodes.iter().map(|n| n.as_ref().to_owned()).collect(),
-                tls: tls.cloned(),
-            }),
-            background: false,
-            running: None,
-        }
+    pub fn cluster<N: AsRef<str>>(nodes: &[N]) -> Self {
+        Self::new(Target::Cluster(
+            nodes.iter().map(|n| n.as_ref().to_owned()).collect(),
+        ))
     }
 
+    /// The master that Redis Sentinel names (feature `sentinel`), followed through
+    /// failovers.
+    ///
+    /// When the master's connection breaks or it answers `READONLY` (it was demoted), the
+    /// next call asks the sentinels again and connects to the new master, loading the
+    /// script there; decisions meanwhile fail and the layer's
+    /// [`FailurePolicy`](crate::FailurePolicy) answers them. Replication is asynchronous,
+    /// so counts the old master had not yet sent to its replica are lost at a failover.
     #[cfg(feature = "sentinel")]
-    fn sentinel(config: &SentinelConfig) -> Self {
-        Self {
-            target: Some(Target::Sentinel(config.clone())),
-            background: false,
-            running: None,
-        }
+    pub fn sentinel(config: SentinelConfig) -> Self {
+        Self::new(Target::Sentinel(config))
     }
 
+    /// Trusts the CA and presents the client certificate in `tls` (feature `tls`), for a
+    /// private CA and for servers that ask for a client certificate
+    /// (`tls-auth-clients yes`). The URLs must be `rediss://` (a Sentinel's master is
+    /// reached over TLS, the sentinels too when their URLs are `rediss://`).
+    #[cfg(feature = "tls")]
+    pub fn with_tls(mut self, tls: TlsConfig) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    fn new(kind: Target) -> Self {
+        Self {
+            kind,
+            #[cfg(feature = "tls")]
+            tls: None,
+        }
+    }
+}
+
+impl From<&str> for RedisTarget {
+    fn from(url: &str) -> Self {
+        Self::node(url)
+    }
+}
+
+impl From<String> for RedisTarget {
+    fn from(url: String) -> Self {
+        Self::node(url)
+    }
+}
+
+impl From<&String> for RedisTarget {
+    fn from(url: &String) -> Self {
+        Self::node(url.as_str())
+    }
+}
+
+#[cfg(feature = "sentinel")]
+impl From<SentinelConfig> for RedisTarget {
+    fn from(config: SentinelConfig) -> Self {
+        Self::sentinel(config)
+    }
+}
+
+impl fmt::Debug for RedisTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never a URL: it may hold a password.
+        let mut debug = f.debug_struct("RedisTarget");
+        debug.field("kind", &self.kind.name());
+        #[cfg(feature = "tls")]
+        debug.field("tls", &self.tls.is_some());
+        debug.finish()
+    }
+}
+
+impl Target {
+    fn name(&self) -> &'static str {
+        match self {
+            Target::Node(_) => "redis",
+            #[cfg(feature = "cluster")]
+            Target::Cluster(_) => "cluster",
+            #[cfg(feature = "sentinel")]
+            Target::Sentinel(_) => "sentinel",
+        }
+    }
+}
+
+impl RedisConnect {
     /// Starts without Redis when it cannot be reached yet (`true`; off by default), for
     /// deployments where Redis may come up after the service (Kubernetes, compose).
     ///
@@ -99,7 +197,7 @@ impl RedisConnect {
     /// and is best told at once.
     ///
     /// A Redis Cluster cannot start this way (redis-rs's cluster client connects when it
-    /// is built): `connect_cluster(..).in_background(true)` fails the await.
+    /// is built): `connect(RedisTarget::cluster(..)).in_background(true)` fails the await.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -141,11 +239,25 @@ impl Future for RedisConnect {
 }
 
 /// Connects to `target`, starting in the background when asked to.
-async fn connect(target: Target, background: bool) -> Result<RedisStore, StoreError> {
-    match target {
-        Target::Client(client) => RedisStore::connect_client(client?, background).await,
+async fn connect(target: RedisTarget, background: bool) -> Result<RedisStore, StoreError> {
+    #[cfg(feature = "tls")]
+    let tls = target.tls;
+    match target.kind {
+        Target::Node(url) => {
+            #[cfg(feature = "tls")]
+            let client = match &tls {
+                Some(tls) => check_scheme(&url).and_then(|()| {
+                    redis::Client::build_with_tls(url.as_str(), tls.certificates())
+                        .map_err(store_error)
+                }),
+                None => open(&url),
+            };
+            #[cfg(not(feature = "tls"))]
+            let client = open(&url);
+            RedisStore::connect_client(client?, background).await
+        }
         #[cfg(feature = "cluster")]
-        Target::Cluster { nodes, tls } => {
+        Target::Cluster(nodes) => {
             if background {
                 return Err(StoreError::new(
                     StoreErrorKind::Unsupported,
@@ -154,10 +266,20 @@ async fn connect(target: Target, background: bool) -> Result<RedisStore, StoreEr
                 ));
             }
             let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
-            RedisStore::connect_cluster_with(&nodes, tls.as_ref()).await
+            #[cfg(feature = "tls")]
+            return RedisStore::connect_cluster_with(&nodes, tls.as_ref()).await;
+            #[cfg(not(feature = "tls"))]
+            return RedisStore::connect_cluster_with(&nodes, None).await;
         }
         #[cfg(feature = "sentinel")]
-        Target::Sentinel(config) => RedisStore::connect_sentinel_with(&config, background).await,
+        Target::Sentinel(config) => {
+            #[cfg(feature = "tls")]
+            let config = match tls {
+                Some(tls) => config.tls(tls),
+                None => config,
+            };
+            RedisStore::connect_sentinel_with(&config, background).await
+        }
     }
 }
 
@@ -165,11 +287,7 @@ impl fmt::Debug for RedisConnect {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never a URL: it may hold a password.
         let target = match &self.target {
-            Some(Target::Client(_)) => "redis",
-            #[cfg(feature = "cluster")]
-            Some(Target::Cluster { .. }) => "cluster",
-            #[cfg(feature = "sentinel")]
-            Some(Target::Sentinel(_)) => "sentinel",
+            Some(target) => target.kind.name(),
             None => "connecting",
         };
         f.debug_struct("RedisConnect")
@@ -190,11 +308,12 @@ fn manager_config() -> ConnectionManagerConfig {
 }
 
 impl RedisStore {
-    /// Connects to the Redis at `url`: `redis://[[user]:password@]host:port[/db]`, or
-    /// `rediss://...` for TLS (feature `tls`; the system's root certificates are trusted,
-    /// see [`connect_tls`](Self::connect_tls) for a private CA or a client certificate).
-    /// With an ACL user, see [ACL users](crate::guide::redis#acl-users) for the least
-    /// privilege tollgate needs.
+    /// Connects to `target`: a URL (`redis://[[user]:password@]host:port[/db]`, or
+    /// `rediss://...` for TLS with feature `tls`) or a [`RedisTarget`] (one node, a
+    /// cluster, Sentinel; with a private CA or a client certificate). With an ACL user,
+    /// see [ACL users](crate::guide::redis#acl-users) for the least privilege tollgate needs. A connection made some other
+    /// way is taken by [`from_manager`](Self::from_manager) or
+    /// [`from_pool`](Self::from_pool).
     ///
     /// The connection reconnects by itself: after Redis restarts, the first call that
     /// finds the connection broken starts a new one. A connection attempt gives up after
@@ -202,32 +321,37 @@ impl RedisStore {
     /// [`FailurePolicy`](crate::FailurePolicy) answers them.
     ///
     /// Awaiting the [`RedisConnect`] connects; with
-    /// [`in_background`](RedisConnect::in_background) a Redis that is not up yet does not
-    /// stop the service from starting.
+    /// [`in_background`](RedisConnect::in_background) a Redis (or sentinels, or a
+    /// master) that is not up yet does not stop the service from starting.
+    ///
+    /// ```no_run
+    /// # #[cfg(all(feature = "cluster", feature = "sentinel", feature = "tls"))]
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tollgate::store::{RedisStore, RedisTarget, SentinelConfig, TlsConfig};
+    ///
+    /// let one = RedisStore::connect("redis://127.0.0.1:6379").await?;
+    /// let tls = TlsConfig::new()
+    ///     .with_ca_pem(std::fs::read("ca.crt")?)
+    ///     .with_client_cert_pem(std::fs::read("client.crt")?, std::fs::read("client.key")?);
+    /// let private_ca =
+    ///     RedisStore::connect(RedisTarget::node("rediss://redis.internal:6380").with_tls(tls)).await?;
+    /// let cluster = RedisStore::connect(RedisTarget::cluster(&["redis://10.0.0.1:7000"])).await?;
+    /// let sentinels = ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379"];
+    /// let followed = RedisStore::connect(SentinelConfig::new(&sentinels, "mymaster")).await?;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     ///
-    /// When the URL is invalid (also: `rediss://` without the `tls` feature) or Redis
-    /// cannot be reached now.
-    pub fn connect(url: &str) -> RedisConnect {
-        RedisConnect::client(open(url))
-    }
-
-    /// Connects to a Redis Cluster through any of its `nodes` (feature `cluster`).
-    ///
-    /// Every key of one decision shares a hash tag, so each script runs on the one master
-    /// that owns the key's slot; different keys spread over all masters. `MOVED` and `ASK`
-    /// redirections (failover, resharding) are followed by redis-rs, and the script is
-    /// loaded on every master on `NOSCRIPT`. Coalesced decisions are grouped by slot, and
-    /// the calls of the slots one master owns go to it together, in one pipeline (see
-    /// [Redis Cluster](crate::guide::cluster)).
-    ///
-    /// # Errors
-    ///
-    /// When a URL is invalid or no node can be reached now.
-    #[cfg(feature = "cluster")]
-    pub fn connect_cluster<N: AsRef<str>>(nodes: &[N]) -> RedisConnect {
-        RedisConnect::cluster(nodes, None)
+    /// When a URL is invalid (also: `rediss://` without the `tls` feature, or a plain
+    /// URL with [`with_tls`](RedisTarget::with_tls)), a PEM does not parse, the server's
+    /// certificate is not trusted, or Redis (no node, no sentinel) cannot be reached now.
+    pub fn connect(target: impl Into<RedisTarget>) -> RedisConnect {
+        RedisConnect {
+            target: Some(target.into()),
+            background: false,
+            running: None,
+        }
     }
 
     /// The store over an auto-reconnecting connection manager for `client`, with the
@@ -310,27 +434,7 @@ impl RedisStore {
         Ok(store.with_reset_source(ResetNodes::Fixed(listen)))
     }
 
-    /// Connects to the master that Redis Sentinel names `master_name` (feature
-    /// `sentinel`), and follows it through failovers.
-    ///
-    /// When the master's connection breaks or it answers `READONLY` (it was demoted), the
-    /// next call asks the sentinels again and connects to the new master, loading the
-    /// script there; decisions meanwhile fail and the layer's
-    /// [`FailurePolicy`](crate::FailurePolicy) answers them. Replication is asynchronous,
-    /// so counts the old master had not yet sent to its replica are lost at a failover.
-    ///
-    /// With [`in_background`](RedisConnect::in_background), sentinels or a master that
-    /// cannot be reached yet do not stop the service from starting.
-    ///
-    /// # Errors
-    ///
-    /// When a URL is invalid, no sentinel answers, or the master cannot be reached now.
-    #[cfg(feature = "sentinel")]
-    pub fn connect_sentinel(config: &SentinelConfig) -> RedisConnect {
-        RedisConnect::sentinel(config)
-    }
-
-    /// [`connect_sentinel`](Self::connect_sentinel); `background`: see
+    /// The store following a Sentinel's master; `background`: see
     /// [`RedisConnect::in_background`].
     #[cfg(feature = "sentinel")]
     async fn connect_sentinel_with(
@@ -354,46 +458,5 @@ impl RedisStore {
             store.connection.connect_in_background(&error);
         }
         Ok(store.with_reset_source(nodes))
-    }
-
-    /// Connects to the Redis at `url` (`rediss://[user:password@]host:port[/db]`) over TLS,
-    /// trusting the CA and presenting the client certificate in `tls` (feature `tls`).
-    ///
-    /// [`connect`](Self::connect) takes `rediss://` URLs too, trusting the system's root
-    /// certificates; this is for a private CA and for servers that ask for a client
-    /// certificate (`tls-auth-clients yes`).
-    ///
-    /// ```no_run
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tollgate::store::{RedisStore, TlsConfig};
-    ///
-    /// let tls = TlsConfig::new()
-    ///     .with_ca_pem(std::fs::read("ca.crt")?)
-    ///     .with_client_cert_pem(std::fs::read("client.crt")?, std::fs::read("client.key")?);
-    /// let store = RedisStore::connect_tls("rediss://tollgate:secret@redis.internal:6380", &tls).await?;
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// When the URL is not `rediss://`, a PEM does not parse, the server's certificate is
-    /// not trusted, or Redis cannot be reached now.
-    #[cfg(feature = "tls")]
-    pub fn connect_tls(url: &str, tls: &TlsConfig) -> RedisConnect {
-        RedisConnect::client(check_scheme(url).and_then(|()| {
-            redis::Client::build_with_tls(url, tls.certificates()).map_err(store_error)
-        }))
-    }
-
-    /// Connects to a Redis Cluster through any of its `rediss://` `nodes` over TLS, with
-    /// the CA and client certificate in `tls` (features `cluster` and `tls`). See
-    /// [`connect_cluster`](Self::connect_cluster).
-    ///
-    /// # Errors
-    ///
-    /// When a URL is invalid, a PEM does not parse, or no node can be reached now.
-    #[cfg(all(feature = "cluster", feature = "tls"))]
-    pub fn connect_cluster_tls<N: AsRef<str>>(nodes: &[N], tls: &TlsConfig) -> RedisConnect {
-        RedisConnect::cluster(nodes, Some(tls))
     }
 }

@@ -51,7 +51,7 @@ pub(crate) struct Encoded {
     pub(crate) quotas: SmallVec<[u32; 2]>,
     /// Decided without committing: sent with its group index negated.
     pub(crate) peek: bool,
-    /// Reserves up to this many ms ahead ([`Store::reserve`](crate::Store::reserve)); 0: a plain check.
+    /// Reserves up to this many ms ahead ([`Store::reserve`](crate::store::Store::reserve)); 0: a plain check.
     pub(crate) reserve_ms: u64,
     /// The hash slot of the keys (0 outside a cluster).
     pub(crate) slot: u16,

@@ -18,6 +18,7 @@
 
 use std::{
     fmt,
+    num::NonZeroUsize,
     sync::{Arc, OnceLock},
 };
 
@@ -35,7 +36,7 @@ mod nodes;
 mod permits;
 mod wire;
 
-pub use self::connect::RedisConnect;
+pub use self::connect::{RedisConnect, RedisTarget};
 pub use self::lease::LeaseConfig;
 #[cfg(feature = "sentinel")]
 pub use self::link::sentinel::SentinelConfig;
@@ -50,7 +51,7 @@ use tokio::sync::oneshot;
 
 use self::{
     batch::{Coalescer, CoalescerConfig, Submitted},
-    block_cache::{BlockCache, DEFAULT_BLOCK_CACHE_SIZE, ResetNodes, Source, local_now_ms},
+    block_cache::{BlockCache, ResetNodes, Source, local_now_ms},
     encode::{Encoded, Rider, parse, script_call, split_now},
     lease::{Leases, Spent},
     link::{Connection, Link},
@@ -94,7 +95,7 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 /// use tollgate::{Limit, RateLimitLayer, store::RedisStore};
 ///
 /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?.with_prefix("myapp")?;
-/// let layer = RateLimitLayer::new(Limit::per_minute(100)?).store(store);
+/// let layer = RateLimitLayer::new(Limit::per_minute(100)?).with_store(store);
 /// # Ok(()) }
 /// ```
 ///
@@ -139,6 +140,13 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
+    /// How many decisions may wait for Redis at once by default (see
+    /// [`with_coalescing`](Self::with_coalescing)).
+    pub const DEFAULT_QUEUE_LIMIT: NonZeroUsize = batch::DEFAULT_QUEUE;
+    /// How many denied keys the block cache remembers by default (see
+    /// [`with_block_cache`](Self::with_block_cache)).
+    pub const DEFAULT_BLOCK_CACHE_SIZE: NonZeroUsize = block_cache::DEFAULT_BLOCK_CACHE_SIZE;
+
     /// Uses an existing connection manager.
     pub fn from_manager(manager: ConnectionManager) -> Self {
         Self::new(Link::Manager(manager).into())
@@ -162,7 +170,9 @@ impl RedisStore {
             coalescing: true,
             coalescer_config: CoalescerConfig::default(),
             coalescer: Arc::default(),
-            block_cache: Some(Arc::new(BlockCache::new(DEFAULT_BLOCK_CACHE_SIZE))),
+            block_cache: Some(Arc::new(BlockCache::new(
+                Self::DEFAULT_BLOCK_CACHE_SIZE.get(),
+            ))),
             lease_config: None,
             leases: None,
             reset_source: None,
@@ -210,33 +220,33 @@ impl RedisStore {
         self
     }
 
-    /// Whether decisions that wait at the same moment share one script call (on by
-    /// default).
+    /// Whether decisions that wait at the same moment share one script call: `Some(max)`
+    /// (on by default, with [`DEFAULT_QUEUE_LIMIT`](Self::DEFAULT_QUEUE_LIMIT)) lets at
+    /// most `max` decisions wait for Redis at once; `None` turns it off.
     ///
     /// A background task takes every decision waiting when it is free and sends them as
     /// one `EVALSHA` (per hash slot on a cluster, those of one master in one pipeline), so
     /// Redis runs one script per batch instead of one per request; a lone request is sent
     /// at once, without waiting for company. Off, each decision is its own `EVALSHA`.
     ///
+    /// Beyond `max` waiting decisions, a decision fails at once with
+    /// [`StoreErrorKind::Overloaded`] and the layer's failure policy answers it, so a slow
+    /// Redis never grows an unbounded queue in memory.
+    ///
     /// The task runs on the Tokio runtime of the first decision after it is needed; if
     /// that runtime shuts down, the next decision starts a new task on its own runtime.
-    pub fn with_coalescing(mut self, on: bool) -> Self {
-        self.coalescing = on;
+    pub fn with_coalescing(mut self, max_waiting: Option<NonZeroUsize>) -> Self {
+        self.coalescing = max_waiting.is_some();
+        if let Some(max) = max_waiting {
+            self.coalescer_config.queue = max.get();
+        }
         self.settings_changed();
         self
     }
 
-    /// At most `max` decisions wait for Redis at once (4096 by default); beyond that a
-    /// decision fails at once with [`StoreErrorKind::Overloaded`] and the layer's failure
-    /// policy answers it, so a slow Redis never grows an unbounded queue in memory.
-    /// Applies with coalescing on, whichever of the two is set first.
-    pub fn with_queue_limit(mut self, max: usize) -> Self {
-        self.coalescer_config.queue = max.max(1);
-        self.settings_changed();
-        self
-    }
-
-    /// Remembers up to `entries` denied keys (10 000 by default; 0 turns it off).
+    /// Remembers up to `entries` denied keys (`Some`,
+    /// [`DEFAULT_BLOCK_CACHE_SIZE`](Self::DEFAULT_BLOCK_CACHE_SIZE) by default; `None`
+    /// turns it off).
     ///
     /// Once Redis denies a key with `retry_after` T, the same request (same limits, same
     /// cost) is denied here until T passes, without a Redis call: a flood from
@@ -247,8 +257,8 @@ impl RedisStore {
     /// stays denied until T. A request that can never fit (a cost above a limit's
     /// capacity) always goes to Redis; if it runs into a lockout, which may start a block,
     /// the key's cached denial is dropped.
-    pub fn with_block_cache(mut self, entries: usize) -> Self {
-        self.block_cache = (entries > 0).then(|| Arc::new(BlockCache::new(entries)));
+    pub fn with_block_cache(mut self, entries: Option<NonZeroUsize>) -> Self {
+        self.block_cache = entries.map(|entries| Arc::new(BlockCache::new(entries.get())));
         self.listen_for_resets();
         self
     }

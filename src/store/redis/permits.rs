@@ -1,4 +1,4 @@
-//! [`Permits`] in Redis, for [`InFlightLayer`](crate::InFlightLayer): permits with a TTL,
+//! [`Permits`] in Redis, for [`InFlightLayer`](crate::in_flight::InFlightLayer): permits with a TTL,
 //! renewed while they are held.
 //!
 //! The permits of one key are a sorted set `<prefix>:{<key>}:inflight:<max>` of permit

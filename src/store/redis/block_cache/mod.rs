@@ -29,7 +29,8 @@ pub(crate) fn local_now_ms(clock: Option<&Arc<dyn Clock>>) -> u64 {
 }
 
 /// The default number of denied keys remembered.
-pub(crate) const DEFAULT_BLOCK_CACHE_SIZE: usize = 10_000;
+pub(crate) const DEFAULT_BLOCK_CACHE_SIZE: std::num::NonZeroUsize =
+    std::num::NonZeroUsize::new(10_000).unwrap();
 
 /// A denial, as Redis answered it at `at` (local ms).
 #[derive(Debug, Clone)]

@@ -12,9 +12,9 @@ use crate::ConfigError;
 /// use tollgate::store::LeaseConfig;
 ///
 /// let config = LeaseConfig::new()
-///     .period(Duration::from_millis(200))?
-///     .max_fraction(0.05)?
-///     .idle(Duration::from_secs(2))?;
+///     .with_period(Duration::from_millis(200))?
+///     .with_max_fraction(0.05)?
+///     .with_idle(Duration::from_secs(2))?;
 /// # Ok::<(), tollgate::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,7 +50,7 @@ impl LeaseConfig {
     /// # Errors
     ///
     /// `period` outside 1 ms ..= 60 s.
-    pub fn period(mut self, period: Duration) -> Result<Self, ConfigError> {
+    pub fn with_period(mut self, period: Duration) -> Result<Self, ConfigError> {
         let ms = period.as_millis();
         if !(1..=60_000).contains(&ms) {
             return Err(ConfigError::new(
@@ -69,7 +69,7 @@ impl LeaseConfig {
     /// # Errors
     ///
     /// `fraction` outside (0, 0.5].
-    pub fn max_fraction(mut self, fraction: f64) -> Result<Self, ConfigError> {
+    pub fn with_max_fraction(mut self, fraction: f64) -> Result<Self, ConfigError> {
         if !(fraction > 0.0 && fraction <= 0.5) {
             return Err(ConfigError::new(
                 "leases.max_fraction",
@@ -86,7 +86,7 @@ impl LeaseConfig {
     /// # Errors
     ///
     /// `idle` outside 10 ms ..= 1 h.
-    pub fn idle(mut self, idle: Duration) -> Result<Self, ConfigError> {
+    pub fn with_idle(mut self, idle: Duration) -> Result<Self, ConfigError> {
         let ms = idle.as_millis();
         if !(10..=3_600_000).contains(&ms) {
             return Err(ConfigError::new(
@@ -100,7 +100,7 @@ impl LeaseConfig {
 
     /// How many keys' traffic is watched at most (10 000 by default; the coldest are
     /// forgotten first). Leases held are never forgotten before they go back.
-    pub fn max_keys(mut self, keys: usize) -> Self {
+    pub fn with_max_keys(mut self, keys: usize) -> Self {
         self.keys = keys.max(1);
         self
     }

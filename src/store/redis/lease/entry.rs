@@ -132,7 +132,7 @@ pub(super) struct Lease {
     pub(super) limits: SmallVec<[(u32, u64, u64); 2]>,
     /// The script's `now` at the grant: a decision spent from the lease says it was made
     /// then, so that a refund or top-up after the response
-    /// ([`Store::adjust`](crate::Store::adjust)) finds the window the units were counted in.
+    /// ([`Store::adjust`](crate::store::Store::adjust)) finds the window the units were counted in.
     pub(super) granted_at: Option<u64>,
     /// Where to send the units back.
     pub(super) target: Arc<Target>,

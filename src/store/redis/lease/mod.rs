@@ -9,11 +9,11 @@
 //! stranded by a node that dies) can only under-admit.
 //!
 //! - A key asks only once it is hot on this node: at least two requests within one
-//!   [`period`](LeaseConfig::period). Before that, its requests, Redis calls and decisions
+//!   [`period`](LeaseConfig::with_period). Before that, its requests, Redis calls and decisions
 //!   are exactly those with leasing off, and it costs one slot of a fixed table of keys
 //!   seen lately (no allocation): its bookkeeping starts at its second request.
 //! - The size asked for is the node's smoothed traffic of that key over one period,
-//!   bounded by a [fraction](LeaseConfig::max_fraction) of the smallest limit; the script
+//!   bounded by a [fraction](LeaseConfig::with_max_fraction) of the smallest limit; the script
 //!   grants at most half of what is left, so leases shrink as the budget runs out.
 //! - A lease belongs to the window it was granted in and ends with it (the earliest
 //!   window of its limits, a thousandth of the time left early for clock drift; a
@@ -197,7 +197,7 @@ impl Leases {
     }
 
     /// Spends `cost` from the lease of `key` under `limits` if it holds enough, refill
-    /// due or not (Redis must not be asked): [`Store::check_held`](crate::Store::check_held).
+    /// due or not (Redis must not be asked): [`Store::check_held`](crate::store::Store::check_held).
     pub(crate) fn spend_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
         let lookup = EntryKeyRef {
             key,

@@ -44,7 +44,7 @@ const WATCH_EVERY: Duration = Duration::from_millis(500);
 ///
 /// let sentinels = ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"];
 /// let config = SentinelConfig::new(&sentinels, "mymaster").with_master_user(Some("tollgate"), "secret");
-/// let store = RedisStore::connect_sentinel(&config).await?;
+/// let store = RedisStore::connect(config).await?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -88,10 +88,10 @@ impl SentinelConfig {
         self
     }
 
-    /// Connects to the master over TLS with these certificates (feature `tls`); the
-    /// sentinels too when their URLs are `rediss://`.
+    /// Connects to the master over TLS with these certificates; the sentinels too when
+    /// their URLs are `rediss://` (set through [`RedisTarget::with_tls`](crate::store::RedisTarget::with_tls)).
     #[cfg(feature = "tls")]
-    pub fn with_tls(mut self, tls: TlsConfig) -> Self {
+    pub(crate) fn tls(mut self, tls: TlsConfig) -> Self {
         self.tls = Some(tls);
         self
     }
