@@ -330,7 +330,17 @@ impl Charged {
             }
         };
         for (store, limits, at) in self.charges.iter().flatten() {
-            let Some(adjustment) = adjustment(*at) else {
+            // A lockout that counts pending units hears of every charge it allowed.
+            let adjustment = if self.cost > 0 && limits.iter().any(Limit::pending) {
+                Some(Adjustment::Settle {
+                    charged: self.cost,
+                    kept: units,
+                    charged_at_ms: *at,
+                })
+            } else {
+                adjustment(*at)
+            };
+            let Some(adjustment) = adjustment else {
                 continue;
             };
             match store.adjust_now(&self.key, limits, adjustment) {

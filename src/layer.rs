@@ -59,6 +59,10 @@ struct Settings {
     /// Shared by clones of the layer made since its last builder call: they are one layer
     /// to a [`RulesHandle`]. A builder call starts a new one.
     cell: Arc<OnceLock<Arc<Cell>>>,
+    /// Whether requests are counted after their response: then the lockouts of its
+    /// limits count the units of requests in flight as pending, and block only for kept
+    /// units ([`Limit::pending_until_settled`]).
+    counts_after: bool,
 }
 
 impl Settings {
@@ -68,7 +72,7 @@ impl Settings {
             if self.store.connecting() {
                 warn_connecting(&self.name, self.rules.on_store_error());
             }
-            Cell::new(self.rules.clone(), self.store.clone())
+            Cell::new(self.rules.clone(), self.store.clone(), self.counts_after)
         })
     }
 
@@ -149,6 +153,7 @@ impl RateLimitLayer {
                 store: Arc::new(MemoryStore::new()),
                 name: Arc::from(DEFAULT_NAME),
                 cell: Arc::default(),
+                counts_after: false,
             },
         }
     }
@@ -377,7 +382,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
         self.recount(TrailerCost(cost))
     }
 
-    fn recount<M2>(self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
+    fn recount<M2>(mut self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
+        self.settings.changed().counts_after = true;
         RateLimitLayer {
             key: self.key,
             cost: self.cost,

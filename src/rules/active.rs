@@ -61,6 +61,11 @@ impl Active {
         } else {
             (limits, Some(rules.shadow_limits().into()))
         };
+        let (enforced, shadow) = if lasting.counts_after {
+            (pending(enforced), shadow.map(pending))
+        } else {
+            (enforced, shadow)
+        };
         let plans = rules
             .plans()
             .map(|plans| Box::new(PlanTable::new(plans, &rules, version, lasting)));
@@ -172,8 +177,23 @@ pub(crate) struct Cell {
 pub(crate) struct Lasting {
     /// The layer's store, told about new limits (see [`Store::limits_changed`]).
     pub(crate) store: Arc<dyn Store>,
+    /// Whether the layer counts after the response: its lockouts then count the units
+    /// of requests in flight as pending ([`Limit::pending_until_settled`]).
+    pub(crate) counts_after: bool,
     queue: Arc<Queue>,
     breaker: Mutex<Option<(CircuitBreaker, Arc<Breaker>)>>,
+}
+
+/// `limits`, their lockouts counting the units of requests in flight as pending (the
+/// limits of a layer that counts after the response): only kept units start a block.
+fn pending(limits: Arc<[Limit]>) -> Arc<[Limit]> {
+    if !limits.iter().any(|l| l.lockout().is_some()) {
+        return limits;
+    }
+    limits
+        .iter()
+        .map(|l| l.clone().pending_until_settled())
+        .collect()
 }
 
 impl Lasting {
@@ -194,9 +214,10 @@ impl Lasting {
 }
 
 impl Cell {
-    pub(crate) fn new(rules: Rules, store: Arc<dyn Store>) -> Arc<Self> {
+    pub(crate) fn new(rules: Rules, store: Arc<dyn Store>, counts_after: bool) -> Arc<Self> {
         let lasting = Lasting {
             store,
+            counts_after,
             queue: Arc::default(),
             breaker: Mutex::default(),
         };
@@ -343,6 +364,7 @@ mod tests {
     fn a_breaker_outlives_rules_that_keep_its_settings() {
         let lasting = Lasting {
             store: Arc::new(crate::MemoryStore::new()),
+            counts_after: false,
             queue: Arc::default(),
             breaker: Mutex::default(),
         };
