@@ -13,11 +13,11 @@
 -- argument `at`: at >= 0 gives the units back (a refund) to the state a decision made at
 -- `at` ms (its now) charged them to; at = -1 charges them late (a top-up), counted even
 -- over the limit. An adjustment's limits all answer allowed, with the state after it (a
--- lockout block is neither read nor started by one). An adjustment in a group with
--- pending units (a lockout field plus 2^50) is a settle: -cost is the units charged, `at`
--- when (>= 0), and one more argument `kept`, the units the request costs in the end: the
--- charged units stop being pending, and the difference is given back (kept < charged) or
--- charged late (kept > charged).
+-- lockout block is neither read nor started by one). An adjustment with at <= -2 is a
+-- settle: -cost units charged at -2 - at ms, followed by one more argument `kept`, the
+-- units the request costs in the end: the charged units stop being pending (for the
+-- limits that count them), and the difference is given back (kept < charged) or charged
+-- late (kept > charged).
 -- A request's keys are its limits' keys, then one block key per limit with a lockout, in
 -- the order of those limits (lockout.lua), each followed by its pending key
 -- (`<limit key>:pending`) when its lockout counts pending units.
@@ -79,10 +79,7 @@ for g = 1, ARGV[2] + 0 do
     local D = ARGV[a + 5] + 0
     local bk, pk = 0, nil
     local pend = D >= PENDING
-    if pend then
-      D = D - PENDING
-      group.pending = true
-    end
+    if pend then D = D - PENDING end
     if D > 0 then
       bk = m + extra
       extra = extra + 1
@@ -121,8 +118,8 @@ if #ARGV > a + 2 * ARGV[a] then
   local e = a + 1
   for _ = 1, ARGV[a] + 0 do
     if ARGV[e] + 0 < 0 then
-      -- An adjustment: `at`, and `kept` when its group settles pending units.
-      if groups[math.abs(ARGV[e + 1] + 0)].pending then e = e + 4 else e = e + 3 end
+      -- An adjustment: `at`, and `kept` after a settle's.
+      if ARGV[e + 2] + 0 <= -2 then e = e + 4 else e = e + 3 end
     else
       e = e + 2
     end
@@ -203,10 +200,11 @@ for r = 1, ARGV[a] + 0 do
     -- here rather than as a function, so that calls without one create no closure.
     local units, at = -cost, ARGV[a + 1] + 0
     a = a + 1
-    if group.pending then
+    if at <= -2 then
       -- A settle: the charged units stop being pending; the difference moves.
       local kept = ARGV[a + 1] + 0
       a = a + 1
+      at = -2 - at
       for i = 1, m do
         local limit = group[i]
         if limit.pk then pending_release(KEYS[k + limit.pk], now, limit.W, units, at) end

@@ -48,8 +48,8 @@ pub(crate) struct Encoded {
     pub(crate) cost: u32,
     /// An adjustment of `cost` units rather than a request: the script's `at` argument.
     pub(crate) at: Option<i64>,
-    /// A settle of pending units (an adjustment whose limits count pending units): the
-    /// units the request keeps, the script's `kept` argument after `at`.
+    /// A settle ([`Adjustment::Settle`](crate::Adjustment::Settle)): the units the request
+    /// keeps, the script's `kept` argument after `at`.
     pub(crate) kept: Option<u32>,
     /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity,
     /// lockout ms each.
@@ -202,10 +202,11 @@ pub(crate) fn script_call(mode: &Mode, now: Option<u64>, requests: &[&Encoded]) 
             // A negative cost, then `at` (see lua/main.lua).
             Some(at) => match request.kept {
                 None => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
+                // A settle: `at` as -2 - at, then `kept`.
                 Some(kept) => cmd
                     .arg(-i64::from(request.cost))
                     .arg(group)
-                    .arg(at)
+                    .arg(-2 - at)
                     .arg(kept),
             },
         };

@@ -509,7 +509,6 @@ impl RedisStore {
             charged_at_ms,
         } = adjustment
             && charged > 0
-            && limits.iter().any(Limit::pending)
         {
             return self.settle_call(key, limits, charged, kept, charged_at_ms);
         }
@@ -543,8 +542,8 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// [`adjust_call`](Self::adjust_call) for a settle of pending units: one script call
-    /// ends them and moves the difference (lua/main.lua).
+    /// [`adjust_call`](Self::adjust_call) for a settle: one script call ends the pending
+    /// units (of the limits that count them) and moves the difference (lua/main.lua).
     fn settle_call(
         &self,
         key: &Key,
