@@ -151,7 +151,11 @@ async fn concurrent_slow_successful_logins_never_lock_out(store: impl Store) {
     .expect("the sixth login is denied at once");
     assert_eq!(answered.len(), 1);
     assert_eq!(answered[0].status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(retry_after(&answered[0]).as_deref(), Some("40"), "no lockout");
+    assert_eq!(
+        retry_after(&answered[0]).as_deref(),
+        Some("40"),
+        "no lockout"
+    );
     gate.release(5);
     for login in waiting {
         assert_eq!(login.await.unwrap().status(), StatusCode::OK);
@@ -159,7 +163,11 @@ async fn concurrent_slow_successful_logins_never_lock_out(store: impl Store) {
     // Nothing was kept: five more logins pass, fast and slow.
     for i in 0..5 {
         let response = login_request(&app, "ok", false).await;
-        assert_eq!(response.status(), StatusCode::OK, "login {i} after the burst");
+        assert_eq!(
+            response.status(),
+            StatusCode::OK,
+            "login {i} after the burst"
+        );
     }
 }
 
@@ -308,7 +316,10 @@ mod redis {
         assert!(keys(&server, "burst:*:lockout").is_empty());
         let pending = keys(&server, "burst:*:pending");
         assert_eq!(pending.len(), 1, "{pending:?}");
-        assert!(pending[0].ends_with(":login:fw2:5:60000:pending"), "{pending:?}");
+        assert!(
+            pending[0].ends_with(":login:fw2:5:60000:pending"),
+            "{pending:?}"
+        );
         support::assert_every_key_expires(&server);
     }
 
@@ -332,7 +343,10 @@ mod redis {
         // The block: its end, and a TTL of the lockout (plus the 5 s a caller's clock
         // may lag Redis's).
         assert_eq!(blocks.len(), 1, "{blocks:?}");
-        assert!(blocks[0].ends_with(":login:fw2:5:60000:lockout"), "{blocks:?}");
+        assert!(
+            blocks[0].ends_with(":login:fw2:5:60000:lockout"),
+            "{blocks:?}"
+        );
         let read = |name: &str| server.cli(&[name, &blocks[0]]).unwrap().trim().to_owned();
         assert_eq!(read("GET"), (NOW_MS + 900_000).to_string());
         let ttl: u64 = read("PTTL").parse().unwrap();
@@ -340,7 +354,12 @@ mod redis {
         // The pending record lives until its window's units stop mattering: two windows
         // from the window's start (40 s + 60 s left), plus the 5 s.
         let pending = blocks[0].replace(":lockout", ":pending");
-        let ttl: u64 = server.cli(&["PTTL", &pending]).unwrap().trim().parse().unwrap();
+        let ttl: u64 = server
+            .cli(&["PTTL", &pending])
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         assert!((95_000..=105_000).contains(&ttl), "{ttl}");
         support::assert_every_key_expires(&server);
 

@@ -205,7 +205,8 @@ pub fn check_with_pending(
         if lockout > 0 && !decision.allowed {
             let mut left = time_left(*until, limit, now);
             if left == 0 {
-                if limit.pending() && kept_fit(state, limit, now, cost, pending.live_at(now, limit)) {
+                if limit.pending() && kept_fit(state, limit, now, cost, pending.live_at(now, limit))
+                {
                     // Denied because of requests in flight: no block.
                     continue;
                 }
@@ -328,6 +329,71 @@ mod tests {
             );
         }
         assert_eq!(until, [0, 0]);
+    }
+
+    /// Units in flight fill the limit but start no block; once kept, they do.
+    #[test]
+    fn pending_units_deny_without_a_block_until_kept() {
+        let limits = [locked(
+            Limit::fixed_window(2, Duration::from_secs(1)).unwrap(),
+            5_000,
+        )
+        .pending_until_settled()];
+        let mut states = [State::new(limits[0].algorithm())];
+        let mut until = [0];
+        let mut pending = [Pending::default()];
+        let mut at = |now, cost, pending: &mut [Pending]| {
+            check_with_pending(&mut states, &mut until, pending, &limits, now, cost)
+        };
+        assert!(at(0, 1, &mut pending).is_allowed());
+        assert!(at(1, 1, &mut pending).is_allowed());
+        assert_eq!(pending[0].live(2, &limits[0]), 2);
+        let denied = at(2, 1, &mut pending);
+        assert!(!denied.is_allowed());
+        assert_eq!(denied.blocked_ms(), 0);
+        assert_eq!(denied.limits()[0].retry_after_ms, 998);
+        // One is kept, one is still in flight: the kept one leaves room, no block.
+        settle_pending(&mut pending, &limits, 1, 0);
+        assert_eq!(at(3, 1, &mut pending).blocked_ms(), 0);
+        // Both kept: the breach blocks for the lockout.
+        settle_pending(&mut pending, &limits, 1, 1);
+        assert_eq!(pending[0].live(4, &limits[0]), 0);
+        let breach = at(4, 1, &mut pending);
+        assert_eq!(breach.blocked_ms(), 5_000);
+    }
+
+    /// A record keeps the current and the previous window; a fixed window counts only
+    /// the current one, the others both; settling a unit of an older window changes
+    /// nothing.
+    #[test]
+    fn pending_units_follow_their_windows() {
+        let fixed = Limit::fixed_window(10, Duration::from_secs(1))
+            .unwrap()
+            .with_lockout(Duration::from_secs(1))
+            .unwrap()
+            .pending_until_settled();
+        let bucket = Limit::token_bucket(10, Duration::from_secs(1))
+            .unwrap()
+            .with_lockout(Duration::from_secs(1))
+            .unwrap()
+            .pending_until_settled();
+        let mut p = Pending::default();
+        p.add(100, &fixed, 2);
+        p.add(1_100, &fixed, 3);
+        assert_eq!((p.start, p.current, p.previous), (1_000, 3, 2));
+        assert_eq!(p.live(1_200, &fixed), 3);
+        assert_eq!(p.live(1_200, &bucket), 5);
+        assert_eq!(p.live(2_000, &bucket), 3);
+        assert_eq!(p.live(3_000, &bucket), 0);
+        assert_eq!(p.expires_at(&bucket), 3_000);
+        p.release(&fixed, 1, 100);
+        p.release(&fixed, 9, 1_500);
+        assert_eq!((p.current, p.previous), (0, 1));
+        p.add(3_100, &fixed, 1);
+        assert_eq!((p.start, p.current, p.previous), (3_000, 1, 0));
+        // Charged two windows back: no longer held.
+        p.release(&fixed, 1, 1_500);
+        assert_eq!((p.current, p.previous), (1, 0));
     }
 
     #[test]

@@ -49,6 +49,10 @@ pub(crate) struct Active {
     /// The line denied requests wait in, under these rules' bounds; `None` without
     /// `max_wait`.
     pub(crate) waiting: Option<Arc<Waiting>>,
+    /// Whether the store can reserve, and give back a reservation
+    /// ([`Capability::Reserve`](crate::store::Capability::Reserve) and `Adjust`): else a
+    /// request that may wait is checked, and waits its turn to ask again.
+    pub(crate) reserves: bool,
 }
 
 impl Active {
@@ -87,10 +91,14 @@ impl Active {
                 per_key,
             ))
         });
+        let capabilities = lasting.store.capabilities();
+        let reserves = capabilities.contains(crate::store::Capability::Reserve)
+            && capabilities.contains(crate::store::Capability::Adjust);
         Self {
             headers: HeaderWriter::new(rules.headers(), &enforced),
             store,
             waiting,
+            reserves,
             rules,
             version,
             enforced,

@@ -245,6 +245,11 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    /// Every capability.
+    fn capabilities(&self) -> super::Capabilities {
+        super::Capabilities::ALL
+    }
+
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         Check::ready(Ok(self.decide(key, limits, cost)))
     }
@@ -419,7 +424,9 @@ impl Inner {
                 let until: SmallVec<[u64; 2]> = before.iter().map(|b| b.0).collect();
                 let mut pending: SmallVec<[Pending; 2]> = before.iter().map(|b| b.1).collect();
                 algorithm::settle_pending(&mut pending, limits, charged, at);
-                put_lockouts(blocks, hash, key, limits, &before, &until, &pending, now, max_keys);
+                put_lockouts(
+                    blocks, hash, key, limits, &before, &until, &pending, now, max_keys,
+                );
             }
         };
         // A refund for a key that holds nothing changes nothing, and makes no entry.
@@ -593,7 +600,9 @@ impl Inner {
                     cost,
                 );
                 slots.put_back(&indexes, states);
-                put_lockouts(blocks, hash, key, limits, &before, &until, &pending, now, max_keys);
+                put_lockouts(
+                    blocks, hash, key, limits, &before, &until, &pending, now, max_keys,
+                );
                 decision
             },
         )

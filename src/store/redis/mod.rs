@@ -332,6 +332,11 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    /// Every capability.
+    fn capabilities(&self) -> crate::store::Capabilities {
+        crate::store::Capabilities::ALL
+    }
+
     fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
         self.leases.as_ref()?.spend_held(key, limits, cost)
     }
