@@ -38,10 +38,20 @@
 //!   it was reserved), so **kept + in flight + reserved units are at most the limit**;
 //!   a request the [local fallback](crate::FailurePolicy::Local) decided is settled in
 //!   that store.
+//! - [Lockouts](crate::Limit::with_lockout) count only what is kept: the units of
+//!   requests in flight are *pending* in the store until their response settles them
+//!   ([`Adjustment::Settle`](crate::Adjustment::Settle), sent for every allowed charge of
+//!   such a layer, kept or not), and a denied request starts a block only when the kept
+//!   units alone would deny it. While requests in flight fill the limit, a request is
+//!   denied (429, `Retry-After` the algorithm's) without a block. Pending units count for
+//!   their window (every algorithm but the fixed window: the next one too); a request in
+//!   flight longer than that counts as kept.
 //! - The store must implement [`Store::adjust`](crate::Store::adjust) (the memory and
-//!   Redis stores do) and say when it decided
-//!   ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms)); otherwise units stay
-//!   spent.
+//!   Redis stores do: [`Capability::Adjust`](crate::store::Capability::Adjust)), else the
+//!   layer is refused when it is built
+//!   ([`RateLimitLayer::validate`](crate::RateLimitLayer::validate)), and say when it
+//!   decided ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms)); a decision
+//!   without that time keeps its units spent.
 //!
 //! ```
 //! use std::time::Duration;

@@ -195,6 +195,38 @@ mod tests {
         assert_eq!(blocks(), 0);
     }
 
+    /// A settle that charges more than it was charged (a top-up) for a key whose state
+    /// was swept ends its pending units once: the units still in flight keep a denial
+    /// from blocking.
+    #[test]
+    fn a_settle_for_a_swept_key_ends_its_pending_units_once() {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let limits = [Limit::token_bucket(2, Duration::from_secs(1))
+            .unwrap()
+            .with_lockout(Duration::from_secs(60))
+            .unwrap()
+            .pending_until_settled()];
+        let key = Key::new("k");
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        // Refilled and swept; both charges are still pending.
+        clock.advance(Duration::from_millis(1_500));
+        store.purge_expired();
+        assert_eq!(store.len(), 0);
+        let settle = crate::Adjustment::Settle {
+            charged: 1,
+            kept: 2,
+            charged_at_ms: 1_000_000,
+        };
+        store.adjust_now(&key, &limits, settle);
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        // Empty, two units in flight: denied, not blocked.
+        let denied = store.decide(&key, &limits, 2);
+        assert!(!denied.is_allowed());
+        assert_eq!(denied.blocked_ms(), 0, "{denied:?}");
+    }
+
     #[test]
     fn blocks_are_bounded_and_purged() {
         let clock = ManualClock::new(0);

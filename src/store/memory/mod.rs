@@ -430,9 +430,10 @@ impl Inner {
             }
         };
         // A refund for a key that holds nothing changes nothing, and makes no entry.
+        // (A top-up makes the entry, and releases in `f` below: not here too.)
         let missing = |blocks: &mut lockout::Blocks, hash: u64, max_keys: usize| {
-            release(blocks, hash, max_keys);
             refund.then(|| {
+                release(blocks, hash, max_keys);
                 let mut fresh: SmallVec<[State; 2]> =
                     limits.iter().map(|l| State::new(l.algorithm())).collect();
                 algorithm::adjust(&mut fresh, limits, now, adjustment)
