@@ -40,7 +40,7 @@
 //!   that store.
 //! - [Lockouts](crate::Limit::with_lockout) count only what is kept: the units of
 //!   requests in flight are *pending* in the store until their response settles them
-//!   ([`Adjustment::Settle`](crate::Adjustment::Settle), sent for every allowed charge of
+//!   ([`Adjustment::Settle`], sent for every allowed charge of
 //!   such a layer, kept or not), and a denied request starts a block only when the kept
 //!   units alone would deny it. While requests in flight fill the limit, a request is
 //!   denied (429, `Retry-After` the algorithm's) without a block. Pending units count for
