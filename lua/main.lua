@@ -3,7 +3,9 @@
 --          explicit now, TTLs get 5 s of margin for the caller's clock to lag Redis's.
 -- ARGV[2]: the number of limit groups G (each distinct list of limits in the call, sent
 --          once); then for each group: its number of limits M, and for each limit:
---          algorithm code, limit, window ms, capacity (burst), lockout ms (0: none).
+--          algorithm code, limit, window ms, capacity (burst), lockout ms (0: none;
+--          plus 2^50: the lockout counts the units it allows as pending until settled,
+--          lockout.lua).
 -- Then the number of requests N, and for each request: cost, group (1-based). A
 -- negative group -g peeks: the request is decided against group g, and its answer is
 -- the one it would get, but nothing is committed or saved (no block is started either).
@@ -11,9 +13,14 @@
 -- argument `at`: at >= 0 gives the units back (a refund) to the state a decision made at
 -- `at` ms (its now) charged them to; at = -1 charges them late (a top-up), counted even
 -- over the limit. An adjustment's limits all answer allowed, with the state after it (a
--- lockout block is neither read nor started by one).
+-- lockout block is neither read nor started by one). An adjustment with at <= -2 is a
+-- settle: -cost units charged at -2 - at ms, followed by one more argument `kept`, the
+-- units the request costs in the end: the charged units stop being pending (for the
+-- limits that count them), and the difference is given back (kept < charged) or charged
+-- late (kept > charged).
 -- A request's keys are its limits' keys, then one block key per limit with a lockout, in
--- the order of those limits (lockout.lua).
+-- the order of those limits (lockout.lua), each followed by its pending key
+-- (`<limit key>:pending`) when its lockout counts pending units.
 -- Leases (optional, lua/lease.lua): after the requests, the number of asks A and for
 -- each: request index (1-based), units wanted; then the number of returns R and for each:
 -- group index, index in KEYS of its first key, units, and one window start per limit of
@@ -67,13 +74,19 @@ local groups = {}
 for g = 1, ARGV[2] + 0 do
   local group = {}
   local m = ARGV[a] + 0
-  local blocked = 0 -- limits with a lockout so far: their block keys follow the m keys
+  local extra = 0 -- block and pending keys so far: they follow the m keys
   for i = 1, m do
     local D = ARGV[a + 5] + 0
-    local bk = 0
+    local bk, pk = 0, nil
+    local pend = D >= PENDING
+    if pend then D = D - PENDING end
     if D > 0 then
-      blocked = blocked + 1
-      bk = m + blocked - 1
+      bk = m + extra
+      extra = extra + 1
+      if pend then
+        pk = m + extra
+        extra = extra + 1
+      end
     end
     group[i] = {
       code = ARGV[a + 1] + 0,
@@ -83,11 +96,12 @@ for g = 1, ARGV[2] + 0 do
       B = ARGV[a + 4] + 0,
       D = D,
       bk = bk, -- the block key's offset among the request's keys
+      pk = pk, -- the pending key's (nil: no pending units)
     }
     a = a + 5
   end
   a = a + 1
-  group.keys = m + blocked
+  group.keys = m + extra
   local limit = group[1]
   if m == 1 and limit.code == 1 and limit.D == 0 then
     -- The commonest shape, decided by the one-limit path below: its window and tag.
@@ -103,7 +117,12 @@ local asks, reserving, reservation
 if #ARGV > a + 2 * ARGV[a] then
   local e = a + 1
   for _ = 1, ARGV[a] + 0 do
-    if ARGV[e] + 0 < 0 then e = e + 3 else e = e + 2 end
+    if ARGV[e] + 0 < 0 then
+      -- An adjustment: `at`, and `kept` after a settle's.
+      if ARGV[e + 2] + 0 <= -2 then e = e + 4 else e = e + 3 end
+    else
+      e = e + 2
+    end
   end
   asks, e = lease_sections(e, groups, now)
   if ARGV[e] ~= nil then
@@ -181,6 +200,23 @@ for r = 1, ARGV[a] + 0 do
     -- here rather than as a function, so that calls without one create no closure.
     local units, at = -cost, ARGV[a + 1] + 0
     a = a + 1
+    if at <= -2 then
+      -- A settle: the charged units stop being pending; the difference moves.
+      local kept = ARGV[a + 1] + 0
+      a = a + 1
+      at = -2 - at
+      for i = 1, m do
+        local limit = group[i]
+        if limit.pk then pending_release(KEYS[k + limit.pk], now, limit.W, units, at) end
+      end
+      if kept < units then
+        units = units - kept
+      elseif kept > units then
+        units, at = kept - units, -1
+      else
+        units = 0
+      end
+    end
     for i = 1, m do
       local limit = group[i]
       local alg, L, W, B = limit.alg, limit.L, limit.W, limit.B
@@ -200,12 +236,14 @@ for r = 1, ARGV[a] + 0 do
         s = alg.load(key, now, L, W, B)
         states[key] = s
       end
-      if at >= 0 then
+      if units == 0 then
+        -- A settle that keeps what it charged: the state stays as it is.
+      elseif at >= 0 then
         alg.refund(s, now, L, W, B, units, at)
       else
         alg.top_up(s, now, L, W, B, units)
       end
-      if not s.changed then
+      if units > 0 and not s.changed then
         s.changed = limit
         changed[#changed + 1] = s
       end
@@ -264,6 +302,7 @@ for r = 1, ARGV[a] + 0 do
         s.changed = limit
         changed[#changed + 1] = s
       end
+      if limit.pk and not peek then pending_add(KEYS[k + limit.pk], now, W, cost) end
     elseif wait > 0 then
       alg.reserve(s, now, L, W, B, cost, wait)
       if not s.changed then
@@ -275,7 +314,10 @@ for r = 1, ARGV[a] + 0 do
     out[n + 2] = alg.remaining(s, now, L, W, B)
     out[n + 3] = alg.reset_after(s, now, L, W, B)
     out[n + 4] = wait > 0 and wait or retries[i]
-    if limit.D > 0 and not fits[i] then
+    if limit.D > 0 and not fits[i] and not (limit.pk
+        and lockout_left(KEYS[k + limit.bk], now) == 0
+        and kept_fit(limit, KEYS[k + limit.pk], s, now, cost)) then
+      -- (Denied by requests still in flight, the limit starts no block.)
       lockout_deny(out, n, KEYS[k + limit.bk], limit.D, now, peek)
     end
     n = n + 4

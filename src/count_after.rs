@@ -55,12 +55,20 @@
 //!   it was reserved), so **kept + in flight + reserved units are at most the limit**;
 //!   a request the [local fallback](crate::FailurePolicy::Local) decided is settled in
 //!   that store.
+//! - [Lockouts](crate::Limit::with_lockout) count only what is kept: the units of
+//!   requests in flight are *pending* in the store until their response settles them
+//!   ([`Adjustment::Settle`], sent for every allowed charge of
+//!   such a layer, kept or not), and a denied request starts a block only when the kept
+//!   units alone would deny it. While requests in flight fill the limit, a request is
+//!   denied (429, `Retry-After` the algorithm's) without a block. Pending units count for
+//!   their window (every algorithm but the fixed window: the next one too); a request in
+//!   flight longer than that counts as kept.
 //! - The store must implement [`Store::adjust`](crate::store::Store::adjust) (the memory and
-//!   Redis stores do) and say when it decided
-//!   ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms), the time a refund
-//!   names); otherwise units stay spent. The primitive is
-//!   `Store::adjust(key, limits, Adjustment::Refund { units, charged_at_ms } |
-//!   Adjustment::TopUp { units })`, on memory, Redis and Redis Cluster.
+//!   Redis stores do: [`Capability::Adjust`](crate::store::Capability::Adjust)), else the
+//!   layer is refused when it is built
+//!   ([`RateLimitLayer::validate`](crate::RateLimitLayer::validate)), and say when it
+//!   decided ([`Decision::decided_at_ms`](crate::Decision::decided_at_ms)); a decision
+//!   without that time keeps its units spent.
 //! - In the example gateway: `count_when = "failure"` and `cost_header = "<name>"` on a
 //!   route (gateway/README.md, "Counting after the response").
 //!
@@ -374,7 +382,17 @@ impl Charged {
             }
         };
         for (store, limits, at) in self.charges.iter().flatten() {
-            let Some(adjustment) = adjustment(*at) else {
+            // A lockout that counts pending units hears of every charge it allowed.
+            let adjustment = if self.cost > 0 && limits.iter().any(Limit::pending) {
+                Some(Adjustment::Settle {
+                    charged: self.cost,
+                    kept: units,
+                    charged_at_ms: *at,
+                })
+            } else {
+                adjustment(*at)
+            };
+            let Some(adjustment) = adjustment else {
                 continue;
             };
             match store.adjust_now(&self.key, limits, adjustment) {

@@ -56,6 +56,10 @@ struct Settings {
     /// Shared by clones of the layer made since its last builder call: they are one layer
     /// to a [`RulesHandle`]. A builder call starts a new one.
     cell: Arc<OnceLock<Arc<Cell>>>,
+    /// Whether requests are counted after their response: then the lockouts of its
+    /// limits count the units of requests in flight as pending, and block only for kept
+    /// units ([`Limit::pending_until_settled`]).
+    counts_after: bool,
 }
 
 impl Settings {
@@ -65,7 +69,7 @@ impl Settings {
             if self.store.connecting() {
                 warn_connecting(&self.name, self.rules.on_store_error());
             }
-            Cell::new(self.rules.clone(), self.store.clone())
+            Cell::new(self.rules.clone(), self.store.clone(), self.counts_after)
         })
     }
 
@@ -146,6 +150,7 @@ impl RateLimitLayer {
                 store: Arc::new(MemoryStore::new()),
                 name: Arc::from(DEFAULT_NAME),
                 cell: Arc::default(),
+                counts_after: false,
             },
         }
     }
@@ -321,7 +326,8 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
         }
     }
 
-    fn recount<M2>(self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
+    fn recount<M2>(mut self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
+        self.settings.changed().counts_after = true;
         RateLimitLayer {
             key: self.key,
             cost: self.cost,
@@ -359,6 +365,42 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
     pub fn limiter(&self) -> Limiter<K> {
         Limiter::new(self.key.clone(), self.settings.cell().clone())
+    }
+
+    /// Whether the layer can be built: its store has every
+    /// [capability](crate::store::Capability) its features need.
+    /// [`layer`](Layer::layer) calls this and panics with the error; call it first to
+    /// handle the error instead.
+    ///
+    /// - Counting after the response ([`count_when`](Self::count_when),
+    ///   [`late_cost`](Self::late_cost), [`late_cost_from_trailers`](Self::late_cost_from_trailers))
+    ///   needs [`Adjust`](crate::store::Capability::Adjust).
+    /// - [`max_wait`](Self::max_wait) needs nothing: on a store that cannot
+    ///   [reserve](crate::store::Capability::Reserve), a denied request waits its turn
+    ///   and asks again (as requests under limits that cannot be reserved do on every
+    ///   store), without the reservation's promise that nobody takes its units meanwhile.
+    /// - Rules set later through a [`RulesHandle`] cannot need more: the way a layer
+    ///   counts is its type, and its local fallback store is a [`MemoryStore`], which has
+    ///   every capability.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`](crate::ConfigError) (field `store`) naming the store (the start
+    /// of its `Debug`) and the feature it cannot serve.
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        let settings = &self.settings;
+        let capabilities = settings.store.capabilities();
+        if settings.counts_after && !capabilities.contains(crate::store::Capability::Adjust) {
+            return Err(crate::ConfigError::new(
+                "store",
+                format!(
+                    "{} cannot adjust units after a decision (Store::adjust), which counting \
+                     after the response (count_when, late_cost, late_cost_from_trailers) needs",
+                    crate::store::store_name(&*settings.store)
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -415,7 +457,15 @@ impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
 impl<S, K, C: Clone, R: Clone, M: Clone> Layer<S> for RateLimitLayer<K, C, R, M> {
     type Service = RateLimit<S, K, C, R, M>;
 
+    /// # Panics
+    ///
+    /// When the store lacks a capability the layer's features need, with the message of
+    /// [`validate`](RateLimitLayer::validate)'s error, as a router with a conflicting
+    /// route panics when it is built.
     fn layer(&self, inner: S) -> Self::Service {
+        if let Err(error) = self.validate() {
+            panic!("{error}");
+        }
         let settings = &self.settings;
         let shared = Shared {
             rules: settings.cell().clone(),

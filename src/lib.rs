@@ -126,7 +126,7 @@ pub use service::RateLimit;
 // `crate::Rules` and the like working inside the library; they are not API.
 pub(crate) use headers::HeaderStyle;
 pub(crate) use plan::Plans;
-pub(crate) use rules::{DEFAULT_TIMEOUT, Rules};
+pub(crate) use rules::Rules;
 #[cfg(test)]
 pub(crate) use store::MemoryStore;
 

@@ -167,6 +167,10 @@ pub struct Limit {
     /// Counting after the response leaves this limit's charge alone. See
     /// [`Limit::counted_up_front`].
     up_front: bool,
+    /// Whether the lockout counts a request's units as pending until its response settles
+    /// them (a layer that counts after the response sets it): only kept units start a
+    /// block. Not part of `id`. See [`Limit::pending_until_settled`].
+    pending: bool,
 }
 
 /// What happens to a limit's state (its spent budget) when a rules change gives it a new
@@ -492,6 +496,7 @@ impl Limit {
             id: id.into(),
             lockout_ms: 0,
             up_front: false,
+            pending: false,
         }
     }
 
@@ -658,6 +663,27 @@ impl Limit {
     /// The lockout in milliseconds, 0 for none.
     pub(crate) fn lockout_ms(&self) -> u64 {
         self.lockout_ms
+    }
+
+    /// This limit with its lockout told that the units of the requests it allows are
+    /// *pending* until settled ([`Adjustment::Settle`](crate::Adjustment::Settle)): a
+    /// request it denies starts a block only when the units kept (settled, or spent by
+    /// requests that do not count after the response) breach it, never because of
+    /// requests still in flight. A layer that counts after the response
+    /// ([`count_when`](crate::RateLimitLayer::with_count_when), late costs) sets this on its
+    /// limits with a lockout; a limit without a lockout is returned as it is. For the
+    /// reference model and stores' tests; not needed otherwise.
+    #[doc(hidden)]
+    pub fn pending_until_settled(mut self) -> Self {
+        self.pending = self.lockout_ms > 0;
+        self
+    }
+
+    /// Whether the lockout counts units as pending until settled (see
+    /// [`pending_until_settled`](Self::pending_until_settled)).
+    #[inline]
+    pub(crate) fn pending(&self) -> bool {
+        self.pending
     }
 
     /// The same limit with a lockout of `lockout_ms` (0: none), unvalidated.

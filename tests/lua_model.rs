@@ -284,6 +284,66 @@ proptest! {
         })?;
     }
 
+    /// Lockouts that count pending units (a layer counting after the response): the
+    /// script's pending records, settles and blocks decide exactly like the model's
+    /// (`check_with_pending`, `settle_pending` and `adjust` with `Adjustment::Settle`),
+    /// with charges settled out of order, kept, refunded or topped up, across windows
+    /// and with the clock stepping back.
+    #[test]
+    fn lua_decides_like_the_model_with_pending_lockouts(
+        limits in locked_limits_strategy(),
+        steps in steps_strategy(),
+        settles in prop::collection::vec((0u8..3, 0usize..8, 0u32..10), 60),
+    ) {
+        let limits: Vec<Limit> = limits.into_iter().map(Limit::pending_until_settled).collect();
+        let mut states: [Vec<State>; 2] =
+            std::array::from_fn(|_| limits.iter().map(|l| State::new(l.algorithm())).collect());
+        let mut blocks: [Vec<u64>; 2] = std::array::from_fn(|_| vec![0; limits.len()]);
+        let mut pending: [Vec<algorithm::Pending>; 2] =
+            std::array::from_fn(|_| vec![algorithm::Pending::default(); limits.len()]);
+        // (key, units charged, when): the allowed charges not settled yet.
+        let mut outstanding: Vec<(usize, u32, u64)> = Vec::new();
+        let mut now = START;
+        let mut previous: Option<Decision> = None;
+        // (now, key, a settle or a check's cost, the model's decision)
+        let mut expected: Vec<(u64, usize, Result<u32, tollgate::Adjustment>, Decision)> = Vec::new();
+        for (i, &(wait, cost, key)) in steps.iter().enumerate() {
+            now = next_now(now, wait, previous.as_ref());
+            let (settle, pick, kept) = settles[i];
+            if settle > 0 && !outstanding.is_empty() {
+                let (k, charged, at) = outstanding.remove(pick % outstanding.len());
+                let kept = if settle == 1 { charged } else { kept };
+                let adjustment = tollgate::Adjustment::Settle { charged, kept, charged_at_ms: at };
+                algorithm::settle_pending(&mut pending[k], &limits, charged, at);
+                let d = algorithm::adjust(&mut states[k], &limits, now, adjustment);
+                expected.push((now, k, Err(adjustment), d));
+            }
+            let d = algorithm::check_with_pending(
+                &mut states[key], &mut blocks[key], &mut pending[key], &limits, now, cost,
+            );
+            if d.is_allowed() && cost > 0 {
+                outstanding.push((key, cost, now));
+            }
+            previous = Some(d.clone());
+            expected.push((now, key, Ok(cost), d));
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let clock = ManualClock::new(START);
+            let store = case_store(&clock, false).await;
+            let keys = [Key::new("a"), Key::new("b")];
+            for (i, (now, key, step, want)) in expected.iter().enumerate() {
+                clock.set(*now);
+                let got = match step {
+                    Ok(cost) => store.check(&keys[*key], &limits, *cost).await.env()?,
+                    Err(adjustment) => store.adjust(&keys[*key], &limits, *adjustment).await.env()?,
+                };
+                prop_assert_eq!(&got, want, "step {} ({:?}) of {:?} with {:?}", i, step, expected, limits);
+            }
+            Ok(())
+        })?;
+    }
+
     /// A peek (the script's negative group index) answers exactly what the model's
     /// `peek` does, which is what a check would answer, among checks of the same keys,
     /// and writes nothing: each key's value and TTL are the same after as before.

@@ -383,6 +383,10 @@ async fn a_store_without_peek_or_reset_says_so() {
         fn check(&self, _: &Key, _: &[Limit], _: u32) -> Check {
             Check::ready(Ok(Decision::unlimited()))
         }
+
+        fn capabilities(&self) -> tollgate::store::Capabilities {
+            tollgate::store::Capabilities::NONE
+        }
     }
     let limiter = RateLimitLayer::new(Limit::fixed_window(1, HOUR).unwrap())
         .with_store(CheckOnly)

@@ -64,6 +64,10 @@ impl<S> Counting<S> {
 }
 
 impl<S: Store> Store for Counting<S> {
+    fn capabilities(&self) -> tollgate::store::Capabilities {
+        self.inner.capabilities()
+    }
+
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         self.asked.fetch_add(1, Ordering::SeqCst);
         self.inner.check(key, limits, cost)

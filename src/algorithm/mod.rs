@@ -51,7 +51,7 @@ mod token_bucket;
 
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
-pub use lockout::check_with_lockouts;
+pub use lockout::{Pending, check_with_lockouts, check_with_pending, settle_pending};
 pub use sliding_window::SlidingWindow;
 pub use sliding_window_counter::SlidingWindowCounter;
 pub use token_bucket::TokenBucket;
@@ -236,6 +236,9 @@ impl Model for State {
 ///   previous), the log entry written at [`Decision::decided_at_ms`], tokens back into
 ///   the bucket (at most its capacity), the GCRA arrival time moved back (never before
 ///   now). It never gives back more than was charged.
+/// - a [settle](Adjustment::Settle) is the refund or top-up of the difference (nothing
+///   when the request keeps what it was charged); the pending units it ends live beside
+///   the lockout ([`settle_pending`]), not in the states.
 /// - a top-up is counted even over the limit: windowed algorithms count at most their
 ///   limit in a window (the debt ends with the window); the token bucket goes down to
 ///   minus its capacity, the arrival time up to twice the tolerance ahead (one burst of
@@ -251,6 +254,7 @@ pub fn adjust(
     adjustment: Adjustment,
 ) -> Decision {
     assert_eq!(states.len(), limits.len(), "one state per limit");
+    let moved = adjustment.to_states();
     let decisions = states
         .iter_mut()
         .zip(limits)
@@ -260,15 +264,27 @@ pub fn adjust(
                 limit.algorithm(),
                 "state of another algorithm"
             );
+            // A settle that moves nothing writes nothing (as the script saves nothing):
+            // its answer is read from a copy.
+            let mut unchanged;
+            let state = if moved.is_some() {
+                state
+            } else {
+                unchanged = state.clone();
+                &mut unchanged
+            };
             state.normalize(now, limit);
-            match adjustment {
-                Adjustment::Refund {
+            match moved {
+                Some(Adjustment::Refund {
                     units,
                     charged_at_ms,
-                } => {
+                }) => {
                     state.refund(now, limit, u64::from(units), charged_at_ms);
                 }
-                Adjustment::TopUp { units } => state.top_up(now, limit, u64::from(units)),
+                Some(Adjustment::TopUp { units }) => {
+                    state.top_up(now, limit, u64::from(units));
+                }
+                _ => {}
             }
             LimitDecision {
                 allowed: true,
@@ -455,6 +471,26 @@ pub fn peek_with_lockouts(
     check_with_lockouts(
         &mut states.to_vec(),
         &mut blocked_until.to_vec(),
+        limits,
+        now,
+        cost,
+    )
+}
+
+/// [`peek_with_lockouts`] with the pending units of [`check_with_pending`]: nothing
+/// changes, the pending records included.
+pub fn peek_with_pending(
+    states: &[State],
+    blocked_until: &[u64],
+    pending: &[Pending],
+    limits: &[Limit],
+    now: u64,
+    cost: u32,
+) -> Decision {
+    check_with_pending(
+        &mut states.to_vec(),
+        &mut blocked_until.to_vec(),
+        &mut pending.to_vec(),
         limits,
         now,
         cost,

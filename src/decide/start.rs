@@ -74,7 +74,8 @@ impl<R> Shared<R> {
 }
 
 /// Asks the store about a request's enforced limits: for a reservation when the rules let
-/// requests wait and the line has room ([`wait`]), else a plain check.
+/// requests wait, the line has room ([`wait`]) and the store can reserve, else a plain
+/// check (a denial may still wait its turn, and ask again).
 #[inline(always)]
 fn ask(
     rules: &Active,
@@ -83,7 +84,7 @@ fn ask(
     cost: u32,
 ) -> Result<Result<Decision, StoreError>, Check> {
     match &rules.waiting {
-        Some(waiting) if waiting.has_room(key) => {
+        Some(waiting) if rules.reserves && waiting.has_room(key) => {
             rules
                 .store
                 .reserve_now(key, limits, cost, waiting.max_wait_ms())

@@ -52,6 +52,10 @@ pub(crate) struct Active {
     /// The line denied requests wait in, under these rules' bounds; `None` without
     /// `max_wait`.
     pub(crate) waiting: Option<Arc<Waiting>>,
+    /// Whether the store can reserve, and give back a reservation
+    /// ([`Capability::Reserve`](crate::store::Capability::Reserve) and `Adjust`): else a
+    /// request that may wait is checked, and waits its turn to ask again.
+    pub(crate) reserves: bool,
 }
 
 impl Active {
@@ -63,6 +67,11 @@ impl Active {
             (limits, None)
         } else {
             (limits, Some(rules.shadow_limits().into()))
+        };
+        let (enforced, shadow) = if lasting.counts_after {
+            (pending(enforced), shadow.map(pending))
+        } else {
+            (enforced, shadow)
         };
         let plans = rules
             .plans()
@@ -89,11 +98,15 @@ impl Active {
             recounted(&enforced),
             shadow.as_ref().map_or_else(|| Arc::from([]), recounted),
         ];
+        let capabilities = lasting.store.capabilities();
+        let reserves = capabilities.contains(crate::store::Capability::Reserve)
+            && capabilities.contains(crate::store::Capability::Adjust);
         Self {
             recounted,
             headers: HeaderWriter::new(rules.headers(), &enforced),
             store,
             waiting,
+            reserves,
             rules,
             version,
             enforced,
@@ -199,8 +212,30 @@ pub(crate) struct Cell {
 pub(crate) struct Lasting {
     /// The layer's store, told about new limits (see [`Store::limits_changed`]).
     pub(crate) store: Arc<dyn Store>,
+    /// Whether the layer counts after the response: its lockouts then count the units
+    /// of requests in flight as pending ([`Limit::pending_until_settled`]).
+    pub(crate) counts_after: bool,
     queue: Arc<Queue>,
     breaker: Mutex<Option<(CircuitBreaker, Arc<Breaker>)>>,
+}
+
+/// `limits`, their lockouts counting the units of requests in flight as pending (the
+/// limits of a layer that counts after the response): only kept units start a block. A
+/// limit [counted up front](Limit::counted_up_front) keeps every charge at once.
+fn pending(limits: Arc<[Limit]>) -> Arc<[Limit]> {
+    if !limits
+        .iter()
+        .any(|l| l.lockout().is_some() && !l.is_counted_up_front())
+    {
+        return limits;
+    }
+    limits
+        .iter()
+        .map(|l| match l.is_counted_up_front() {
+            true => l.clone(),
+            false => l.clone().pending_until_settled(),
+        })
+        .collect()
 }
 
 impl Lasting {
@@ -221,9 +256,10 @@ impl Lasting {
 }
 
 impl Cell {
-    pub(crate) fn new(rules: Rules, store: Arc<dyn Store>) -> Arc<Self> {
+    pub(crate) fn new(rules: Rules, store: Arc<dyn Store>, counts_after: bool) -> Arc<Self> {
         let lasting = Lasting {
             store,
+            counts_after,
             queue: Arc::default(),
             breaker: Mutex::default(),
         };
@@ -370,6 +406,7 @@ mod tests {
     fn a_breaker_outlives_rules_that_keep_its_settings() {
         let lasting = Lasting {
             store: Arc::new(crate::store::MemoryStore::new()),
+            counts_after: false,
             queue: Arc::default(),
             breaker: Mutex::default(),
         };

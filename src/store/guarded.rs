@@ -221,6 +221,10 @@ impl Guarded {
 // The layer calls `check_now`; the tests here ask it as any store.
 #[cfg(test)]
 impl Store for Guarded<dyn Store> {
+    fn capabilities(&self) -> super::Capabilities {
+        self.store.capabilities()
+    }
+
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         match self.check_now(key, limits, cost) {
             Ok(result) => Check::ready(result),
@@ -277,6 +281,13 @@ mod tests {
     }
 
     impl Store for Arc<Stalling> {
+        fn capabilities(&self) -> crate::store::Capabilities {
+            use crate::store::{Capabilities, Capability};
+            Capabilities::NONE
+                .with(Capability::Peek)
+                .with(Capability::Reset)
+        }
+
         fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
             if self.stalled.load(Ordering::SeqCst) {
                 Check::pending(std::future::pending())

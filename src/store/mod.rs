@@ -7,6 +7,7 @@
 //!   [the Redis guide](crate::guide::redis) and, for what happens when it fails,
 //!   [`guide::failures`](crate::guide::failures).
 
+mod capabilities;
 mod check;
 mod guarded;
 mod memory;
@@ -17,6 +18,8 @@ pub(crate) mod redis;
 
 use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
+pub(crate) use capabilities::store_name;
+pub use capabilities::{Capabilities, Capability};
 pub use check::Check;
 pub(crate) use guarded::Guarded;
 pub use memory::MemoryStore;
@@ -45,9 +48,50 @@ pub type Reset = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 's
 /// The answer owns everything it needs (`'static`), so implementations read the
 /// arguments before they return it. A store that decides without I/O returns
 /// [`Check::ready`]: the layer then skips the timer and allocation of a pending call.
+///
+/// # Capabilities
+///
+/// Besides [`check`](Self::check), a store may [reserve](Self::reserve),
+/// [adjust](Self::adjust), [peek](Self::peek) and [reset](Self::reset); it says which in
+/// [`capabilities`](Self::capabilities) (required: there is no default to fall back to).
+/// A method it does not claim answers [`StoreErrorKind::Unsupported`] by default, and a
+/// layer that needs it is refused when it is built
+/// ([`RateLimitLayer::validate`](crate::RateLimitLayer::validate)), with an error naming
+/// the store and the feature; what each capability serves is on [`Capability`]. The
+/// memory and Redis stores have them all.
+///
+/// ```
+/// use tollgate::{Decision, Limit, RateLimitLayer, key::Key};
+/// use tollgate::store::{Capabilities, Check, Store};
+///
+/// #[derive(Debug)]
+/// struct AllowAll;
+///
+/// impl Store for AllowAll {
+///     fn check(&self, _: &Key, _: &[Limit], _: u32) -> Check {
+///         Check::ready(Ok(Decision::unlimited()))
+///     }
+///
+///     fn capabilities(&self) -> Capabilities {
+///         Capabilities::NONE
+///     }
+/// }
+///
+/// // Counting after the response needs `adjust`: refused, naming both.
+/// let layer = RateLimitLayer::new(Limit::per_minute(5)?)
+///     .with_store(AllowAll)
+///     .with_count_when(|response: &http::Response<axum::body::Body>| response.status() == 401);
+/// let error = layer.validate().unwrap_err().to_string();
+/// assert!(error.contains("AllowAll") && error.contains("count_when"), "{error}");
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Decides one request of `cost` against `limits` (at least one) for `key`.
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check;
+
+    /// What this store can do besides [`check`](Self::check): the methods below that it
+    /// implements. See [Capabilities](Self#capabilities).
+    fn capabilities(&self) -> Capabilities;
 
     /// [`check`](Self::check), reserving where the algorithms allow it: a request that
     /// does not fit now but would within `max_wait_ms` may be answered *allowed with a
@@ -59,11 +103,12 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// makes it the plain denial of [`check`](Self::check).
     /// [`RateLimitLayer::with_max_wait`](crate::RateLimitLayer::with_max_wait) asks this.
     ///
-    /// The default reserves nothing: it answers [`check`](Self::check), and the layer
-    /// waits out a denial and asks again.
+    /// [`Capability::Reserve`]. The default answers [`StoreErrorKind::Unsupported`];
+    /// a layer never asks a store that does not claim it (its denied requests wait and
+    /// ask again).
     fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {
-        let _ = max_wait_ms;
-        self.check(key, limits, cost)
+        let _ = (key, limits, cost, max_wait_ms);
+        Check::ready(Err(unsupported(self, Capability::Reserve)))
     }
 
     /// Told by [`RulesHandle::set`](crate::rules::RulesHandle::set) before `limits` come into
@@ -85,32 +130,33 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// The decision [`check`](Self::check) would make now for a request of `cost`
     /// (`remaining` as that request would leave it; cost 0 reads what is left), with
     /// nothing written: no key created, no expiry moved. For admin tools and handlers
-    /// that show a client its budget. The default answers
+    /// that show a client its budget. [`Capability::Peek`]; the default answers
     /// [`StoreErrorKind::Unsupported`].
     fn peek(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         let _ = (key, limits, cost);
-        Check::ready(Err(StoreError::unsupported("peek")))
+        Check::ready(Err(unsupported(self, Capability::Peek)))
     }
 
     /// Clears the state of `key` under `limits` in one atomic step: its next request
     /// finds a full budget. A store that answers some requests without asking where the
     /// state lives (the Redis store's block cache) forgets them too, on every replica.
-    /// The default answers [`StoreErrorKind::Unsupported`].
+    /// [`Capability::Reset`]; the default answers [`StoreErrorKind::Unsupported`].
     fn reset(&self, key: &Key, limits: &[Limit]) -> Reset {
         let _ = (key, limits);
-        Box::pin(std::future::ready(Err(StoreError::unsupported("reset"))))
+        Box::pin(std::future::ready(Err(unsupported(
+            self,
+            Capability::Reset,
+        ))))
     }
 
     /// Gives back or charges units after a request was decided (see [`Adjustment`]),
     /// for every limit of `key` in one atomic step. The decision is the state after it.
     /// Counting after the response ([`RateLimitLayer::with_count_when`](crate::RateLimitLayer::with_count_when),
-    /// late costs) needs it; the default fails with [`StoreErrorKind::Unsupported`].
+    /// late costs) needs it: [`Capability::Adjust`]. The default fails with
+    /// [`StoreErrorKind::Unsupported`].
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         let _ = (key, limits, adjustment);
-        Check::ready(Err(StoreError::new(
-            StoreErrorKind::Unsupported,
-            "this store cannot give back or charge units after a decision",
-        )))
+        Check::ready(Err(unsupported(self, Capability::Adjust)))
     }
 
     /// Whether the store is still making its first connection: it started while its
@@ -122,9 +168,25 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// What a store's method answers when the store does not have its capability.
+fn unsupported<S: fmt::Debug + ?Sized>(store: &S, capability: Capability) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unsupported,
+        format!(
+            "{} cannot {} (Store::capabilities does not claim {capability:?})",
+            store_name(&store),
+            capability.method()
+        ),
+    )
+}
+
 impl<S: Store + ?Sized> Store for Arc<S> {
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         (**self).check(key, limits, cost)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
     }
 
     fn reserve(&self, key: &Key, limits: &[Limit], cost: u32, max_wait_ms: u64) -> Check {

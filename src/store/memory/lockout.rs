@@ -7,9 +7,11 @@
 
 use hashbrown::HashTable;
 
-use crate::key::Key;
+use crate::{algorithm::Pending, key::Key};
 
-/// The blocks of one shard: (key, limit) -> when the block ends.
+/// The blocks of one shard: (key, limit) -> when the block ends, and the units pending
+/// for the limit's lockout ([`Limit::pending_until_settled`](crate::Limit::pending_until_settled)).
+/// An entry lives while either matters.
 #[derive(Default)]
 pub(super) struct Blocks {
     table: HashTable<Block>,
@@ -24,6 +26,9 @@ struct Block {
     key: Key,
     fingerprint: u64,
     until: u64,
+    pending: Pending,
+    /// When `pending` stops mattering (0: it holds nothing).
+    pending_until: u64,
 }
 
 /// The fewest blocks a shard holds before it purges expired ones.
@@ -34,16 +39,18 @@ impl Blocks {
         (key_hash ^ fingerprint).wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
-    /// When the block of `key` under the limit with `fingerprint` ends (0: never blocked).
-    pub(super) fn until(&self, key_hash: u64, key: &Key, fingerprint: u64) -> u64 {
+    /// When the block of `key` under the limit with `fingerprint` ends (0: never blocked),
+    /// and the units pending for it.
+    pub(super) fn get(&self, key_hash: u64, key: &Key, fingerprint: u64) -> (u64, Pending) {
         self.table
             .find(Self::hash(key_hash, fingerprint), |b| {
                 b.fingerprint == fingerprint && b.key == *key
             })
-            .map_or(0, |b| b.until)
+            .map_or((0, Pending::default()), |b| (b.until, b.pending))
     }
 
-    /// Blocks `key` under the limit with `fingerprint` until `until`. Beyond `max` blocks
+    /// Blocks `key` under the limit with `fingerprint` until `until`, with `pending`
+    /// units pending until `pending_until` (0: none). Beyond `max` blocks
     /// (the shard's share of the store's keys), expired blocks go first, then an eighth
     /// of the table, oldest in table order: memory stays bounded, and as with the keys'
     /// state, only a flood of breaching keys can end a block early.
@@ -52,7 +59,7 @@ impl Blocks {
         key_hash: u64,
         key: &Key,
         fingerprint: u64,
-        until: u64,
+        (until, pending, pending_until): (u64, Pending, u64),
         now: u64,
         max: usize,
     ) {
@@ -62,6 +69,8 @@ impl Blocks {
             .find_mut(hash, |b| b.fingerprint == fingerprint && b.key == *key)
         {
             block.until = until;
+            block.pending = pending;
+            block.pending_until = pending_until;
             return;
         }
         if self.table.len() >= self.purge_at.max(PURGE_MIN) || self.table.len() >= max {
@@ -85,6 +94,8 @@ impl Blocks {
                 key: key.clone(),
                 fingerprint,
                 until,
+                pending,
+                pending_until,
             },
             |b| b.hash,
         );
@@ -101,9 +112,10 @@ impl Blocks {
         }
     }
 
-    /// Drops the blocks that have ended.
+    /// Drops the blocks that have ended (and whose pending units stopped mattering).
     pub(super) fn purge(&mut self, now: u64) {
-        self.table.retain(|b| b.until > now);
+        self.table
+            .retain(|b| b.until > now || b.pending_until > now);
     }
 
     /// How many blocks are held (ended ones not yet purged included).
@@ -181,6 +193,38 @@ mod tests {
         clock.set(1_000_000 + 60_000);
         store.purge_expired();
         assert_eq!(blocks(), 0);
+    }
+
+    /// A settle that charges more than it was charged (a top-up) for a key whose state
+    /// was swept ends its pending units once: the units still in flight keep a denial
+    /// from blocking.
+    #[test]
+    fn a_settle_for_a_swept_key_ends_its_pending_units_once() {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let limits = [Limit::token_bucket(2, Duration::from_secs(1))
+            .unwrap()
+            .with_lockout(Duration::from_secs(60))
+            .unwrap()
+            .pending_until_settled()];
+        let key = Key::new("k");
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        // Refilled and swept; both charges are still pending.
+        clock.advance(Duration::from_millis(1_500));
+        store.purge_expired();
+        assert_eq!(store.len(), 0);
+        let settle = crate::Adjustment::Settle {
+            charged: 1,
+            kept: 2,
+            charged_at_ms: 1_000_000,
+        };
+        store.adjust_now(&key, &limits, settle);
+        assert!(store.decide(&key, &limits, 1).is_allowed());
+        // Empty, two units in flight: denied, not blocked.
+        let denied = store.decide(&key, &limits, 2);
+        assert!(!denied.is_allowed());
+        assert_eq!(denied.blocked_ms(), 0, "{denied:?}");
     }
 
     #[test]

@@ -36,7 +36,7 @@ use self::{
 use super::{Check, Reset, Store, permits::LocalPermits};
 use crate::{
     Adjustment, Decision, Limit,
-    algorithm::{self, State},
+    algorithm::{self, Pending, State},
     clock::{Clock, MonotonicClock},
     key::Key,
 };
@@ -250,6 +250,11 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    /// Every capability.
+    fn capabilities(&self) -> super::Capabilities {
+        super::Capabilities::ALL
+    }
+
     fn check(&self, key: &Key, limits: &[Limit], cost: u32) -> Check {
         Check::ready(Ok(self.decide(key, limits, cost)))
     }
@@ -315,7 +320,7 @@ impl Inner {
         self.with_entry(
             key,
             now,
-            || None,
+            |_, _, _| None,
             |Opened { slots, known, .. }| {
                 // One limit, the common case: decide on its slot's state in place. A slot that
                 // existed is marked used (a new one is not: a key seen once is the first to go).
@@ -366,16 +371,12 @@ impl Inner {
                     .map_or_else(|| State::new(limit.algorithm()), |slot| slot.state.clone())
             })
             .collect();
-        let blocked: SmallVec<[u64; 2]> = limits
-            .iter()
-            .map(|limit| match limit.lockout_ms() {
-                0 => 0,
-                _ => shard.blocks.until(hash, key, fingerprint(limit)),
-            })
-            .collect();
+        let lockouts = lockout_states(&shard.blocks, hash, key, limits);
         drop(shard);
         if limits.iter().any(|limit| limit.lockout_ms() > 0) {
-            return algorithm::peek_with_lockouts(&states, &blocked, limits, now, cost);
+            let blocked: SmallVec<[u64; 2]> = lockouts.iter().map(|b| b.0).collect();
+            let pending: SmallVec<[Pending; 2]> = lockouts.iter().map(|b| b.1).collect();
+            return algorithm::peek_with_pending(&states, &blocked, &pending, limits, now, cost);
         }
         algorithm::peek(&states, limits, now, cost)
     }
@@ -416,16 +417,42 @@ impl Inner {
     /// them, through [`algorithm::adjust`]. A refund makes no state for a key or limit
     /// that has none (nothing is there to give back to); a top-up does.
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment, now: u64) -> Decision {
-        let refund = matches!(adjustment, Adjustment::Refund { .. });
+        // A refund (or a settle that keeps what it charged) makes no state.
+        let refund = !matches!(adjustment.to_states(), Some(Adjustment::TopUp { .. }));
+        // The pending units a settle ends, beside the states and in the same step.
+        let settled = adjustment
+            .settled()
+            .filter(|_| limits.iter().any(Limit::pending));
+        let release = move |blocks: &mut lockout::Blocks, hash: u64, max_keys: usize| {
+            if let Some((charged, at)) = settled {
+                let before = lockout_states(blocks, hash, key, limits);
+                let until: SmallVec<[u64; 2]> = before.iter().map(|b| b.0).collect();
+                let mut pending: SmallVec<[Pending; 2]> = before.iter().map(|b| b.1).collect();
+                algorithm::settle_pending(&mut pending, limits, charged, at);
+                put_lockouts(
+                    blocks, hash, key, limits, &before, &until, &pending, now, max_keys,
+                );
+            }
+        };
         // A refund for a key that holds nothing changes nothing, and makes no entry.
-        let missing = || {
+        // (A top-up makes the entry, and releases in `f` below: not here too.)
+        let missing = |blocks: &mut lockout::Blocks, hash: u64, max_keys: usize| {
             refund.then(|| {
+                release(blocks, hash, max_keys);
                 let mut fresh: SmallVec<[State; 2]> =
                     limits.iter().map(|l| State::new(l.algorithm())).collect();
                 algorithm::adjust(&mut fresh, limits, now, adjustment)
             })
         };
-        self.with_entry(key, now, missing, |Opened { slots, known, .. }| {
+        self.with_entry(key, now, missing, |opened| {
+            let Opened {
+                slots,
+                known,
+                blocks,
+                hash,
+                max_keys,
+            } = opened;
+            release(blocks, hash, max_keys);
             let mut indexes: SmallVec<[Option<usize>; 4]> = SmallVec::new();
             for limit in limits {
                 let index = match slots.find(fingerprint(limit)) {
@@ -480,7 +507,7 @@ impl Inner {
         &self,
         key: &Key,
         now: u64,
-        missing: impl FnOnce() -> Option<R>,
+        missing: impl FnOnce(&mut lockout::Blocks, u64, usize) -> Option<R>,
         f: impl FnOnce(Opened<'_>) -> R,
     ) -> R {
         let hash = self.hash(key);
@@ -496,7 +523,7 @@ impl Inner {
         let entry = match table.find_entry(hash, |e| e.key == *key) {
             Ok(occupied) => occupied.into_mut(),
             Err(absent) => {
-                if let Some(answer) = missing() {
+                if let Some(answer) = missing(blocks, hash, *max_keys) {
                     return answer;
                 }
                 let table = absent.into_table();
@@ -557,7 +584,7 @@ impl Inner {
         self.with_entry(
             key,
             now,
-            || None,
+            |_, _, _| None,
             |opened| {
                 let Opened {
                     slots,
@@ -567,25 +594,69 @@ impl Inner {
                     max_keys,
                 } = opened;
                 let (indexes, mut states) = slots.take_states(limits, known);
-                let before: SmallVec<[u64; 2]> = limits
-                    .iter()
-                    .map(|limit| match limit.lockout_ms() {
-                        0 => 0,
-                        _ => blocks.until(hash, key, fingerprint(limit)),
-                    })
-                    .collect();
-                let mut until = before.clone();
-                let decision =
-                    algorithm::check_with_lockouts(&mut states, &mut until, limits, now, cost);
+                let before = lockout_states(blocks, hash, key, limits);
+                let mut until: SmallVec<[u64; 2]> = before.iter().map(|b| b.0).collect();
+                let mut pending: SmallVec<[Pending; 2]> = before.iter().map(|b| b.1).collect();
+                let decision = algorithm::check_with_pending(
+                    &mut states,
+                    &mut until,
+                    &mut pending,
+                    limits,
+                    now,
+                    cost,
+                );
                 slots.put_back(&indexes, states);
-                for ((limit, &old), &new) in limits.iter().zip(&before).zip(&until) {
-                    if new != old {
-                        blocks.set(hash, key, fingerprint(limit), new, now, max_keys);
-                    }
-                }
+                put_lockouts(
+                    blocks, hash, key, limits, &before, &until, &pending, now, max_keys,
+                );
                 decision
             },
         )
+    }
+}
+
+/// The block end and pending units of each of `limits` for `key` (none for a limit
+/// without a lockout).
+fn lockout_states(
+    blocks: &lockout::Blocks,
+    hash: u64,
+    key: &Key,
+    limits: &[Limit],
+) -> SmallVec<[(u64, Pending); 2]> {
+    limits
+        .iter()
+        .map(|limit| match limit.lockout_ms() {
+            0 => (0, Pending::default()),
+            _ => blocks.get(hash, key, fingerprint(limit)),
+        })
+        .collect()
+}
+
+/// Writes back the blocks and pending units of `limits` that changed from `before`.
+#[allow(clippy::too_many_arguments)]
+fn put_lockouts(
+    blocks: &mut lockout::Blocks,
+    hash: u64,
+    key: &Key,
+    limits: &[Limit],
+    before: &[(u64, Pending)],
+    until: &[u64],
+    pending: &[Pending],
+    now: u64,
+    max_keys: usize,
+) {
+    for (((limit, old), &until), &pending) in limits.iter().zip(before).zip(until).zip(pending) {
+        if limit.lockout_ms() > 0 && (until, pending) != *old {
+            let pending_until = pending.expires_at(limit);
+            blocks.set(
+                hash,
+                key,
+                fingerprint(limit),
+                (until, pending, pending_until),
+                now,
+                max_keys,
+            );
+        }
     }
 }
 

@@ -35,6 +35,9 @@ pub(crate) trait Rider: fmt::Debug + Send + Sync {
     ) -> Result<Decision, StoreError>;
 }
 
+/// What a limit's lockout field adds when its lockout counts pending units (lua/lockout.lua).
+const PENDING: u64 = 1 << 50;
+
 /// The numbers the script's ARGV has per limit.
 pub(crate) const LIMIT_FIELDS: usize = 5;
 
@@ -45,6 +48,9 @@ pub(crate) struct Encoded {
     pub(crate) cost: u32,
     /// An adjustment of `cost` units rather than a request: the script's `at` argument.
     pub(crate) at: Option<i64>,
+    /// A settle ([`Adjustment::Settle`](crate::Adjustment::Settle)): the units the request
+    /// keeps, the script's `kept` argument after `at`.
+    pub(crate) kept: Option<u32>,
     /// Its limits, as the script's ARGV has them: code, limit, window ms, capacity,
     /// lockout ms each.
     pub(crate) group: SmallVec<[u64; LIMIT_FIELDS]>,
@@ -83,12 +89,13 @@ impl Encoded {
             group.push(u64::from(limit.limit()));
             group.push(limit.window_ms());
             group.push(u64::from(limit.capacity()));
-            group.push(limit.lockout_ms());
+            group.push(limit.lockout_ms() + if limit.pending() { PENDING } else { 0 });
         }
         Encoded {
             keys,
             cost,
             at,
+            kept: None,
             group,
             quotas: limits.iter().map(Limit::limit).collect(),
             peek: false,
@@ -165,7 +172,8 @@ pub(crate) fn script_call(mode: &Mode, now: Option<u64>, requests: &[&Encoded]) 
     }
     let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
     let group_args: usize = groups.iter().map(|g| 1 + g.len()).sum();
-    let adjustments = requests.iter().filter(|r| r.at.is_some()).count();
+    let adjustments = requests.iter().filter(|r| r.at.is_some()).count()
+        + requests.iter().filter(|r| r.kept.is_some()).count();
     let args = 3 + keys + 2 + group_args + 1 + 2 * requests.len() + adjustments;
     let key_bytes: usize = requests.iter().map(|r| r.keys.bytes()).sum();
     let mut cmd = Cmd::with_capacity(args, 64 + key_bytes + 12 * (args - keys));
@@ -192,7 +200,15 @@ pub(crate) fn script_call(mode: &Mode, now: Option<u64>, requests: &[&Encoded]) 
             None if request.peek => cmd.arg(request.cost).arg(-(group as i64)),
             None => cmd.arg(request.cost).arg(group),
             // A negative cost, then `at` (see lua/main.lua).
-            Some(at) => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
+            Some(at) => match request.kept {
+                None => cmd.arg(-i64::from(request.cost)).arg(group).arg(at),
+                // A settle: `at` as -2 - at, then `kept`.
+                Some(kept) => cmd
+                    .arg(-i64::from(request.cost))
+                    .arg(group)
+                    .arg(-2 - at)
+                    .arg(kept),
+            },
         };
     }
     let reserving = requests.iter().filter(|r| r.reserve_ms > 0).count();

@@ -2,7 +2,8 @@
 //! names is built here.
 //!
 //! - A limit's state: `<prefix>:{<key>}:<limit id>`; its lockout block: the same with
-//!   `:lockout` appended; a key's in-flight permits under a maximum `max`:
+//!   `:lockout` appended; the units its lockout counts as pending (a layer that counts
+//!   after the response): the same with `:pending` appended; a key's in-flight permits under a maximum `max`:
 //!   `<prefix>:{<key>}:inflight:<max>`. The braces make the key the hash tag: all state of
 //!   one key lives in one Redis Cluster slot, and different keys spread over the cluster.
 //! - The channel resets are announced on: `<prefix>:reset`.
@@ -13,6 +14,9 @@ use crate::{Limit, key::Key};
 
 /// What [`lockout_key`] appends.
 const LOCKOUT_SUFFIX: &str = ":lockout";
+
+/// What a limit's pending key appends (lua/lockout.lua): a last part no limit id has.
+const PENDING_SUFFIX: &str = ":pending";
 
 /// The parts every key of `key`'s state starts with, `<prefix>:{<key>}:`: the one place
 /// the hash tag is laid out.
@@ -46,10 +50,12 @@ pub(crate) fn lockout_key(prefix: &str, key: &Key, limit: &Limit) -> String {
 /// that gives a limit more state per key adds it here. The lockout key is named whether
 /// or not the limit has a lockout now (a block from before the lockout was removed is not
 /// read, but it is state of this limit all the same).
-pub(crate) fn state_keys(prefix: &str, key: &Key, limit: &Limit) -> [String; 2] {
+pub(crate) fn state_keys(prefix: &str, key: &Key, limit: &Limit) -> [String; 3] {
+    let [a, b, c, d] = tagged(prefix, key);
     [
         limit_key(prefix, key, limit),
         lockout_key(prefix, key, limit),
+        join(&[a, b, c, d, limit.id(), PENDING_SUFFIX]),
     ]
 }
 
@@ -76,7 +82,8 @@ pub(crate) struct Keys {
 impl Keys {
     /// The keys a request for `key` under `limits` touches: each limit's (what
     /// [`limit_key`] makes), then the block key ([`lockout_key`]) of each limit with a
-    /// lockout.
+    /// lockout, each followed by its pending key when its lockout counts pending units
+    /// ([`Limit::pending_until_settled`]).
     pub(crate) fn new(prefix: &str, key: &Key, limits: &[Limit]) -> Self {
         let mut keys = Self::default();
         let [a, b, c, d] = tagged(prefix, key);
@@ -85,6 +92,9 @@ impl Keys {
         }
         for limit in limits.iter().filter(|l| l.lockout_ms() > 0) {
             keys.push(&[a, b, c, d, limit.id(), LOCKOUT_SUFFIX]);
+            if limit.pending() {
+                keys.push(&[a, b, c, d, limit.id(), PENDING_SUFFIX]);
+            }
         }
         keys
     }
@@ -182,7 +192,11 @@ mod tests {
                 for limit in &limits {
                     assert_eq!(
                         state_keys(DEFAULT_PREFIX, &key, limit),
-                        [limit_key(limit), format!("{}:lockout", limit_key(limit))]
+                        [
+                            limit_key(limit),
+                            format!("{}:lockout", limit_key(limit)),
+                            format!("{}:pending", limit_key(limit))
+                        ]
                     );
                 }
             }

@@ -343,6 +343,11 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    /// Every capability.
+    fn capabilities(&self) -> crate::store::Capabilities {
+        crate::store::Capabilities::ALL
+    }
+
     fn check_held(&self, key: &Key, limits: &[Limit], cost: u32) -> Option<Decision> {
         self.leases.as_ref()?.spend_held(key, limits, cost)
     }
@@ -514,12 +519,27 @@ impl RedisStore {
     /// cached denial here (it may fit earlier now); other replicas' block caches keep
     /// theirs until its `retry_after`, denying no more than they would have.
     fn adjust_call(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
+        if let Adjustment::Settle {
+            charged,
+            kept,
+            charged_at_ms,
+        } = adjustment
+            && charged > 0
+        {
+            return self.settle_call(key, limits, charged, kept, charged_at_ms);
+        }
+        let Some(adjustment) = adjustment.to_states() else {
+            // Settles nothing pending, and moves nothing.
+            return Check::ready(Ok(Decision::unlimited()));
+        };
         let (units, at) = match adjustment {
             Adjustment::Refund {
                 units,
                 charged_at_ms,
             } => (units, i64::try_from(charged_at_ms).unwrap_or(i64::MAX)),
             Adjustment::TopUp { units } => (units, -1),
+            // (Made a refund or a top-up above.)
+            Adjustment::Settle { .. } => return Check::ready(Ok(Decision::unlimited())),
         };
         if units == 0 {
             // Nothing to move, and "-0" would read as a request of cost 0.
@@ -530,6 +550,33 @@ impl RedisStore {
             cache.forget(key, BlockCache::fingerprint(limits), now);
         }
         let encoded = self.encode_as(key, limits, units, Some(at));
+        match self.send(encoded) {
+            Ok(call) => Check::pending(call.decision()),
+            Err(error) => Check::ready(Err(error)),
+        }
+    }
+}
+
+impl RedisStore {
+    /// [`adjust_call`](Self::adjust_call) for a settle: one script call ends the pending
+    /// units (of the limits that count them) and moves the difference (lua/main.lua).
+    fn settle_call(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        charged: u32,
+        kept: u32,
+        charged_at_ms: u64,
+    ) -> Check {
+        if kept < charged
+            && let Some(cache) = &self.block_cache
+        {
+            let now = local_now_ms(self.clock.as_ref());
+            cache.forget(key, BlockCache::fingerprint(limits), now);
+        }
+        let at = i64::try_from(charged_at_ms).unwrap_or(i64::MAX);
+        let mut encoded = self.encode_as(key, limits, charged, Some(at));
+        encoded.kept = Some(kept);
         match self.send(encoded) {
             Ok(call) => Check::pending(call.decision()),
             Err(error) => Check::ready(Err(error)),

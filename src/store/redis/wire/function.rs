@@ -439,6 +439,7 @@ mod tests {
             },
             cost,
             at: None,
+            kept: None,
             group: group.iter().copied().collect(),
             quotas: group.chunks(5).map(|g| g[1] as u32).collect(),
             peek: false,
