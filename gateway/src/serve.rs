@@ -191,14 +191,19 @@ impl<S> WriteIdle<S> {
         ))
     }
 
+    /// `poll` of a write (`wrote`: bytes taken, which restart the clock) or a flush.
     fn progress<T>(
         &mut self,
         cx: &mut Context<'_>,
         poll: Poll<io::Result<T>>,
+        wrote: bool,
     ) -> Poll<io::Result<T>> {
         match poll {
             Poll::Ready(result) => {
-                self.stalled = None;
+                // A flush that has nothing to do proves nothing about the client.
+                if wrote {
+                    self.stalled = None;
+                }
                 Poll::Ready(result)
             }
             Poll::Pending => self.poll_stalled(cx).map(Err),
@@ -223,7 +228,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteIdle<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.progress(cx, poll)
+        self.progress(cx, poll, true)
     }
 
     fn poll_write_vectored(
@@ -232,7 +237,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteIdle<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.progress(cx, poll)
+        self.progress(cx, poll, true)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -241,11 +246,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteIdle<S> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut self.inner).poll_flush(cx);
-        self.progress(cx, poll)
+        self.progress(cx, poll, false)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
-        self.progress(cx, poll)
+        self.progress(cx, poll, false)
     }
 }

@@ -1778,9 +1778,10 @@ async fn a_broken_request_body_is_not_an_upstream_failure() {
     assert!(malformed.starts_with("HTTP/1.1 400"), "{malformed:?}");
     // Trailers far beyond any header limit (64 KiB in one field) after a good chunk.
     let oversized: &'static [u8] = {
-        let mut request = b"POST /broken HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n\
+        let mut request =
+            b"POST /broken HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n\
                             5\r\nhello\r\n0\r\nX-Big: "
-            .to_vec();
+                .to_vec();
         request.extend(std::iter::repeat_n(b'a', 64 * 1024));
         request.extend(b"\r\n\r\n");
         request.leak()
