@@ -29,13 +29,17 @@ use tollgate::{
 
 use crate::{config::KeySpec, server::Live};
 
-/// One rate-limit layer of a route: its kind of key and its limiter.
+/// One rate-limit layer of a route: its kind of key, whether it is the layer of the
+/// route's plans, and its limiter.
+#[derive(Clone)]
 pub(crate) struct Entry {
     route: String,
     kind: KeySpec,
+    plans: bool,
     limiter: AnyLimiter,
 }
 
+#[derive(Clone)]
 enum AnyLimiter {
     Ip(Limiter<ClientIp>),
     Header(Limiter<HeaderKey>),
@@ -49,22 +53,28 @@ impl std::fmt::Debug for Entry {
 }
 
 impl Entry {
-    pub(crate) fn ip(route: &str, limiter: Limiter<ClientIp>) -> Self {
-        Self::new(route, KeySpec::Ip, AnyLimiter::Ip(limiter))
+    pub(crate) fn ip(route: &str, plans: bool, limiter: Limiter<ClientIp>) -> Self {
+        Self::new(route, KeySpec::Ip, plans, AnyLimiter::Ip(limiter))
     }
 
-    pub(crate) fn header(route: &str, kind: KeySpec, limiter: Limiter<HeaderKey>) -> Self {
-        Self::new(route, kind, AnyLimiter::Header(limiter))
+    pub(crate) fn header(
+        route: &str,
+        plans: bool,
+        kind: KeySpec,
+        limiter: Limiter<HeaderKey>,
+    ) -> Self {
+        Self::new(route, kind, plans, AnyLimiter::Header(limiter))
     }
 
-    pub(crate) fn global(route: &str, limiter: Limiter<GlobalKey>) -> Self {
-        Self::new(route, KeySpec::Global, AnyLimiter::Global(limiter))
+    pub(crate) fn global(route: &str, plans: bool, limiter: Limiter<GlobalKey>) -> Self {
+        Self::new(route, KeySpec::Global, plans, AnyLimiter::Global(limiter))
     }
 
-    fn new(route: &str, kind: KeySpec, limiter: AnyLimiter) -> Self {
+    fn new(route: &str, kind: KeySpec, plans: bool, limiter: AnyLimiter) -> Self {
         Self {
             route: route.to_owned(),
             kind,
+            plans,
             limiter,
         }
     }
@@ -118,6 +128,16 @@ impl Entry {
             AnyLimiter::Ip(l) => l.reset(key).await,
             AnyLimiter::Header(l) => l.reset(key).await,
             AnyLimiter::Global(l) => l.reset(key).await,
+        }
+        .map_err(|e| store_error(&e))
+    }
+
+    /// [`peek`](Self::peek) under the plan `plan` (of this plans' layer).
+    async fn peek_plan(&self, plan: &str, key: &Key, cost: u32) -> Result<Decision, String> {
+        match &self.limiter {
+            AnyLimiter::Ip(l) => l.peek_plan(plan, key, cost).await,
+            AnyLimiter::Header(l) => l.peek_plan(plan, key, cost).await,
+            AnyLimiter::Global(l) => l.peek_plan(plan, key, cost).await,
         }
         .map_err(|e| store_error(&e))
     }
@@ -222,16 +242,21 @@ async fn answer(
         }
     };
     let gateway = live.gateway();
+    // `plan=` asks the route's plans' layer, its absence the route's own limits.
+    let plan = query.get("plan");
     let entries: Vec<&Entry> = gateway
         .admin()
-        .iter()
-        .filter(|e| e.route == route)
+        .filter(|e| e.route == route && e.plans == plan.is_some())
         .collect();
     if entries.is_empty() {
-        return json(
-            StatusCode::NOT_FOUND,
-            &error_body(&format!("no route with path {route:?} has limits")),
-        );
+        let message = match plan {
+            Some(_) => format!("no route with path {route:?} has plans with limits"),
+            None if gateway.admin().any(|e| e.route == route) => {
+                format!("route {route:?} has only plans: choose one with plan=")
+            }
+            None => format!("no route with path {route:?} has limits"),
+        };
+        return json(StatusCode::NOT_FOUND, &error_body(&message));
     }
     let entry = match query.get("kind") {
         Some(kind) => match entries.iter().find(|e| e.kind.to_string() == *kind) {
@@ -261,14 +286,43 @@ async fn answer(
         Ok(key) => key,
         Err(message) => return json(StatusCode::BAD_REQUEST, &error_body(&message)),
     };
+    let rules = entry.rules();
+    // The plan asked for, among the route's.
+    let plan = match plan {
+        None => None,
+        Some(name) => match rules
+            .plans()
+            .and_then(|plans| plans.plans().iter().find(|p| p.name() == name))
+        {
+            Some(plan) => Some(plan),
+            None => {
+                let names: Vec<&str> = rules
+                    .plans()
+                    .map(|plans| plans.plans().iter().map(|p| p.name()).collect())
+                    .unwrap_or_default();
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    &error_body(&format!(
+                        "route {route:?} has no plan {name:?} (it has {})",
+                        names.join(", ")
+                    )),
+                );
+            }
+        },
+    };
     if reset {
+        // A plans' layer resets the key under every plan: their state goes together.
         return match entry.reset(&key).await {
             Ok(()) => {
-                tracing::info!(route, kind = %entry.kind, key = %key.redacted(), "rate limit reset");
+                tracing::info!(route, kind = %entry.kind, plans = entry.plans, key = %key.redacted(), "rate limit reset");
                 let mut body = String::from("{");
                 field(&mut body, "route", route);
                 body.push(',');
                 field(&mut body, "kind", &entry.kind.to_string());
+                if let Some(plan) = plan {
+                    body.push(',');
+                    field(&mut body, "plan", plan.name());
+                }
                 body.push_str(",\"reset\":true}");
                 json(StatusCode::OK, &body)
             }
@@ -285,14 +339,39 @@ async fn answer(
             );
         }
     };
-    match entry.peek(&key, cost).await {
-        Ok((enforced, shadow)) => {
-            let rules = entry.rules();
-            json(
-                StatusCode::OK,
-                &peek_body(route, &entry.kind, cost, &rules, &enforced, &shadow),
-            )
-        }
+    let peeked = match plan {
+        Some(plan) => entry
+            .peek_plan(plan.name(), &key, cost)
+            .await
+            .map(|decision| {
+                let limits = plan.limits().unwrap_or_default();
+                let shown = Shown {
+                    plan: Some(plan.name()),
+                    limits,
+                    in_shadow: rules.is_shadow(),
+                    shadow_limits: &[],
+                };
+                peek_body(
+                    route,
+                    &entry.kind,
+                    cost,
+                    &shown,
+                    &decision,
+                    &Decision::unlimited(),
+                )
+            }),
+        None => entry.peek(&key, cost).await.map(|(enforced, shadow)| {
+            let shown = Shown {
+                plan: None,
+                limits: rules.limits(),
+                in_shadow: rules.is_shadow(),
+                shadow_limits: rules.shadow_limits(),
+            };
+            peek_body(route, &entry.kind, cost, &shown, &enforced, &shadow)
+        }),
+    };
+    match peeked {
+        Ok(body) => json(StatusCode::OK, &body),
         Err(message) => json(StatusCode::SERVICE_UNAVAILABLE, &error_body(&message)),
     }
 }
@@ -397,13 +476,22 @@ fn field(out: &mut String, name: &str, value: &str) {
     out.push('"');
 }
 
-/// `{"route":..,"kind":..,"cost":..,"allowed":..,"limits":[{..},..]}`: every limit,
-/// enforced then shadow, with what a request of `cost` would get from it.
+/// The limits a peek shows: a plan's (`plan`), or the route's own with its shadow limits.
+struct Shown<'a> {
+    plan: Option<&'a str>,
+    limits: &'a [tollgate::Limit],
+    /// Every limit in shadow (the route's `shadow`).
+    in_shadow: bool,
+    shadow_limits: &'a [tollgate::Limit],
+}
+
+/// `{"route":..,"kind":..,["plan":..,]"cost":..,"allowed":..,"limits":[{..},..]}`: every
+/// limit, enforced then shadow, with what a request of `cost` would get from it.
 fn peek_body(
     route: &str,
     kind: &KeySpec,
     cost: u32,
-    rules: &tollgate::rules::Rules,
+    shown: &Shown<'_>,
     enforced: &Decision,
     shadow: &Decision,
 ) -> String {
@@ -411,19 +499,23 @@ fn peek_body(
     field(&mut body, "route", route);
     body.push(',');
     field(&mut body, "kind", &kind.to_string());
+    if let Some(plan) = shown.plan {
+        body.push(',');
+        field(&mut body, "plan", plan);
+    }
     let _ = write!(
         body,
         ",\"cost\":{cost},\"allowed\":{},\"limits\":[",
-        enforced.is_allowed() || rules.is_shadow()
+        enforced.is_allowed() || shown.in_shadow
     );
-    let limits = rules
-        .limits()
+    let limits = shown
+        .limits
         .iter()
         .zip(enforced.limits())
-        .map(|l| (l, rules.is_shadow()))
+        .map(|l| (l, shown.in_shadow))
         .chain(
-            rules
-                .shadow_limits()
+            shown
+                .shadow_limits
                 .iter()
                 .zip(shadow.limits())
                 .map(|l| (l, true)),

@@ -92,6 +92,9 @@ pub(crate) struct ServerConfig {
     pub(crate) max_connections: usize,
     /// How long a graceful shutdown waits for requests in flight before closing them.
     pub(crate) shutdown_timeout: Duration,
+    /// How long a response may wait for the client to take more of it (a write that
+    /// makes no progress) before the connection is closed.
+    pub(crate) write_idle_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -102,6 +105,7 @@ impl Default for ServerConfig {
             max_body_bytes: 10 * 1024 * 1024,
             max_connections: 512,
             shutdown_timeout: Duration::from_secs(20),
+            write_idle_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -122,6 +126,8 @@ pub(crate) struct StoreConfig {
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
     pub(crate) on_error: OnError,
+    /// Each rate-limit layer's circuit breaker (`breaker_failures`, `breaker_cooldown`).
+    pub(crate) breaker: tollgate::CircuitBreaker,
     /// How `header:<name>` keys are stored.
     pub(crate) header_keys: HeaderKeys,
     /// Leased quota (`leases`): off when `None`.
@@ -331,6 +337,7 @@ struct RawServer {
     max_body_bytes: Option<u64>,
     max_connections: Option<u64>,
     shutdown_timeout: Option<String>,
+    write_idle_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -349,6 +356,10 @@ struct RawStore {
     prefix: Option<String>,
     timeout_ms: Option<u64>,
     on_error: Option<String>,
+    /// Consecutive store failures that open a layer's circuit breaker.
+    breaker_failures: Option<u32>,
+    /// How long an open breaker waits before it lets a request probe the store.
+    breaker_cooldown: Option<String>,
     hash_header_keys: Option<bool>,
     key_secret_env: Option<String>,
     leases: Option<leases::RawLeases>,
@@ -617,6 +628,11 @@ impl RawServer {
                 self.shutdown_timeout,
                 defaults.shutdown_timeout,
             )?,
+            write_idle_timeout: timeout(
+                "write_idle_timeout",
+                self.write_idle_timeout,
+                defaults.write_idle_timeout,
+            )?,
         })
     }
 }
@@ -724,6 +740,20 @@ impl RawStore {
                 ));
             }
         };
+        let mut breaker = tollgate::CircuitBreaker::default();
+        match self.breaker_failures {
+            None => {}
+            Some(n @ 1..=1_000_000) => breaker = breaker.with_failures(n),
+            Some(n) => {
+                return Err(ConfigError::new(
+                    "store.breaker_failures",
+                    format!("must be 1 to 1000000 (got {n})"),
+                ));
+            }
+        }
+        if let Some(cooldown) = &self.breaker_cooldown {
+            breaker = breaker.with_cooldown(parse_timeout("store.breaker_cooldown", cooldown)?);
+        }
         let header_keys =
             header_key_hashing(self.hash_header_keys, self.key_secret_env.as_deref())?;
         let leases = match self.leases {
@@ -762,6 +792,7 @@ impl RawStore {
             prefix,
             timeout,
             on_error,
+            breaker,
             header_keys,
             leases,
             background,
@@ -1373,6 +1404,7 @@ mod tests {
             max_body_bytes = 4096
             max_connections = 100
             shutdown_timeout = "500ms"
+            write_idle_timeout = "7s"
             "#,
         )
         .unwrap();
@@ -1384,7 +1416,33 @@ mod tests {
                 max_body_bytes: 4096,
                 max_connections: 100,
                 shutdown_timeout: Duration::from_millis(500),
+                write_idle_timeout: Duration::from_secs(7),
             }
+        );
+        let zero =
+            Config::parse("listen = \"127.0.0.1:0\"\n[server]\nwrite_idle_timeout = \"0s\"\n")
+                .unwrap_err();
+        assert_eq!(zero.field, "server.write_idle_timeout");
+    }
+
+    #[test]
+    fn the_circuit_breaker_is_read() {
+        let breaker = |store: &str| {
+            Config::parse(&format!("listen = \"127.0.0.1:0\"\n[store]\n{store}"))
+                .map(|c| c.store.breaker)
+        };
+        assert_eq!(breaker(""), Ok(tollgate::CircuitBreaker::default()));
+        assert_eq!(
+            breaker("breaker_failures = 2\nbreaker_cooldown = \"3s\""),
+            Ok(tollgate::CircuitBreaker::new(2, Duration::from_secs(3)))
+        );
+        assert_eq!(
+            breaker("breaker_failures = 0").unwrap_err().field,
+            "store.breaker_failures"
+        );
+        assert_eq!(
+            breaker("breaker_cooldown = \"soon\"").unwrap_err().field,
+            "store.breaker_cooldown"
         );
     }
 

@@ -9,8 +9,7 @@
 //!
 //! Modules: `config` (the TOML contract and its validation), `path` (path normalisation
 //! and prefix matching), `proxy` (forwarding with hyper-util), `serve` (connections:
-//! header-read timeout, connection cap, bounded shutdown), `server` (routes, layers,
-//! starting and stopping), `reload` (SIGHUP and file changes). `tests/gateway.rs` includes the same modules to start
+//! header-read timeout, connection cap, bounded shutdown), `routes` (each route's layers, and what a reload keeps of them), `server` (starting, reloading and stopping), `reload` (SIGHUP and file changes). `tests/gateway.rs` includes the same modules to start
 //! gateways in-process. The reference is `README.md` (of this package).
 
 mod admin;
@@ -18,6 +17,7 @@ mod config;
 mod path;
 mod proxy;
 mod reload;
+mod routes;
 #[cfg(feature = "redis")]
 mod rules_source;
 mod serve;

@@ -1,14 +1,19 @@
 //! Serving one listener with hyper's HTTP/1 server, with the connection limits
-//! `axum::serve` cannot set: a header-read timeout (it needs hyper's timer), a cap on open
-//! connections and a bound on graceful shutdown.
+//! `axum::serve` cannot set: a header-read timeout (it needs hyper's timer), a write-idle
+//! timeout, a cap on open connections and a bound on graceful shutdown.
 //!
 //! Without them a client that trickles its headers a byte a second, or opens connections
-//! and never speaks, holds a file descriptor for as long as it likes.
+//! and never speaks, holds a file descriptor for as long as it likes; and one that sends
+//! a request and never reads the response holds its connection slot, and the upstream
+//! connection streaming that response, for ever (the socket's send buffer fills and the
+//! write waits).
 
 use std::{
     future::Future,
     io,
+    pin::Pin,
     sync::Arc,
+    task::{Context, Poll, ready},
     time::{Duration, Instant},
 };
 
@@ -22,7 +27,13 @@ use hyper_util::{
     server::graceful::GracefulShutdown,
     service::TowerToHyperService,
 };
-use tokio::{net::TcpListener, sync::Semaphore, task::JoinSet};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::TcpListener,
+    sync::Semaphore,
+    task::JoinSet,
+    time::Sleep,
+};
 use tower::ServiceExt;
 
 /// What one listener allows its clients (`[server]` in the config).
@@ -35,6 +46,9 @@ pub(crate) struct ConnectionLimits {
     pub(crate) max_connections: usize,
     /// How long shutdown waits for requests in flight before closing their connections.
     pub(crate) shutdown_timeout: Duration,
+    /// How long a write to the client may make no progress before the connection is
+    /// closed.
+    pub(crate) write_idle_timeout: Duration,
 }
 
 /// How long to pause after an accept error that is not one connection's fault (out of
@@ -108,6 +122,7 @@ pub(crate) async fn serve(
             request.extensions_mut().insert(ConnectInfo(peer));
             app.clone().oneshot(request)
         });
+        let stream = WriteIdle::new(stream, limits.write_idle_timeout);
         let connection = graceful
             .watch(http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service)));
         connections.spawn(async move {
@@ -141,4 +156,101 @@ fn is_connection_error(error: &io::Error) -> bool {
             | io::ErrorKind::ConnectionAborted
             | io::ErrorKind::ConnectionReset
     )
+}
+
+/// A connection whose writes fail with `TimedOut` once one has waited `timeout` without
+/// the client taking a byte: hyper then closes the connection, dropping the response
+/// (and with it the upstream's). The clock restarts at every write that goes through, so
+/// a slow reader that keeps reading is never cut off, however long the response.
+struct WriteIdle<S> {
+    inner: S,
+    timeout: Duration,
+    /// Running while a write waits; `None` after one went through.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> WriteIdle<S> {
+    fn new(inner: S, timeout: Duration) -> Self {
+        Self {
+            inner,
+            timeout,
+            stalled: None,
+        }
+    }
+
+    /// After a write that waits: `TimedOut` once it has waited `timeout`.
+    fn poll_stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        let timeout = self.timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        ready!(stalled.as_mut().poll(cx));
+        Poll::Ready(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the client took nothing for server.write_idle_timeout ({timeout:?})"),
+        ))
+    }
+
+    /// `poll` of a write (`wrote`: bytes taken, which restart the clock) or a flush.
+    fn progress<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+        wrote: bool,
+    ) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Ready(result) => {
+                // A flush that has nothing to do proves nothing about the client.
+                if wrote {
+                    self.stalled = None;
+                }
+                Poll::Ready(result)
+            }
+            Poll::Pending => self.poll_stalled(cx).map(Err),
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteIdle<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteIdle<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.progress(cx, poll, true)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.progress(cx, poll, true)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.progress(cx, poll, false)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.progress(cx, poll, false)
+    }
 }

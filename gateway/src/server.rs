@@ -1,7 +1,6 @@
 //! Building the gateway from a validated config, serving it, and stopping it gracefully.
 
 use std::{
-    convert::Infallible,
     future::Future,
     io,
     net::SocketAddr,
@@ -16,7 +15,6 @@ use std::{
 use arc_swap::ArcSwap;
 use axum::{
     Router,
-    body::Body,
     extract::{Request, State},
     http::{StatusCode, Uri, uri::PathAndQuery},
     response::Response,
@@ -25,58 +23,30 @@ use axum::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tollgate::{
-    FailurePolicy, RateLimitLayer,
-    in_flight::{InFlightBody, InFlightLayer},
-    key::{ClientIp, GlobalKey, HeaderKey},
+    FailurePolicy,
     store::{MemoryStore, Permits, Store},
 };
-use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
+use tower::ServiceExt;
 use tower_http::limit::RequestBodyLimitLayer;
 
+pub(crate) use crate::routes::Gateway;
 use crate::{
     admin,
-    config::{
-        Backend, Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit, RoutePlans,
-        SentinelBackend, StoreConfig,
-    },
-    path,
-    proxy::{self, Proxy},
+    config::{Backend, Config, Route, SentinelBackend, StoreConfig},
+    path, proxy,
     reload::{self, Watcher},
+    routes::Lasting,
     serve::{ConnectionLimits, serve},
 };
 
 /// Startup errors (a store that cannot be reached, an address in use, ...).
 pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// One route's service: its rate-limit layers around the proxy (or the `ok` answer).
-type RouteService = BoxCloneSyncService<Request, Response, Infallible>;
-
 /// Bucket bounds of `tollgate_decision_seconds`: 50 us to 1 s.
 const DECISION_BUCKETS: &[f64] = &[
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0,
 ];
-
-/// The routes, longest prefix first.
-#[derive(Debug)]
-pub(crate) struct Gateway {
-    routes: Vec<(String, RouteService)>,
-    /// Each route's rate-limit layers, for the admin endpoints.
-    admin: Vec<admin::Entry>,
-}
-
-impl Gateway {
-    pub(crate) fn admin(&self) -> &[admin::Entry] {
-        &self.admin
-    }
-
-    fn route(&self, path: &str) -> Option<&RouteService> {
-        self.routes
-            .iter()
-            .find(|(prefix, _)| path::matches_prefix(prefix, path))
-            .map(|(_, service)| service)
-    }
-}
 
 /// What a reload changes: the route table (with its limits), swapped atomically, and
 /// what it was built from.
@@ -85,15 +55,9 @@ pub(crate) struct Live {
     gateway: ArcSwap<Gateway>,
     /// The running config: what a reload is compared with.
     config: Mutex<Config>,
-    /// Kept across reloads: the budgets live in it.
-    store: Arc<dyn Store>,
-    /// The same store, where the `max_in_flight` permits live: kept across reloads, so a
-    /// reload does not start the count afresh.
-    permits: Arc<dyn Permits>,
-    /// The fallback of `on_error = "local"` (a memory store), kept across reloads too.
-    local: FailurePolicy,
-    /// Kept across reloads: its pooled upstream connections stay.
-    client: proxy::HttpClient,
+    /// The store, the in-flight permits, the local fallback and the upstream client:
+    /// kept across reloads.
+    lasting: Lasting,
     version: AtomicU64,
     /// The routes of the last good rule set from Redis (`[rules] source = "redis"`):
     /// they replace the file's routes, also when the file is reloaded.
@@ -189,7 +153,7 @@ impl Live {
         new.store.background = running.store.background;
         new.rules = running.rules.clone();
         warn_about_exposure(&new, Some(&running));
-        let gateway = build_gateway(&new, &self.store, &self.permits, &self.local, &self.client);
+        let (gateway, reuse) = Gateway::build(&new, &self.lasting, Some(&self.gateway.load()));
         // Limits whose state carries over keep their store keys with new parameters: a
         // store that remembers limits (the memory store's expiry) learns them.
         let limits: Vec<tollgate::Limit> = new
@@ -197,14 +161,20 @@ impl Live {
             .iter()
             .flat_map(|route| route.limits.iter().map(|l| l.limit.clone()))
             .collect();
-        self.store.limits_changed(&limits);
-        if let FailurePolicy::Local(local) = &self.local {
+        self.lasting.store.limits_changed(&limits);
+        if let FailurePolicy::Local(local) = &self.lasting.local {
             local.limits_changed(&limits);
         }
         self.gateway.store(Arc::new(gateway));
         let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::gauge!(reload::RULES_VERSION).set(version as f64);
-        tracing::info!(version, routes = new.routes.len(), "config reloaded");
+        tracing::info!(
+            version,
+            routes = new.routes.len(),
+            kept = reuse.kept,
+            rebuilt = reuse.rebuilt,
+            "config reloaded"
+        );
         *running = new;
         version
     }
@@ -330,9 +300,13 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     let prometheus = config.admin_listen.map(|_| prometheus()).transpose()?;
     let (store, permits, leased) = connect_store(&config.store).await?;
     let follow = first_rule_set(&mut config, store.connecting()).await?;
-    let client = proxy::client();
-    let local = FailurePolicy::local();
-    let gateway = build_gateway(&config, &store, &permits, &local, &client);
+    let lasting = Lasting {
+        store,
+        permits,
+        local: FailurePolicy::local(),
+        client: proxy::client(),
+    };
+    let (gateway, _) = Gateway::build(&config, &lasting, None);
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -354,6 +328,7 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         header_read_timeout: config.server.header_read_timeout,
         max_connections: config.server.max_connections,
         shutdown_timeout: config.server.shutdown_timeout,
+        write_idle_timeout: config.server.write_idle_timeout,
     };
     // The body limit comes first: a body announced too large is refused before a route
     // or a limit is looked at; one that grows too large while streamed fails the proxy's
@@ -372,10 +347,7 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
     let live = Arc::new(Live {
         gateway: ArcSwap::from_pointee(gateway),
         config: Mutex::new(config.clone()),
-        store,
-        permits,
-        local,
-        client,
+        lasting,
         version: AtomicU64::new(1),
         redis_routes: Mutex::new(follow.as_ref().and_then(|f| f.routes.clone())),
     });
@@ -499,40 +471,6 @@ async fn first_rule_set(
     Ok(None)
 }
 
-/// The route table of `config`, its limits on `store` (in-flight limits on `permits`).
-/// `local` is the fallback store of `on_error = "local"`, kept across reloads like `store`.
-fn build_gateway(
-    config: &Config,
-    store: &Arc<dyn Store>,
-    permits: &Arc<dyn Permits>,
-    local: &FailurePolicy,
-    client: &proxy::HttpClient,
-) -> Gateway {
-    let policy = match config.store.on_error {
-        OnError::Allow => FailurePolicy::Allow,
-        OnError::Deny => FailurePolicy::Deny,
-        OnError::Local => local.clone(),
-    };
-    let proxy = Arc::new(proxy::Settings {
-        client: client.clone(),
-        trusted_proxies: config.trusted_proxies.clone(),
-        upstream_timeout: config.server.upstream_timeout,
-    });
-    let mut admin = Vec::new();
-    let mut routes: Vec<(String, RouteService)> = config
-        .routes
-        .iter()
-        .map(|route| {
-            let stores = (store, permits);
-            let service = route_service(route, config, stores, &policy, &proxy, &mut admin);
-            (route.path.clone(), service)
-        })
-        .collect();
-    // Longest prefix first; two different prefixes of one length never both match.
-    routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
-    Gateway { routes, admin }
-}
-
 /// Resolves when shutdown is asked for, or when the [`Running`] handle is dropped.
 async fn stopped(mut signal: watch::Receiver<bool>) {
     let _ = signal.wait_for(|stop| *stop).await;
@@ -568,262 +506,6 @@ async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Respon
     };
     tracing::debug!(%method, path = normalized, status = response.status().as_u16(), "answered");
     response
-}
-
-/// The route's endpoint wrapped in one rate-limit layer per kind of key, outermost first
-/// in the order ip, header, global.
-///
-/// A layer decides its limits all-or-nothing in one store call; limits with different keys
-/// are in different layers, decided one after another: a request that one layer allows and
-/// a later one denies has used its budget in the first.
-fn route_service(
-    route: &Route,
-    config: &Config,
-    (store, permits): (&Arc<dyn Store>, &Arc<dyn Permits>),
-    policy: &FailurePolicy,
-    proxy: &Arc<proxy::Settings>,
-    admin: &mut Vec<admin::Entry>,
-) -> RouteService {
-    let mut service: RouteService = match &route.upstream {
-        Some(upstream) => {
-            let proxy = Proxy::new(proxy.clone(), upstream.clone(), &route.path);
-            BoxCloneSyncService::new(service_fn(move |request: Request| {
-                let proxy = proxy.clone();
-                async move { Ok(proxy.forward(request).await) }
-            }))
-        }
-        None => BoxCloneSyncService::new(service_fn(|_request: Request| async {
-            Ok(proxy::status(StatusCode::OK, "ok"))
-        })),
-    };
-    if let Some(plans) = &route.plans {
-        service = plan_layer(route, plans, config, store, policy, service);
-    }
-    let groups = key_groups(&route.limits);
-    let several = groups.len() > 1;
-    // Wrap from the innermost (last) group outwards.
-    for (key, limits) in groups.into_iter().rev() {
-        let name = if several {
-            format!("{} {key}", route.path)
-        } else {
-            route.path.clone()
-        };
-        // A shadow limit given to `new` is moved to shadow by `shadow_limit`.
-        let mut layer = RateLimitLayer::new(limits[0].limit.clone());
-        for limit in &limits {
-            layer = if limit.shadow {
-                layer.with_shadow_limit(limit.limit.clone())
-            } else {
-                layer.with_limit(limit.limit.clone())
-            };
-        }
-        let layer = layer
-            .with_shadow(route.shadow)
-            .with_store(store.clone())
-            .with_on_store_error(policy.clone())
-            .with_timeout(Some(config.store.timeout))
-            .with_name(name);
-        let layer = layer.with_max_wait(route.delay);
-        service = keyed(
-            layer,
-            key,
-            config,
-            service,
-            route.count_after.as_ref(),
-            Some((&route.path, &mut *admin)),
-        );
-    }
-    if let Some(max) = route.max_in_flight {
-        service = in_flight(route, max, config, permits, policy, service);
-    }
-    service
-}
-
-/// The route's `max_in_flight`, outermost: a request it denies spends no rate budget.
-/// Keyed by the route's first limit's key, else its plans' key, else the client IP.
-fn in_flight(
-    route: &Route,
-    max: u32,
-    config: &Config,
-    permits: &Arc<dyn Permits>,
-    policy: &FailurePolicy,
-    service: RouteService,
-) -> RouteService {
-    let key = route
-        .limits
-        .first()
-        .map(|limit| limit.key.clone())
-        .or_else(|| route.plans.as_ref().map(|plans| plans.key.clone()))
-        .unwrap_or(KeySpec::Ip);
-    let layer = InFlightLayer::new(max)
-        .expect("max_in_flight validated with the config")
-        .with_store(permits.clone())
-        .with_on_store_error(policy.clone())
-        .with_timeout(Some(config.store.timeout))
-        .with_name(format!("{} in_flight", route.path));
-    // The permit rides in the body until it ends: boxed into axum's body here.
-    fn boxed<S>(service: S) -> RouteService
-    where
-        S: tower::Service<
-                Request,
-                Response = http::Response<InFlightBody<Body>>,
-                Error = Infallible,
-            > + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Future: Send + 'static,
-    {
-        BoxCloneSyncService::new(service.map_response(|response| response.map(Body::new)))
-    }
-    match key {
-        KeySpec::Ip => boxed(
-            layer
-                .with_key(ClientIp::new(config.trusted_proxies.iter().copied()))
-                .layer(service),
-        ),
-        KeySpec::Header(name) => boxed(layer.with_key(header_key(name, config)).layer(service)),
-        KeySpec::Global => boxed(layer.with_key(GlobalKey).layer(service)),
-    }
-}
-
-/// `layer` keyed by `key`, around `service`, counting after the response when the route
-/// says so, and listed on the admin endpoints when `admin` is given.
-fn keyed(
-    layer: RateLimitLayer,
-    key: KeySpec,
-    config: &Config,
-    service: RouteService,
-    after: Option<&CountAfter>,
-    admin: Option<(&str, &mut Vec<admin::Entry>)>,
-) -> RouteService {
-    match key {
-        KeySpec::Ip => {
-            let layer = layer.with_key(ClientIp::new(config.trusted_proxies.iter().copied()));
-            if let Some((path, admin)) = admin {
-                admin.push(admin::Entry::ip(path, layer.limiter()));
-            }
-            wrap(layer, after, service)
-        }
-        KeySpec::Header(name) => {
-            let layer = layer.with_key(header_key(name.clone(), config));
-            if let Some((path, admin)) = admin {
-                admin.push(admin::Entry::header(
-                    path,
-                    KeySpec::Header(name),
-                    layer.limiter(),
-                ));
-            }
-            wrap(layer, after, service)
-        }
-        KeySpec::Global => {
-            let layer = layer.with_key(GlobalKey);
-            if let Some((path, admin)) = admin {
-                admin.push(admin::Entry::global(path, layer.limiter()));
-            }
-            wrap(layer, after, service)
-        }
-    }
-}
-
-/// The key of a `header:<name>` limit: the header's value, hashed as the store's
-/// `hash_header_keys` / `key_secret_env` say.
-fn header_key(name: http::HeaderName, config: &Config) -> HeaderKey {
-    let key = HeaderKey::from(name);
-    match &config.store.header_keys {
-        HeaderKeys::Plain => key,
-        HeaderKeys::Sha256 => key.hashed(),
-        HeaderKeys::Hmac(secret) => key.hashed_with(&secret.0),
-    }
-}
-
-/// `service` behind `layer`, counting after the response when the route says so
-/// (`count_when`, `cost_header`).
-fn wrap<K>(
-    layer: RateLimitLayer<K>,
-    after: Option<&CountAfter>,
-    service: RouteService,
-) -> RouteService
-where
-    K: tollgate::key::KeyExtractor<axum::body::Body> + Send + Sync + 'static,
-{
-    match after {
-        None => BoxCloneSyncService::new(layer.layer(service)),
-        Some(after) => {
-            let after = after.clone();
-            let layer = layer.with_late_cost(move |response: &Response| after.cost(response));
-            BoxCloneSyncService::new(layer.layer(service))
-        }
-    }
-}
-
-/// The layer of a route's plans, innermost (after the route's own limits), keyed by the
-/// plans' key. Every request has a plan (the default one at least), so the layer's own
-/// limit (any plan limit, required by the builder) never decides a request.
-fn plan_layer(
-    route: &Route,
-    plans: &RoutePlans,
-    config: &Config,
-    store: &Arc<dyn Store>,
-    policy: &FailurePolicy,
-    service: RouteService,
-) -> RouteService {
-    let Some(any) = plans.plans.iter().find_map(|p| p.limits.as_ref()?.first()) else {
-        // Only unlimited plans: nothing to limit.
-        return service;
-    };
-    let built = plans.plans.iter().map(|plan| match &plan.limits {
-        Some(limits) => tollgate::plan::Plan::new(plan.name.as_str(), limits.iter().cloned()),
-        None => tollgate::plan::Plan::unlimited(plan.name.as_str()),
-    });
-    // Validated with the config: these cannot fail.
-    let built = built
-        .collect::<Result<Vec<_>, _>>()
-        .and_then(tollgate::plan::Plans::new)
-        .and_then(|p| p.with_default(&plans.default))
-        .expect("plans validated with the config")
-        .with_header(plans.header.clone());
-    let name = if route.limits.is_empty() {
-        route.path.clone()
-    } else {
-        format!("{} plans", route.path)
-    };
-    let mut layer = RateLimitLayer::new(any.clone())
-        .with_plans(built)
-        .with_shadow(route.shadow)
-        .with_store(store.clone())
-        .with_on_store_error(policy.clone())
-        .with_timeout(Some(config.store.timeout))
-        .with_name(name);
-    // The plans are the route's limits too: their denials wait as the others do.
-    layer = layer.with_max_wait(route.delay);
-    // Counted after the response as the route says, like its own limits; not on the
-    // admin endpoints: they read and reset a route's own limits.
-    keyed(
-        layer,
-        plans.key.clone(),
-        config,
-        service,
-        route.count_after.as_ref(),
-        None,
-    )
-}
-
-/// The limits grouped by key, groups ordered ip, headers (in config order), global.
-fn key_groups(limits: &[RouteLimit]) -> Vec<(KeySpec, Vec<RouteLimit>)> {
-    let mut groups: Vec<(KeySpec, Vec<RouteLimit>)> = Vec::new();
-    for limit in limits {
-        match groups.iter_mut().find(|(key, _)| *key == limit.key) {
-            Some((_, group)) => group.push(limit.clone()),
-            None => groups.push((limit.key.clone(), vec![limit.clone()])),
-        }
-    }
-    groups.sort_by_key(|(key, _)| match key {
-        KeySpec::Ip => 0,
-        KeySpec::Header(_) => 1,
-        KeySpec::Global => 2,
-    });
-    groups
 }
 
 /// The store, as the rate limits and as the in-flight limits use it, and its leases.
@@ -1072,44 +754,4 @@ fn prometheus() -> Result<PrometheusHandle, Error> {
         })?;
     *handle = Some(installed.clone());
     Ok(installed)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tollgate::Limit;
-
-    #[test]
-    fn limits_are_grouped_by_key_ip_first_global_last() {
-        let limit = |n| Limit::fixed_window(n, Duration::from_secs(1)).unwrap();
-        let header = KeySpec::Header(http::HeaderName::from_static("x-api-key"));
-        let limits = vec![
-            RouteLimit {
-                key: KeySpec::Global,
-                limit: limit(1),
-                shadow: false,
-            },
-            RouteLimit {
-                key: header.clone(),
-                limit: limit(2),
-                shadow: false,
-            },
-            RouteLimit {
-                key: KeySpec::Ip,
-                limit: limit(3),
-                shadow: false,
-            },
-            RouteLimit {
-                key: KeySpec::Global,
-                limit: limit(4),
-                shadow: false,
-            },
-        ];
-        let groups = key_groups(&limits);
-        let shape: Vec<_> = groups.iter().map(|(k, l)| (k.clone(), l.len())).collect();
-        assert_eq!(
-            shape,
-            vec![(KeySpec::Ip, 1), (header, 1), (KeySpec::Global, 2)]
-        );
-    }
 }

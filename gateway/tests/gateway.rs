@@ -1345,6 +1345,84 @@ async fn a_client_trickling_its_headers_is_disconnected() {
     gw.stop().await.unwrap();
 }
 
+/// A client that sends a request and never reads the response (an endless stream from
+/// the upstream) is disconnected once a write to it has made no progress for
+/// `write_idle_timeout`, which frees its connection slot and ends the upstream's response
+/// (before, both were held for as long as the client stayed connected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_is_disconnected_after_write_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Set when the upstream's response stream is dropped: its connection ended.
+    struct Ended(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let upstream = {
+        let ended = ended.clone();
+        Router::new().fallback(move || {
+            let guard = Ended(ended.clone());
+            async move {
+                let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+                Body::from_stream(futures_util::stream::unfold(guard, move |guard| {
+                    let chunk = chunk.clone();
+                    async move { Some((Ok::<_, std::convert::Infallible>(chunk), guard)) }
+                }))
+            }
+        })
+    };
+    let (upstream, _task) = serve(upstream).await;
+    let server = "[server]\nwrite_idle_timeout = \"300ms\"\nmax_connections = 1\n";
+    let gw = gateway(
+        server,
+        &route("/", Some(&format!("http://{upstream}")), None),
+    )
+    .await;
+
+    let mut stalled = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+    stalled
+        .write_all(b"GET /endless HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while !ended.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a client that never reads kept its response streaming"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The client's connection was closed: what was buffered, then the end.
+    let mut sink = vec![0; 1 << 20];
+    let drained = tokio::time::timeout(TIMEOUT, async {
+        loop {
+            match stalled.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(drained.is_ok(), "the connection stayed open");
+    // Its slot is free (max_connections = 1): the next client is served.
+    let reply = tokio::time::timeout(TIMEOUT, async {
+        let mut next = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+        next.write_all(b"GET /x HTTP/1.1\r\nHost: gateway\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = [0; 12];
+        next.read_exact(&mut head).await.unwrap();
+        head
+    })
+    .await
+    .expect("the slot was not freed");
+    assert_eq!(&reply, b"HTTP/1.1 200");
+    gw.stop().await.unwrap();
+}
+
 /// An upstream that never answers costs a client `upstream_timeout`, then 504.
 #[tokio::test]
 async fn a_hung_upstream_is_504_after_upstream_timeout() {
@@ -1697,6 +1775,18 @@ async fn a_broken_request_body_is_not_an_upstream_failure() {
     )
     .await;
     assert!(malformed.starts_with("HTTP/1.1 400"), "{malformed:?}");
+    // Trailers far beyond any header limit (64 KiB in one field) after a good chunk.
+    let oversized: &'static [u8] = {
+        let mut request =
+            b"POST /broken HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n\
+                            5\r\nhello\r\n0\r\nX-Big: "
+                .to_vec();
+        request.extend(std::iter::repeat_n(b'a', 64 * 1024));
+        request.extend(b"\r\n\r\n");
+        request.leak()
+    };
+    let trailers = send_raw(oversized, false).await;
+    assert!(!trailers.starts_with("HTTP/1.1 502"), "{trailers:?}");
     // Half a body, then the client's side of the connection closes.
     send_raw(
         b"POST /broken HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\nhalf",

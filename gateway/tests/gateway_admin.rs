@@ -632,3 +632,150 @@ window = "1h"
     assert_eq!(request("secret-key").await, 200);
     gw.stop().await.unwrap();
 }
+
+/// `plan=<name>` reads a client's budget under one of the route's plans (the library's
+/// `Limiter::peek_plan`: the plan's limits, its own state), resets the client under every
+/// plan, and names the route's plans when the plan is not one of them; without `plan=`
+/// the route's own limits answer, as before (404 on a route with only plans).
+#[tokio::test]
+async fn admin_reads_and_resets_plan_budgets() {
+    let text = r#"
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+[[routes]]
+path = "/mixed"
+plan_header = "x-plan"
+default_plan = "free"
+[[routes.limits]]
+key = "ip"
+algorithm = "fixed_window"
+limit = 100
+window = "1h"
+[[routes.plans]]
+name = "free"
+[[routes.plans.limits]]
+key = "header:x-api-key"
+algorithm = "fixed_window"
+limit = 2
+window = "1h"
+name = "hourly"
+[[routes.plans]]
+name = "paid"
+[[routes.plans.limits]]
+key = "header:x-api-key"
+algorithm = "fixed_window"
+limit = 5
+window = "1h"
+name = "hourly"
+[[routes.plans]]
+name = "internal"
+unlimited = true
+
+[[routes]]
+path = "/plans-only"
+plan_header = "x-plan"
+default_plan = "free"
+[[routes.plans]]
+name = "free"
+[[routes.plans.limits]]
+key = "global"
+algorithm = "fixed_window"
+limit = 1
+window = "1h"
+"#;
+    let gw = server::start(Config::parse(text).unwrap()).await.unwrap();
+    let client = client();
+    let call = |plan: &'static str| {
+        let url = public(&gw, "/mixed");
+        let client = client.clone();
+        async move {
+            let headers = [("x-api-key", "k1"), ("x-plan", plan)];
+            send(&client, Method::GET, &url, &headers)
+                .await
+                .status
+                .as_u16()
+        }
+    };
+    assert_eq!(call("free").await, 200);
+    assert_eq!(call("paid").await, 200);
+    assert_eq!(call("paid").await, 200);
+    let read = |path: &'static str| {
+        let url = admin(&gw, path);
+        let client = client.clone();
+        async move { send(&client, Method::GET, &url, &[]).await }
+    };
+    let free = read("/ratelimit/mixed?plan=free&key=k1&cost=0").await;
+    assert_eq!(free.status, StatusCode::OK, "{}", free.text());
+    assert_eq!(
+        without_reset_after(free.text()),
+        r#"{"route":"/mixed","kind":"header:x-api-key","plan":"free","cost":0,"allowed":true,"limits":[{"name":"hourly","algorithm":"fixed_window","limit":2,"window_ms":3600000,"shadow":false,"allowed":true,"remaining":1,"reset_after_ms":0,"retry_after_ms":0}]}
+"#
+    );
+    let paid = read("/ratelimit/mixed?plan=paid&key=k1").await;
+    assert_eq!(
+        number_after(paid.text(), r#""remaining":"#),
+        2,
+        "{}",
+        paid.text()
+    );
+    assert_eq!(
+        number_after(paid.text(), r#""limit":"#),
+        5,
+        "{}",
+        paid.text()
+    );
+    let internal = read("/ratelimit/mixed?plan=internal&key=k1").await;
+    assert!(
+        internal
+            .text()
+            .contains(r#""plan":"internal","cost":1,"allowed":true,"limits":[]"#),
+        "{}",
+        internal.text()
+    );
+    // Without plan=, the route's own limit (per IP).
+    let own = read("/ratelimit/mixed?key=127.0.0.1&cost=0").await;
+    assert!(
+        own.text().contains(r#""kind":"ip","cost":0"#) && own.text().contains(r#""remaining":97"#),
+        "{}",
+        own.text()
+    );
+    let unknown = read("/ratelimit/mixed?plan=gold&key=k1").await;
+    assert_eq!(unknown.status, StatusCode::BAD_REQUEST);
+    assert!(
+        unknown
+            .text()
+            .contains("no plan \\\"gold\\\" (it has free, paid, internal)"),
+        "{}",
+        unknown.text()
+    );
+    let only = read("/ratelimit/plans-only?key=x").await;
+    assert_eq!(only.status, StatusCode::NOT_FOUND);
+    assert!(only.text().contains("has only plans"), "{}", only.text());
+    let only = read("/ratelimit/plans-only?plan=free").await;
+    assert_eq!(only.status, StatusCode::OK, "{}", only.text());
+
+    // A reset clears the client under every plan.
+    let reset = send(
+        &client,
+        Method::POST,
+        &admin(&gw, "/ratelimit/mixed?plan=paid&key=k1"),
+        &[],
+    )
+    .await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text());
+    assert_eq!(
+        reset.text(),
+        "{\"route\":\"/mixed\",\"kind\":\"header:x-api-key\",\"plan\":\"paid\",\"reset\":true}\n"
+    );
+    for (plan, left) in [("free", 2), ("paid", 5)] {
+        let path = format!("/ratelimit/mixed?plan={plan}&key=k1&cost=0");
+        let reply = send(&client, Method::GET, &admin(&gw, &path), &[]).await;
+        assert_eq!(
+            number_after(reply.text(), r#""remaining":"#),
+            left,
+            "{}",
+            reply.text()
+        );
+    }
+    gw.stop().await.unwrap();
+}

@@ -574,3 +574,204 @@ on_change = "carry_over"
         }
     }
 }
+
+/// A reload that changes limits and route options which are rules (`delay`, a limit)
+/// keeps the running layers (their `RulesHandle`s get the new rules) while clients keep
+/// the gateway busy: requests waiting under `delay` before the reload are answered in
+/// their order, and a response streaming before it still holds its `max_in_flight`
+/// permit after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_waiting_and_in_flight_requests() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let upstream = {
+        let gate = gate.clone();
+        axum::Router::new().fallback(move || {
+            let gate = gate.clone();
+            async move {
+                Body::from_stream(futures_util::stream::once(async move {
+                    gate.acquire().await.unwrap().forget();
+                    Ok::<_, std::convert::Infallible>(axum::body::Bytes::from_static(b"done"))
+                }))
+            }
+        })
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, upstream).await.unwrap() });
+    let text = |held_limit: u32, delay: &str| {
+        format!(
+            r#"listen = "127.0.0.1:0"
+[[routes]]
+path = "/load"
+[[routes.limits]]
+key = "global"
+algorithm = "fixed_window"
+limit = 1000000
+window = "1h"
+
+[[routes]]
+path = "/held"
+upstream = "http://{upstream_addr}"
+max_in_flight = 1
+[[routes.limits]]
+key = "header:x-key"
+algorithm = "fixed_window"
+limit = {held_limit}
+window = "1h"
+
+[[routes]]
+path = "/slow"
+delay = "{delay}"
+[[routes.limits]]
+key = "global"
+algorithm = "gcra"
+limit = 1
+window = "1s"
+"#
+        )
+    };
+    let gateway = server::start(Config::parse(&text(1000, "5s")).unwrap())
+        .await
+        .unwrap();
+    let load = Load::start(&gateway);
+    let client = client();
+    let held_request = || {
+        let request = http::Request::get(format!("http://{}/held", gateway.addr()))
+            .header("x-key", "a")
+            .body(Body::empty())
+            .unwrap();
+        let response = client.request(request);
+        async move {
+            tokio::time::timeout(PATIENCE, response)
+                .await
+                .expect("an answer in time")
+                .expect("no failed request")
+        }
+    };
+    let held = held_request().await;
+    assert_eq!(held.status(), StatusCode::OK);
+    assert_eq!(held_request().await.status(), StatusCode::TOO_MANY_REQUESTS);
+
+    // One request spends /slow's budget; two more wait in its line, in this order.
+    assert_eq!(
+        status(&client, &gateway, "/slow", "w").await,
+        StatusCode::OK
+    );
+    let waiter = || {
+        let (client, gateway_addr) = (client.clone(), gateway.addr());
+        tokio::spawn(async move {
+            let request = http::Request::get(format!("http://{gateway_addr}/slow"))
+                .body(Body::empty())
+                .unwrap();
+            let response = tokio::time::timeout(PATIENCE, client.request(request))
+                .await
+                .expect("an answer in time")
+                .expect("no failed request");
+            (response.status(), Instant::now())
+        })
+    };
+    let first = waiter();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = waiter();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // The reload: another limit on /held, another delay on /slow.
+    let version = gateway
+        .live()
+        .apply(Config::parse(&text(2000, "6s")).unwrap());
+    assert_eq!(version, 2);
+    assert_eq!(
+        held_request().await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the reload forgot the request in flight"
+    );
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!((first.0, second.0), (StatusCode::OK, StatusCode::OK));
+    assert!(first.1 <= second.1, "the line kept its order");
+
+    gate.add_permits(1);
+    let body = http_body_util::BodyExt::collect(held.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(&body[..], b"done");
+    let start = Instant::now();
+    while held_request().await.status() != StatusCode::OK {
+        assert!(start.elapsed() < PATIENCE, "the permit never came back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gate.add_permits(16);
+    load.finish().await;
+    gateway.stop().await.unwrap();
+}
+
+/// A reload that changes a limit keeps the route's circuit breaker: open stays open (the
+/// store is not asked, though it answers again); a reload that changes the breaker's own
+/// settings starts it closed. Before, every reload rebuilt the layers and closed every
+/// breaker.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_stays_open_across_a_reload_that_changes_a_limit() {
+    let server = support::RedisServer::start();
+    let text = |limit: u32, cooldown: &str| {
+        format!(
+            r#"listen = "127.0.0.1:0"
+[store]
+backend = "redis"
+url = "{}"
+timeout_ms = 300
+on_error = "deny"
+breaker_failures = 3
+breaker_cooldown = "{cooldown}"
+[[routes]]
+path = "/api"
+[[routes.limits]]
+key = "header:x-key"
+algorithm = "fixed_window"
+limit = {limit}
+window = "1h"
+"#,
+            server.url()
+        )
+    };
+    let gateway = server::start(Config::parse(&text(100, "1h")).unwrap())
+        .await
+        .unwrap();
+    let client = client();
+    assert_eq!(status(&client, &gateway, "/api", "a").await, StatusCode::OK);
+    // Redis stops answering for 5 s: three timeouts open the breaker.
+    server.cli(&["CLIENT", "PAUSE", "5000"]).unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            status(&client, &gateway, "/api", "a").await,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+    // Answered once the pause is over.
+    server.cli(&["PING"]).unwrap();
+    // Open: denied without asking Redis, which answers again.
+    assert_eq!(
+        status(&client, &gateway, "/api", "a").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        gateway
+            .live()
+            .apply(Config::parse(&text(200, "1h")).unwrap()),
+        2
+    );
+    assert_eq!(
+        status(&client, &gateway, "/api", "a").await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the reload closed the open breaker"
+    );
+    // New breaker settings: a breaker that starts closed, and Redis answers.
+    assert_eq!(
+        gateway
+            .live()
+            .apply(Config::parse(&text(200, "2h")).unwrap()),
+        3
+    );
+    assert_eq!(status(&client, &gateway, "/api", "a").await, StatusCode::OK);
+    gateway.stop().await.unwrap();
+}

@@ -68,8 +68,9 @@ mod namespace;
 use std::{fmt, net::IpAddr};
 
 use compact_str::CompactString;
+use hmac::{Hmac, Mac};
 use http::Request;
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 pub use extension::ExtensionKey;
 pub use global::GlobalKey;
@@ -134,9 +135,13 @@ impl Key {
             .map_or(self.as_str(), |(namespace, _)| namespace)
     }
 
-    /// A form for logs that never shows the value: the namespace and the first 32 bits
-    /// of the key's SHA-256, enough to tell keys apart in one incident
-    /// (`header:x-api-key|sha256:5F1C03A2`).
+    /// A form for logs that never shows the value: the namespace and a pseudonym, the
+    /// first 64 bits of the key's HMAC-SHA256 under a secret drawn at random once per
+    /// process (`header:x-api-key|id:5F1C03A2B7E4019C`). One key has one pseudonym for
+    /// the life of the process, so the lines of one incident can be followed; without the
+    /// secret, which never leaves the process, a pseudonym cannot be traced back to its
+    /// key by hashing candidates (every IPv4 address, a list of likely API keys), and
+    /// the same key has another pseudonym in another process or after a restart.
     pub fn redacted(&self) -> Redacted<'_> {
         Redacted(self)
     }
@@ -155,12 +160,31 @@ impl fmt::Debug for Redacted<'_> {
 
 impl fmt::Display for Redacted<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Hashed only when the log line is written.
-        let digest = Sha256::digest(self.0.as_str().as_bytes());
-        let mut hex = CompactString::with_capacity(8);
-        push_hex(&digest[..4], &mut hex);
-        write!(f, "{}|sha256:{hex}", self.0.namespace())
+        // Keyed only when the log line is written.
+        let mut mac = pseudonym_key().clone();
+        mac.update(self.0.as_str().as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let mut hex = CompactString::with_capacity(16);
+        push_hex(&digest[..8], &mut hex);
+        write!(f, "{}|id:{hex}", self.0.namespace())
     }
+}
+
+/// The keyed HMAC of [`Key::redacted`]'s pseudonyms: a 256-bit secret drawn once per
+/// process from std's `RandomState` (SipHash keys the OS's randomness seeds: 128 bits of
+/// entropy), never written anywhere.
+fn pseudonym_key() -> &'static Hmac<Sha256> {
+    static KEY: std::sync::OnceLock<Hmac<Sha256>> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut secret = [0u8; 32];
+        for (i, chunk) in secret.chunks_mut(8).enumerate() {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_usize(i);
+            chunk.copy_from_slice(&hasher.finish().to_le_bytes());
+        }
+        <Hmac<Sha256> as Mac>::new_from_slice(&secret).expect("HMAC takes a key of any length")
+    })
 }
 
 /// The `custom` namespace, made once.
@@ -370,15 +394,35 @@ mod tests {
     }
 
     #[test]
-    fn redacted_keys_show_the_namespace_and_a_short_digest_only() {
+    fn redacted_keys_show_the_namespace_and_a_pseudonym_only() {
         let key = Namespace::named("header", b"x-api-key").key("secret-api-key-123");
         let shown = key.redacted().to_string();
-        assert!(shown.starts_with("header:x-api-key|sha256:"), "{shown}");
-        assert_eq!(shown.len(), "header:x-api-key|sha256:".len() + 8);
+        assert!(shown.starts_with("header:x-api-key|id:"), "{shown}");
+        assert_eq!(shown.len(), "header:x-api-key|id:".len() + 16);
         assert!(!shown.contains("secret"), "{shown}");
         assert_eq!(format!("{:?}", key.redacted()), shown);
+        assert_eq!(key.redacted().to_string(), shown, "one pseudonym per key");
         let other = Namespace::named("header", b"x-api-key").key("secret-api-key-124");
         assert_ne!(other.redacted().to_string(), shown);
+    }
+
+    /// An IP key's pseudonym is not its unsalted hash: anyone could find the address by
+    /// hashing all 2^32 IPv4 addresses (it was the first 32 bits of its SHA-256).
+    #[test]
+    fn a_redacted_ip_is_not_its_plain_hash() {
+        use sha2::Digest;
+        let key = Key::from_safe(CompactString::const_new("ip|203.0.113.7"));
+        let shown = key.redacted().to_string();
+        let digest = Sha256::digest(key.as_str().as_bytes());
+        for bits in [4, 8] {
+            let mut plain = CompactString::default();
+            push_hex(&digest[..bits], &mut plain);
+            assert!(
+                !shown.contains(plain.as_str()),
+                "{shown} is SHA-256 of the key"
+            );
+        }
+        assert!(shown.starts_with("ip|id:"), "{shown}");
     }
 
     #[test]

@@ -23,6 +23,9 @@ mod reload;
 #[path = "../../src/rules_source.rs"]
 mod rules_source;
 #[allow(dead_code)]
+#[path = "../../src/routes.rs"]
+mod routes;
+#[allow(dead_code)]
 #[path = "../../src/serve.rs"]
 mod serve;
 #[allow(dead_code)]
