@@ -88,8 +88,16 @@
 //! [`peek`](Limiter::peek) answers the decision a request would get now, with nothing
 //! written, and its [`reset`](Limiter::reset) gives a key a fresh budget under the
 //! layer's rules in force, on every replica at once (the Redis store's block caches hear
-//! resets over pub/sub). [`Limiter::key_of`] makes the key with the layer's own extractor.
+//! resets over pub/sub). [`Limiter::key_of`] makes the key with the layer's own extractor,
+//! [`Limiter::key_for`] from a value an admin typed, and [`Limiter::check`] decides one
+//! request outside HTTP (a WebSocket message, a job) through the layer's own pipeline.
 //! Stores implement [`Store::peek`](store::Store::peek) and [`Store::reset`](store::Store::reset).
+//!
+//! # Exempt requests
+//!
+//! [`RateLimitLayer::with_exempt`] lets an allowlist through uncounted (health checks,
+//! internal callers). It is not the same as a request without a key: one that is not
+//! exempt and has no key still gets [`MissingKey`]'s answer.
 //!
 //! # Shadow mode
 //!
@@ -185,8 +193,8 @@ pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_NAME, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
-pub use limiter::Limiter;
-pub use policy::{FailurePolicy, MissingKey, RequestCost};
+pub use limiter::{Limiter, Verdict};
+pub use policy::{Exempt, FailurePolicy, MissingKey, NoExemption, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use service::RateLimit;
 
