@@ -166,7 +166,7 @@ impl<K> Limiter<K> {
                         layer.named(name.as_deref())
                     }
                 };
-                match planned(&shared, &layer, chosen) {
+                match planned(&shared, &layer, &chosen) {
                     Some(rules) => rules,
                     None => return Verdict::Allowed(None),
                 }
@@ -193,7 +193,7 @@ impl<K> Limiter<K> {
             timer: Timer::start(),
         };
         let layer = shared.rules.active.load_full();
-        let rules = planned(&shared, &layer, layer.named(Some(plan)));
+        let rules = planned(&shared, &layer, &layer.named(Some(plan)));
         async move {
             match rules {
                 Some(rules) => drive(&shared, &rules, &Request::new(()), &asked).await,
@@ -345,11 +345,11 @@ impl<K> Limiter<K> {
 fn planned(
     shared: &Shared<Verdicts>,
     layer: &Arc<Active>,
-    chosen: Chosen<'_>,
+    chosen: &Chosen<'_>,
 ) -> Option<Arc<Active>> {
-    match chosen {
+    match *chosen {
         Chosen::Layer => Some(layer.clone()),
-        Chosen::Plan(rules) => Some(rules.clone()),
+        Chosen::Plan(rules) => Some(Arc::clone(rules)),
         Chosen::Unlimited(plan) => {
             shared.metrics.request(Outcome::Allowed);
             shared.metrics.plan(plan, Outcome::Allowed);
