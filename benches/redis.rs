@@ -23,7 +23,7 @@ pub(crate) fn bench_all(c: &mut Criterion) {
         .build()
         .unwrap();
     let (store, manager) = runtime.block_on(async {
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = RedisStore::connect(server.url()).await.unwrap();
         let client = redis::Client::open(server.url()).unwrap();
         (store, ConnectionManager::new(client).await.unwrap())
     });

@@ -19,6 +19,7 @@ use crate::{
     headers::HeaderStyle,
     key::PeerIp,
     limiter::Limiter,
+    policy::NoExemption,
     rejection::DefaultRejection,
     rules::{Cell, Rules, RulesHandle},
     service::RateLimit,
@@ -35,10 +36,12 @@ pub const DEFAULT_NAME: &str = "default";
 /// method. **Clones of the layer, and every service it makes, share one budget** (one
 /// store), so `Router::layer` applies one limit across all routes; which separately built
 /// layers share one: [Which layers share a budget](crate#which-layers-share-a-budget).
-pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront> {
+pub struct RateLimitLayer<K = PeerIp, C = u32, R = DefaultRejection, M = UpFront, E = NoExemption> {
     key: Arc<K>,
     cost: C,
     rejection: R,
+    /// Which requests pass without a key and without counting ([`with_exempt`](Self::with_exempt)).
+    exempt: E,
     /// How requests are counted: up front, or after their response
     /// ([`count_when`](Self::with_count_when), [`late_cost`](Self::with_late_cost)).
     recount: M,
@@ -111,20 +114,21 @@ fn warn_connecting(layer: &str, policy: &FailurePolicy) {
 }
 
 // By hand: the key extractor is shared through an `Arc`, so it need not be `Clone`.
-impl<K, C: Clone, R: Clone, M: Clone> Clone for RateLimitLayer<K, C, R, M> {
+impl<K, C: Clone, R: Clone, M: Clone, E: Clone> Clone for RateLimitLayer<K, C, R, M, E> {
     fn clone(&self) -> Self {
         Self {
             key: self.key.clone(),
             cost: self.cost.clone(),
             rejection: self.rejection.clone(),
             recount: self.recount.clone(),
+            exempt: self.exempt.clone(),
             settings: self.settings.clone(),
         }
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, M: fmt::Debug> fmt::Debug
-    for RateLimitLayer<K, C, R, M>
+impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, M: fmt::Debug, E: fmt::Debug> fmt::Debug
+    for RateLimitLayer<K, C, R, M, E>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
@@ -132,6 +136,7 @@ impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, M: fmt::Debug> fmt::Debug
             .field("cost", &self.cost)
             .field("rejection", &self.rejection)
             .field("recount", &self.recount)
+            .field("exempt", &self.exempt)
             .field("settings", &self.settings)
             .finish()
     }
@@ -145,6 +150,7 @@ impl RateLimitLayer {
             cost: 1,
             rejection: DefaultRejection::new(),
             recount: UpFront,
+            exempt: NoExemption,
             settings: Settings {
                 rules: Rules::new([limit]).expect("one limit is a valid rule set"),
                 store: Arc::new(MemoryStore::new()),
@@ -156,7 +162,7 @@ impl RateLimitLayer {
     }
 }
 
-impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
+impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
     /// Adds another limit. A request passes only when every limit has room, and a denied
     /// request consumes nothing from any of them; all are decided in one store call.
     /// Adding a limit equal to one already present changes nothing; one with the same
@@ -195,24 +201,58 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     }
 
     /// Counts requests by `key` instead. See [`key`](crate::key) for the extractors.
-    pub fn with_key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M> {
+    pub fn with_key<K2>(self, key: K2) -> RateLimitLayer<K2, C, R, M, E> {
         RateLimitLayer {
             key: Arc::new(key),
             cost: self.cost,
             rejection: self.rejection,
             recount: self.recount,
+            exempt: self.exempt,
             settings: self.settings,
         }
     }
 
     /// Charges each request `cost` units: a fixed `u32` or a closure
     /// `Fn(&Request<B>) -> u32`. See [`RequestCost`](crate::RequestCost).
-    pub fn with_cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M> {
+    pub fn with_cost<C2>(self, cost: C2) -> RateLimitLayer<K, C2, R, M, E> {
         RateLimitLayer {
             key: self.key,
             cost,
             rejection: self.rejection,
             recount: self.recount,
+            exempt: self.exempt,
+            settings: self.settings,
+        }
+    }
+
+    /// Lets the requests `exempt` holds for pass without a key and without counting (an
+    /// allowlist: health checks, internal callers, a partner's network): a closure
+    /// `Fn(&Request<B>) -> bool`, asked before the key is extracted. Exempt is not the
+    /// same as keyless: a request that is not exempt and has no key (a missing API key)
+    /// still gets the [missing-key policy](Self::with_on_missing_key), so an allowlist
+    /// never leaves keyless requests unlimited. Exempt requests count as `exempt` in
+    /// [metrics](crate::metrics), carry no rate-limit fields and reach the inner
+    /// service whatever the store does.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http::Request;
+    /// use tollgate::{Limit, RateLimitLayer, key::HeaderKey};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = RateLimitLayer::new(Limit::per_minute(100)?)
+    ///     .with_key(HeaderKey::new("x-api-key")?)
+    ///     // Health checks pass; a request without an API key is still answered 400.
+    ///     .with_exempt(|request: &Request<axum::body::Body>| request.uri().path() == "/health");
+    /// # Ok(()) }
+    /// ```
+    pub fn with_exempt<E2>(self, exempt: E2) -> RateLimitLayer<K, C, R, M, E2> {
+        RateLimitLayer {
+            key: self.key,
+            cost: self.cost,
+            rejection: self.rejection,
+            recount: self.recount,
+            exempt,
             settings: self.settings,
         }
     }
@@ -316,23 +356,25 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 
     /// Builds the answers to rejected requests with `rejection`. See
     /// [`OnRejection`](crate::OnRejection).
-    pub fn with_on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M> {
+    pub fn with_on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M, E> {
         RateLimitLayer {
             key: self.key,
             cost: self.cost,
             rejection,
             recount: self.recount,
+            exempt: self.exempt,
             settings: self.settings,
         }
     }
 
-    fn recount<M2>(mut self, recount: M2) -> RateLimitLayer<K, C, R, M2> {
+    fn recount<M2>(mut self, recount: M2) -> RateLimitLayer<K, C, R, M2, E> {
         self.settings.changed().counts_after = true;
         RateLimitLayer {
             key: self.key,
             cost: self.cost,
             rejection: self.rejection,
             recount,
+            exempt: self.exempt,
             settings: self.settings,
         }
     }
@@ -364,7 +406,11 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// under this layer's rules in force, on its store. Take it once the layer is
     /// configured, as a [`rules_handle`](Self::rules_handle). See [`Limiter`].
     pub fn limiter(&self) -> Limiter<K> {
-        Limiter::new(self.key.clone(), self.settings.cell().clone())
+        Limiter::new(
+            self.key.clone(),
+            self.settings.cell().clone(),
+            self.settings.name.clone(),
+        )
     }
 
     /// Whether the layer can be built: its store has every
@@ -372,10 +418,10 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     /// [`layer`](Layer::layer) calls this and panics with the error; call it first to
     /// handle the error instead.
     ///
-    /// - Counting after the response ([`count_when`](Self::count_when),
-    ///   [`late_cost`](Self::late_cost), [`late_cost_from_trailers`](Self::late_cost_from_trailers))
+    /// - Counting after the response ([`count_when`](Self::with_count_when),
+    ///   [`late_cost`](Self::with_late_cost), [`late_cost_from_trailers`](Self::with_late_cost_from_trailers))
     ///   needs [`Adjust`](crate::store::Capability::Adjust).
-    /// - [`max_wait`](Self::max_wait) needs nothing: on a store that cannot
+    /// - [`max_wait`](Self::with_max_wait) needs nothing: on a store that cannot
     ///   [reserve](crate::store::Capability::Reserve), a denied request waits its turn
     ///   and asks again (as requests under limits that cannot be reserved do on every
     ///   store), without the reservation's promise that nobody takes its units meanwhile.
@@ -417,12 +463,12 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
 ///     .with_count_when(|r: &Response<Body>| r.status() == 401)
 ///     .with_late_cost(|_: &Response<Body>| Some(1)); // a second rule: does not compile
 /// ```
-impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
+impl<K, C, R, E> RateLimitLayer<K, C, R, UpFront, E> {
     /// Keeps a request's units spent only when `predicate` holds on its response (say,
     /// only failed logins count). The request is still checked first, so a key over its
     /// limit is rejected; see [`count_after`](crate::count_after) for the bound that holds
     /// while requests are in flight, and what a dropped response or an error counts.
-    pub fn with_count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>>
+    pub fn with_count_when<P, B>(self, predicate: P) -> RateLimitLayer<K, C, R, CountWhen<P>, E>
     where
         P: Fn(&Response<B>) -> bool,
     {
@@ -433,7 +479,7 @@ impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
     /// request used): the difference to the up-front [cost](Self::with_cost) is given back or
     /// charged late, even over the limit. `None` keeps the up-front cost. See
     /// [`count_after`](crate::count_after).
-    pub fn with_late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>>
+    pub fn with_late_cost<F, B>(self, cost: F) -> RateLimitLayer<K, C, R, LateCost<F>, E>
     where
         F: Fn(&Response<B>) -> Option<u32>,
     {
@@ -446,7 +492,10 @@ impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
     /// response (`grpc-status` in its headers, as tonic answers an error) is read at
     /// once, its headers standing for its trailers. The service answers with a
     /// [`CountedBody`](crate::count_after::CountedBody).
-    pub fn with_late_cost_from_trailers<F>(self, cost: F) -> RateLimitLayer<K, C, R, TrailerCost<F>>
+    pub fn with_late_cost_from_trailers<F>(
+        self,
+        cost: F,
+    ) -> RateLimitLayer<K, C, R, TrailerCost<F>, E>
     where
         F: Fn(Option<&HeaderMap>) -> Option<u32>,
     {
@@ -454,8 +503,8 @@ impl<K, C, R> RateLimitLayer<K, C, R, UpFront> {
     }
 }
 
-impl<S, K, C: Clone, R: Clone, M: Clone> Layer<S> for RateLimitLayer<K, C, R, M> {
-    type Service = RateLimit<S, K, C, R, M>;
+impl<S, K, C: Clone, R: Clone, M: Clone, E: Clone> Layer<S> for RateLimitLayer<K, C, R, M, E> {
+    type Service = RateLimit<S, K, C, R, M, E>;
 
     /// # Panics
     ///
@@ -478,6 +527,7 @@ impl<S, K, C: Clone, R: Clone, M: Clone> Layer<S> for RateLimitLayer<K, C, R, M>
             self.key.clone(),
             self.cost.clone(),
             self.recount.clone(),
+            self.exempt.clone(),
             Arc::new(shared),
         )
     }

@@ -60,6 +60,12 @@
 //! [peek and reset](guide::peek_reset), [counting after the response](count_after),
 //! [metrics], [security notes](guide::security).
 //!
+//! A [`Limiter`] ([`RateLimitLayer::limiter`]) peeks and resets a key's budget, builds a
+//! key from a value an admin typed ([`Limiter::key_for`]) and decides one request outside
+//! HTTP ([`Limiter::check`]: a WebSocket message, a job) through the layer's pipeline.
+//! [`RateLimitLayer::with_exempt`] lets an allowlist through uncounted; a request that is
+//! not exempt and has no key still gets [`MissingKey`]'s answer.
+//!
 //! # Feature flags
 //!
 //! - `axum` (default): [`PeerIp`](key::PeerIp) reads axum's `ConnectInfo<SocketAddr>`.
@@ -116,8 +122,8 @@ pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_NAME, RateLimitLayer};
 pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
-pub use limiter::Limiter;
-pub use policy::{FailurePolicy, MissingKey, RequestCost};
+pub use limiter::{Limiter, Verdict};
+pub use policy::{Exempt, FailurePolicy, MissingKey, NoExemption, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use service::RateLimit;
 

@@ -7,7 +7,7 @@
 //!
 //! | metric | kind | labels | what |
 //! |---|---|---|---|
-//! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error` or `key_missing` (an in-flight layer: `allowed` when a permit was taken, `denied` when none was left) |
+//! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error`, `key_missing` or `exempt` (passed uncounted, [`with_exempt`](crate::RateLimitLayer::with_exempt)) (an in-flight layer: `allowed` when a permit was taken, `denied` when none was left) |
 //! | [`tollgate_decision_seconds`](DECISION_SECONDS) | histogram | `route` | time from the store call to its answer (or its timeout) |
 //! | [`tollgate_plan_requests_total`](PLAN_REQUESTS_TOTAL) | counter | `route`, `plan`, `outcome` | one per request decided under a [plan](crate::plan) (also counted in the first) |
 //!
@@ -44,7 +44,7 @@ pub fn describe() {
         ::metrics::describe_counter!(
             REQUESTS_TOTAL,
             ::metrics::Unit::Count,
-            "Requests seen by a rate-limit layer, by outcome: allowed, denied, would_reject, \
+            "Requests seen by a rate-limit layer, by outcome: allowed, denied, would_reject, exempt, \
              store_error, key_missing."
         );
         ::metrics::describe_histogram!(
@@ -69,16 +69,19 @@ pub(crate) enum Outcome {
     KeyMissing,
     /// Allowed, though a shadow limit would have denied it.
     WouldReject,
+    /// Passed uncounted: the layer exempts it.
+    Exempt,
 }
 
 impl Outcome {
     #[cfg(feature = "metrics")]
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::Allowed,
         Self::Denied,
         Self::StoreError,
         Self::KeyMissing,
         Self::WouldReject,
+        Self::Exempt,
     ];
 
     #[cfg(feature = "metrics")]
@@ -89,6 +92,7 @@ impl Outcome {
             Self::StoreError => "store_error",
             Self::KeyMissing => "key_missing",
             Self::WouldReject => "would_reject",
+            Self::Exempt => "exempt",
         }
     }
 }
@@ -131,7 +135,7 @@ struct Handles {
     /// in tests, come and go like that.)
     recorder: usize,
     /// By [`Outcome`], in its order.
-    requests: [::metrics::Counter; 5],
+    requests: [::metrics::Counter; 6],
     latency: ::metrics::Histogram,
 }
 

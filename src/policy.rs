@@ -133,3 +133,31 @@ where
         self(request)
     }
 }
+
+/// Which requests pass a layer without a key and without counting: see
+/// [`RateLimitLayer::with_exempt`](crate::RateLimitLayer::with_exempt). Implemented by
+/// every closure `Fn(&Request<B>) -> bool` and by [`NoExemption`], the default.
+pub trait Exempt<B>: Clone + Send + Sync + 'static {
+    /// Whether `request` passes uncounted.
+    fn is_exempt(&self, request: &Request<B>) -> bool;
+}
+
+/// No request is exempt: the default of [`RateLimitLayer`](crate::RateLimitLayer).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoExemption;
+
+impl<B> Exempt<B> for NoExemption {
+    #[inline(always)]
+    fn is_exempt(&self, _request: &Request<B>) -> bool {
+        false
+    }
+}
+
+impl<B, F> Exempt<B> for F
+where
+    F: Fn(&Request<B>) -> bool + Clone + Send + Sync + 'static,
+{
+    fn is_exempt(&self, request: &Request<B>) -> bool {
+        self(request)
+    }
+}

@@ -16,6 +16,7 @@ use crate::{
     future::{Pending, ResponseFuture, inform},
     key::{KeyError, KeyExtractor},
     metrics,
+    policy::{Exempt, NoExemption},
     rejection::OnRejection,
     rules::{Active, Chosen},
 };
@@ -25,24 +26,33 @@ use crate::{
 /// Being rate-limited is an answer, not an error: `Error = S::Error`, so an infallible
 /// service stays infallible and axum needs no `HandleErrorLayer`. `poll_ready` only asks
 /// the inner service; limits never show as back-pressure.
-pub struct RateLimit<S, K, C, R, M = UpFront> {
+pub struct RateLimit<S, K, C, R, M = UpFront, E = NoExemption> {
     inner: S,
     key: Arc<K>,
     cost: C,
     recount: M,
+    exempt: E,
     shared: Arc<Shared<R>>,
     /// The rules this service last saw in force, refreshed when a newer version exists.
     rules: Arc<Active>,
 }
 
-impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
-    pub(crate) fn new(inner: S, key: Arc<K>, cost: C, recount: M, shared: Arc<Shared<R>>) -> Self {
+impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
+    pub(crate) fn new(
+        inner: S,
+        key: Arc<K>,
+        cost: C,
+        recount: M,
+        exempt: E,
+        shared: Arc<Shared<R>>,
+    ) -> Self {
         let rules = shared.rules.active.load_full();
         Self {
             inner,
             key,
             cost,
             recount,
+            exempt,
             shared,
             rules,
         }
@@ -64,20 +74,23 @@ impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
     }
 }
 
-impl<S: Clone, K, C: Clone, R, M: Clone> Clone for RateLimit<S, K, C, R, M> {
+impl<S: Clone, K, C: Clone, R, M: Clone, E: Clone> Clone for RateLimit<S, K, C, R, M, E> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             key: self.key.clone(),
             cost: self.cost.clone(),
             recount: self.recount.clone(),
+            exempt: self.exempt.clone(),
             shared: self.shared.clone(),
             rules: self.rules.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R, M> fmt::Debug for RateLimit<S, K, C, R, M> {
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R, M, E> fmt::Debug
+    for RateLimit<S, K, C, R, M, E>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -88,13 +101,14 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R, M> fmt::Debug for RateLimit
     }
 }
 
-impl<S, K, C, R, M, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, R, M>
+impl<S, K, C, R, M, E, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, R, M, E>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
     C: RequestCost<ReqB> + Clone,
     R: OnRejection<ReqB, ResB>,
     M: Recount<ResB>,
+    E: Exempt<ReqB>,
 {
     type Response = Response<M::Body>;
     type Error = S::Error;
@@ -109,6 +123,9 @@ where
         // The rules this request is decided, answered and given its fields under, even
         // when they change before it is done.
         self.shared.rules.refresh(&mut self.rules);
+        if self.exempt.is_exempt(&request) {
+            return self.exempted(request);
+        }
         let key = match self.key.extract(&request) {
             Ok(key) => key,
             Err(error) => return self.key_missing(request, &error),
@@ -186,7 +203,20 @@ where
     }
 }
 
-impl<S, K, C, R, M> RateLimit<S, K, C, R, M> {
+impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
+    /// [`call`](Service::call) for an [exempt](crate::RateLimitLayer::with_exempt)
+    /// request: the inner service, uncounted. Out of line: rare.
+    #[inline(never)]
+    fn exempted<ReqB, ResB>(&mut self, request: Request<ReqB>) -> ResponseFuture<S, ReqB, R, M>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>>,
+        M: Clone,
+    {
+        self.shared.metrics.request(metrics::Outcome::Exempt);
+        let future = self.inner.call(request);
+        ResponseFuture::calling(future, None, None, None, self.recount.clone())
+    }
+
     /// [`call`](Service::call) for a layer with [plans](crate::plan): decides the request
     /// under its plan's rules. Out of line, so that layers without plans pay one branch
     /// for them.

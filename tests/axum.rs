@@ -822,7 +822,7 @@ mod redis_store {
     use super::*;
 
     async fn store(server: &RedisServer) -> RedisStore {
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = RedisStore::connect(server.url()).await.unwrap();
         store.with_clock(ManualClock::new(NOW_MS))
     }
 

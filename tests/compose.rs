@@ -34,7 +34,7 @@ fn memory() -> MemoryStore {
 }
 
 async fn redis(server: &support::RedisServer, prefix: &str) -> RedisStore {
-    RedisStore::connect(&server.url())
+    RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_prefix(prefix)

@@ -370,7 +370,7 @@ macro_rules! conformance {
                 async fn $scenario() {
                     let server = RedisServer::start();
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect(&server.url())
+                    let store = RedisStore::connect(server.url())
                         .await
                         .unwrap()
                         .with_clock(clock.clone());
@@ -390,7 +390,7 @@ macro_rules! conformance {
                     let tls = std::sync::Arc::new(support::tls::TlsFiles::generate());
                     let server = RedisServer::start_tls(&tls);
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect(tollgate::store::RedisTarget::node(&server.url()).with_tls(tls_config(&tls)))
+                    let store = RedisStore::connect(tollgate::store::RedisTarget::node(server.url()).with_tls(tls_config(&tls)))
                         .await
                         .unwrap()
                         .with_clock(clock.clone());

@@ -49,7 +49,7 @@ fn memory() -> MemoryStore {
 }
 
 async fn redis(server: &support::RedisServer, prefix: &str) -> RedisStore {
-    RedisStore::connect(&server.url())
+    RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_prefix(prefix)
@@ -405,7 +405,7 @@ async fn a_refund_finds_its_window_memory() {
 async fn a_refund_finds_its_window_redis() {
     let server = support::RedisServer::start();
     let clock = ManualClock::new(NOW_MS);
-    let store = RedisStore::connect(&server.url())
+    let store = RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_clock(clock.clone());
@@ -526,7 +526,7 @@ async fn extreme_adjustments_are_harmless() {
     let server = support::RedisServer::start();
     let clock = ManualClock::new(NOW_MS);
     let memory = MemoryStore::new().with_clock(clock.clone());
-    let redis = RedisStore::connect(&server.url())
+    let redis = RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_prefix("extreme")

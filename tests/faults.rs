@@ -128,7 +128,7 @@ async fn pause() {
 /// answer given while it was down and every status the clients saw.
 async fn kill_9_and_restart_under_load(policy: FailurePolicy) -> (Response<Body>, Vec<StatusCode>) {
     let mut server = RedisServer::start();
-    let app = app(RedisStore::connect(&server.url()).await.unwrap(), policy);
+    let app = app(RedisStore::connect(server.url()).await.unwrap(), policy);
     let load = Load::start(&app, 8);
     pause().await;
     server.kill();
@@ -170,7 +170,7 @@ async fn kill_9_and_restart_under_load_fail_closed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_under_load_fails_nothing() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     // A long timeout: this test is about NOSCRIPT, not about a busy machine's latency.
     let app = app_with_timeout(store, FailurePolicy::Deny, Duration::from_secs(2));
     let load = Load::start(&app, 8);
@@ -196,7 +196,7 @@ async fn script_flush_under_load_fails_nothing() {
 async fn client_kill_under_load_recovers() {
     let server = RedisServer::start();
     let app = app(
-        RedisStore::connect(&server.url()).await.unwrap(),
+        RedisStore::connect(server.url()).await.unwrap(),
         FailurePolicy::Deny,
     );
     let load = Load::start(&app, 8);
@@ -240,7 +240,7 @@ fn stall(server: &RedisServer, seconds: u32) -> std::thread::JoinHandle<()> {
 async fn a_stalled_redis_costs_at_most_the_timeout() {
     let server = RedisServer::start();
     let app = app(
-        RedisStore::connect(&server.url()).await.unwrap(),
+        RedisStore::connect(server.url()).await.unwrap(),
         FailurePolicy::Allow,
     );
     assert!(decided_by_redis(&send(&app).await));
@@ -292,7 +292,7 @@ async fn a_stalled_redis_costs_at_most_the_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_probe_does_not_disable_limiting() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     // 3 per hour, failing open, 200 ms timeout, the default breaker (5 failures, 500 ms).
     let layer = RateLimitLayer::new(Limit::fixed_window(3, Duration::from_secs(3600)).unwrap())
         .with_key(GlobalKey)
@@ -348,7 +348,7 @@ async fn an_abandoned_probe_does_not_disable_limiting() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_queue_of_waiting_decisions_is_bounded() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url())
+    let store = RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_coalescing(NonZeroUsize::new(64));
@@ -381,7 +381,7 @@ async fn the_queue_of_waiting_decisions_is_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_key_flood_spares_redis() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     let limits = [Limit::fixed_window(10, Duration::from_secs(1)).unwrap()];
     server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let started = Instant::now();
@@ -409,7 +409,7 @@ async fn a_one_key_flood_spares_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_breaker_every_request_waits_at_most_the_timeout() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     let limit = Limit::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
     let layer = RateLimitLayer::new(limit)
         .with_key(GlobalKey)

@@ -383,7 +383,7 @@ mod redis {
     use super::*;
 
     async fn store(server: &RedisServer) -> RedisStore {
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = RedisStore::connect(server.url()).await.unwrap();
         store.with_clock(ManualClock::new(NOW_MS))
     }
 

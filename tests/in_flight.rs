@@ -500,7 +500,7 @@ mod redis {
     const NOW_MS: u64 = 1_700_000_000_000;
 
     async fn store(server: &RedisServer) -> RedisStore {
-        RedisStore::connect(&server.url()).await.unwrap()
+        RedisStore::connect(server.url()).await.unwrap()
     }
 
     #[tokio::test]

@@ -231,7 +231,7 @@ mod redis {
     use super::*;
 
     async fn store(server: &RedisServer, clock: &ManualClock) -> RedisStore {
-        RedisStore::connect(&server.url())
+        RedisStore::connect(server.url())
             .await
             .unwrap()
             .with_clock(clock.clone())
@@ -295,7 +295,7 @@ mod redis {
     #[tokio::test]
     async fn the_block_key_expires_exactly_when_the_block_ends() {
         let server = RedisServer::start();
-        let store = RedisStore::connect(&server.url())
+        let store = RedisStore::connect(server.url())
             .await
             .unwrap()
             .with_block_cache(None);

@@ -424,7 +424,7 @@ mod redis_store {
     use support::RedisServer;
 
     async fn connect(server: &RedisServer, prefix: &str) -> RedisStore {
-        RedisStore::connect(&server.url())
+        RedisStore::connect(server.url())
             .await
             .unwrap()
             .with_prefix(prefix)
@@ -567,7 +567,7 @@ mod acl_users {
                 .map(|rule| (*rule).to_owned()),
         );
         acl::set_user(server, &rules);
-        RedisStore::connect(&acl::url_for(server, user))
+        RedisStore::connect(acl::url_for(server, user))
             .await
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS))

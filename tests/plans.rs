@@ -308,7 +308,7 @@ fn redis_each_plan_decides_under_its_own_limits_and_state() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
         let clock = ManualClock::new(NOW_MS);
-        let store = RedisStore::connect(&server.url())
+        let store = RedisStore::connect(server.url())
             .await
             .unwrap()
             .with_clock(clock.clone());
@@ -347,7 +347,7 @@ fn redis_a_plan_with_two_limits_is_one_script_call() {
         .unwrap();
     runtime.block_on(async {
         let store: Arc<dyn Store> = Arc::new(
-            RedisStore::connect(&server.url())
+            RedisStore::connect(server.url())
                 .await
                 .unwrap()
                 .with_clock(ManualClock::new(NOW_MS))
@@ -497,7 +497,7 @@ async fn memory_plan_lookups_are_cached_per_key_for_their_ttl() {
 async fn redis_plan_lookups_are_cached_per_key_for_their_ttl() {
     let server = RedisServer::start();
     let clock = ManualClock::new(NOW_MS);
-    let store = RedisStore::connect(&server.url())
+    let store = RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_clock(clock.clone());
@@ -590,7 +590,7 @@ async fn serve(app: axum::Router) -> SocketAddr {
 async fn axum_over_http_on_redis() {
     let server = RedisServer::start();
     let store: Arc<dyn Store> = Arc::new(
-        RedisStore::connect(&server.url())
+        RedisStore::connect(server.url())
             .await
             .unwrap()
             .with_clock(ManualClock::new(NOW_MS)),

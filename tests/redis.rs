@@ -147,7 +147,7 @@ async fn allowed(store: &dyn Store, key: &str, limits: &[Limit], n: u32) -> u32 
 
 /// A store without the block cache, so that every decision reaches Redis.
 async fn uncached(server: &RedisServer) -> RedisStore {
-    RedisStore::connect(&server.url())
+    RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_block_cache(None)
@@ -156,7 +156,7 @@ async fn uncached(server: &RedisServer) -> RedisStore {
 #[tokio::test]
 async fn redis_time_is_the_default_clock() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     // An hour-long window can only end during this test once per hour: accept either
     // "all 3 in one window" or a boundary crossing, which allows at most 6.
     let got = allowed(&store, "a", &hourly(3), 10).await;
@@ -232,7 +232,7 @@ async fn script_flush_between_requests_keeps_decisions_correct() {
 #[tokio::test]
 async fn keys_follow_the_documented_layout() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url())
+    let store = RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_prefix("app")
@@ -268,7 +268,7 @@ async fn keys_follow_the_documented_layout() {
 #[tokio::test]
 async fn hostile_identities_stay_bounded_and_apart() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     let limits = hourly(1);
     let hostile: Vec<Vec<u8>> = vec![
         b"a".to_vec(),
@@ -486,7 +486,7 @@ async fn a_bad_url_is_an_error_not_a_panic() {
     assert!(RedisStore::connect("not a url").await.is_err());
     let port = support::free_port();
     assert!(
-        RedisStore::connect(&format!("redis://127.0.0.1:{port}"))
+        RedisStore::connect(format!("redis://127.0.0.1:{port}"))
             .await
             .is_err()
     );

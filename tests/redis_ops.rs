@@ -90,7 +90,7 @@ async fn an_acl_user_without_functions_falls_back_to_the_script() {
             .collect();
         acl::set_user(&server, &rules);
         server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
-        let store = RedisStore::connect(&acl::url_for(&server, user))
+        let store = RedisStore::connect(acl::url_for(&server, user))
             .await
             .unwrap()
             .with_block_cache(None);
@@ -101,7 +101,7 @@ async fn an_acl_user_without_functions_falls_back_to_the_script() {
     }
     // A first call that is a batch of cold keys (one call of the function for many where
     // functions are allowed) becomes the script's call of the same batch: exact.
-    let store = RedisStore::connect(&acl::url_for(&server, "no-fcall"))
+    let store = RedisStore::connect(acl::url_for(&server, "no-fcall"))
         .await
         .unwrap()
         .with_block_cache(None);
@@ -140,7 +140,7 @@ async fn a_narrower_acl_is_a_clear_noperm_answered_by_the_policy() {
         .filter(|rule| rule != "+zadd")
         .collect();
     acl::set_user(&server, &rules);
-    let store = RedisStore::connect(&acl::url_for(&server, "narrow"))
+    let store = RedisStore::connect(acl::url_for(&server, "narrow"))
         .await
         .unwrap();
 
@@ -190,7 +190,7 @@ async fn a_narrower_acl_is_a_clear_noperm_answered_by_the_policy() {
 #[tokio::test]
 async fn a_prefix_outside_the_acl_key_pattern_is_a_clear_noperm() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&acl::least_privilege_user(&server, "tollgate"))
+    let store = RedisStore::connect(acl::least_privilege_user(&server, "tollgate"))
         .await
         .unwrap()
         .with_prefix("otherapp")
@@ -209,7 +209,7 @@ async fn a_prefix_outside_the_acl_key_pattern_is_a_clear_noperm() {
 #[tokio::test]
 async fn cold_keys_outside_the_acl_key_pattern_are_a_clear_noperm() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&acl::least_privilege_user(&server, "tollgate"))
+    let store = RedisStore::connect(acl::least_privilege_user(&server, "tollgate"))
         .await
         .unwrap()
         .with_prefix("otherapp")
@@ -265,7 +265,7 @@ async fn an_emptied_script_cache_counts_each_request_once() {
         .filter(|rule| rule != "+fcall")
         .collect();
     acl::set_user(&server, &rules);
-    let store = RedisStore::connect(&acl::url_for(&server, "no-fcall"))
+    let store = RedisStore::connect(acl::url_for(&server, "no-fcall"))
         .await
         .unwrap()
         .with_block_cache(None)
@@ -347,7 +347,7 @@ async fn an_emptied_script_cache_counts_each_request_once() {
 async fn a_demoted_master_is_a_readonly_error_answered_by_the_policy() {
     let master = RedisServer::start();
     let demoted = RedisServer::start();
-    let store = RedisStore::connect(&demoted.url())
+    let store = RedisStore::connect(demoted.url())
         .await
         .unwrap()
         .with_block_cache(None);
@@ -418,7 +418,7 @@ fn read_only(error: &StoreError) -> bool {
 #[tokio::test]
 async fn a_busy_server_is_an_error_and_nothing_is_retried() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url())
+    let store = RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_block_cache(None)
@@ -505,7 +505,7 @@ mod tls {
         let tls = Arc::new(TlsFiles::generate());
         let server = RedisServer::start_tls(&tls);
         let store = RedisStore::connect(
-            tollgate::store::RedisTarget::node(&server.url()).with_tls(config(&tls)),
+            tollgate::store::RedisTarget::node(server.url()).with_tls(config(&tls)),
         )
         .await
         .unwrap();
@@ -535,14 +535,14 @@ mod tls {
             .with_client_cert_pem(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
         let error = support::chain(
             &RedisStore::connect(
-                tollgate::store::RedisTarget::node(&server.url()).with_tls(wrong_ca.clone()),
+                tollgate::store::RedisTarget::node(server.url()).with_tls(wrong_ca.clone()),
             )
             .await
             .unwrap_err(),
         );
         assert!(error.to_lowercase().contains("certificate"), "{error}");
         // The system's roots do not know the test CA either.
-        let error = support::chain(&RedisStore::connect(&server.url()).await.unwrap_err());
+        let error = support::chain(&RedisStore::connect(server.url()).await.unwrap_err());
         assert!(error.to_lowercase().contains("certificate"), "{error}");
     }
 
@@ -553,7 +553,7 @@ mod tls {
         let no_client_cert = TlsConfig::new().with_ca_pem(tls.ca_pem.clone());
         assert!(
             RedisStore::connect(
-                tollgate::store::RedisTarget::node(&server.url()).with_tls(no_client_cert.clone())
+                tollgate::store::RedisTarget::node(server.url()).with_tls(no_client_cert.clone())
             )
             .await
             .is_err()
@@ -580,7 +580,7 @@ mod tls {
         let garbage = TlsConfig::new().with_ca_pem("not a certificate");
         assert!(
             RedisStore::connect(
-                tollgate::store::RedisTarget::node(&server.url()).with_tls(garbage.clone())
+                tollgate::store::RedisTarget::node(server.url()).with_tls(garbage.clone())
             )
             .await
             .is_err()
@@ -590,7 +590,7 @@ mod tls {
             .with_client_cert_pem(tls.client_cert_pem.clone(), "-----BEGIN PRIVATE KEY-----\n");
         assert!(
             RedisStore::connect(
-                tollgate::store::RedisTarget::node(&server.url()).with_tls(bad_key.clone())
+                tollgate::store::RedisTarget::node(server.url()).with_tls(bad_key.clone())
             )
             .await
             .is_err()

@@ -418,7 +418,7 @@ async fn redis_waiters_in_order(store: tollgate::store::RedisStore) {
 #[tokio::test]
 async fn redis_waiters_run_in_order_and_a_hang_up_gives_its_units_back() {
     let server = support::RedisServer::start();
-    let store = tollgate::store::RedisStore::connect(&server.url())
+    let store = tollgate::store::RedisStore::connect(server.url())
         .await
         .unwrap();
     redis_waiters_in_order(store).await;
@@ -446,7 +446,7 @@ async fn the_block_cache_never_stands_in_for_a_reservation() {
 
     let server = support::RedisServer::start();
     let clock = ManualClock::new(EPOCH_MS);
-    let store = tollgate::store::RedisStore::connect(&server.url())
+    let store = tollgate::store::RedisStore::connect(server.url())
         .await
         .unwrap()
         .with_clock(clock.clone());

@@ -158,7 +158,7 @@ async fn raised_and_lowered_under_load(store: impl Store) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_limits_raised_and_lowered_under_load() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     raised_and_lowered_under_load(store).await;
     support::assert_every_key_expires(&server);
 }

@@ -163,7 +163,7 @@ fn memory_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
 fn redis_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = RedisStore::connect(server.url()).await.unwrap();
         scenario(store.with_block_cache(None)).await;
     });
     assert_counts(&recorder);
@@ -176,7 +176,7 @@ fn redis_shadow_limits_never_reject_and_enforced_ones_count_exactly() {
 fn redis_block_cache_keeps_shadow_decisions_exact() {
     let server = RedisServer::start();
     let recorder = with_metrics(|| async {
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = RedisStore::connect(server.url()).await.unwrap();
         scenario(store.with_block_cache(NonZeroUsize::new(1000))).await;
     });
     assert_counts(&recorder);

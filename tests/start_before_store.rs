@@ -80,7 +80,7 @@ async fn start_before_redis(policy: FailurePolicy, status_while_down: StatusCode
     let (logs, _guard) = Logs::capture();
     let port = free_port();
     let started = Instant::now();
-    let store = RedisStore::connect(&loopback_url(port, false))
+    let store = RedisStore::connect(loopback_url(port, false))
         .in_background(true)
         .await
         .expect("starts without Redis");
@@ -157,7 +157,7 @@ async fn a_fail_closed_service_starts_before_redis_says_so_and_limits_once_it_is
 #[tokio::test]
 async fn the_circuit_breaker_lets_redis_in_once_it_is_up() {
     let port = free_port();
-    let store = RedisStore::connect(&loopback_url(port, false))
+    let store = RedisStore::connect(loopback_url(port, false))
         .in_background(true)
         .await
         .unwrap();
@@ -185,7 +185,7 @@ fn a_store_started_on_a_runtime_that_ended_still_connects() {
     let port = free_port();
     let store = tokio::runtime::Runtime::new()
         .unwrap()
-        .block_on(RedisStore::connect(&loopback_url(port, false)).in_background(true))
+        .block_on(RedisStore::connect(loopback_url(port, false)).in_background(true))
         .unwrap();
     let _server = RedisServer::start_on(port, &[]);
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -203,7 +203,7 @@ fn a_store_started_on_a_runtime_that_ended_still_connects() {
 #[tokio::test]
 async fn without_in_background_an_unreachable_redis_fails_the_start() {
     let started = Instant::now();
-    let error = RedisStore::connect(&loopback_url(free_port(), false))
+    let error = RedisStore::connect(loopback_url(free_port(), false))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), StoreErrorKind::Unavailable);

@@ -209,7 +209,7 @@ async fn an_overtaken_waiter_within_max_wait_waits_again_and_passes() {
 #[tokio::test]
 async fn a_request_waits_on_redis_too() {
     let server = support::RedisServer::start();
-    let store = tollgate::store::RedisStore::connect(&server.url())
+    let store = tollgate::store::RedisStore::connect(server.url())
         .await
         .unwrap();
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_millis(500)).unwrap())
@@ -241,7 +241,7 @@ async fn a_request_waits_on_redis_too() {
     let strict = RateLimitLayer::new(Limit::gcra(1, Duration::from_millis(500)).unwrap())
         .with_key(HeaderKey::new("x-key").unwrap())
         .with_store(
-            tollgate::store::RedisStore::connect(&server.url())
+            tollgate::store::RedisStore::connect(server.url())
                 .await
                 .unwrap()
                 .with_prefix("strict")

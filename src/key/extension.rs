@@ -85,4 +85,9 @@ where
                 ))
             })
     }
+
+    /// `value` is the extension's `Display` text (a user id, say).
+    fn key_for(&self, value: &str) -> Result<Key, KeyError> {
+        Ok(self.namespace.key(value))
+    }
 }

@@ -17,4 +17,9 @@ impl<B> KeyExtractor<B> for GlobalKey {
         // `Namespace::key` gives an empty identity.
         Ok(GLOBAL)
     }
+
+    /// The one global key, whatever `value` is.
+    fn key_for(&self, _value: &str) -> Result<Key, KeyError> {
+        Ok(GLOBAL)
+    }
 }

@@ -124,8 +124,26 @@ impl<B> KeyExtractor<B> for HeaderKey {
                 self.name
             )));
         }
-        let value = value.as_bytes();
-        Ok(match &self.hashing {
+        Ok(self.key_of(value.as_bytes()))
+    }
+
+    fn key_for(&self, value: &str) -> Result<Key, KeyError> {
+        let header = http::HeaderValue::from_str(value)
+            .map_err(|_| KeyError::new(format!("not a valid value of header {}", self.name)))?;
+        if header.as_bytes().is_empty() {
+            return Err(KeyError::new(format!(
+                "empty value of header {}",
+                self.name
+            )));
+        }
+        Ok(self.key_of(header.as_bytes()))
+    }
+}
+
+impl HeaderKey {
+    /// The key of a request whose header holds `value`.
+    fn key_of(&self, value: &[u8]) -> Key {
+        match &self.hashing {
             Hashing::Off => self.namespace.key(value),
             Hashing::Digest => self.namespace.digest_key(&Sha256::digest(value)),
             Hashing::Hmac(mac) => {
@@ -133,7 +151,7 @@ impl<B> KeyExtractor<B> for HeaderKey {
                 mac.update(value);
                 self.namespace.digest_key(&mac.finalize().into_bytes())
             }
-        })
+        }
     }
 }
 

@@ -69,6 +69,18 @@ impl<B> KeyExtractor<B> for PeerIp {
         let peer = peer_addr(request).ok_or_else(|| self.no_peer.error())?;
         Ok(ip_key(peer, self.ipv6_prefix))
     }
+
+    fn key_for(&self, value: &str) -> Result<Key, KeyError> {
+        Ok(ip_key(parse_ip(value)?, self.ipv6_prefix))
+    }
+}
+
+/// A client address an admin typed.
+fn parse_ip(value: &str) -> Result<IpAddr, KeyError> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| KeyError::new(format!("not an IP address: {value:?}")))
 }
 
 /// Which header carries the proxies' record of the client address.
@@ -179,6 +191,11 @@ impl<B> KeyExtractor<B> for ClientIp {
             self.client_ip(peer, request.headers()),
             self.ipv6_prefix,
         ))
+    }
+
+    /// `value` is the client's address (not a proxy's).
+    fn key_for(&self, value: &str) -> Result<Key, KeyError> {
+        Ok(ip_key(parse_ip(value)?, self.ipv6_prefix))
     }
 }
 

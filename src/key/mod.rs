@@ -342,6 +342,24 @@ pub trait KeyExtractor<B>: Send + Sync + 'static {
     ///
     /// When the request carries no usable key (a missing header, no peer address, ...).
     fn extract(&self, request: &Request<B>) -> Result<Key, KeyError>;
+
+    /// The key this extractor gives a request whose key material is `value`: the API key
+    /// for [`HeaderKey`], the client address for [`PeerIp`] and [`ClientIp`] (grouped by
+    /// their IPv6 prefix), the extension's `Display` text for [`ExtensionKey`]; validated,
+    /// grouped and hashed as [`extract`](Self::extract) does, so that it names the same
+    /// state. For an admin tool or a job: see [`Limiter::key_for`](crate::Limiter::key_for).
+    ///
+    /// # Errors
+    ///
+    /// When `value` is not valid key material for this extractor, or the extractor cannot
+    /// make a key from a value (closures, and extractors that do not say how: the
+    /// default).
+    fn key_for(&self, value: &str) -> Result<Key, KeyError> {
+        let _ = value;
+        Err(KeyError::new(
+            "this key extractor cannot make a key from a typed value",
+        ))
+    }
 }
 
 impl<B, F, K> KeyExtractor<B> for F
