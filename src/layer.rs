@@ -11,7 +11,7 @@ use tower_layer::Layer;
 use http::{HeaderMap, Response};
 
 use crate::{
-    CircuitBreaker, FailurePolicy, Limit, MissingKey,
+    CircuitBreaker, FailurePolicy, InFlightLimit, Limit, MissingKey,
     count_after::{CountWhen, LateCost, TrailerCost, UpFront},
     decide::Shared,
     headers::HeaderStyle,
@@ -301,6 +301,26 @@ impl<K, C, R, M> RateLimitLayer<K, C, R, M> {
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_max_wait(Some(max_wait));
+        self
+    }
+
+    /// At most `in_flight.max()` requests of a key in flight at once, decided in the
+    /// same store call as the limits, all-or-nothing: a request the cap denies spends no
+    /// units, and one the limits deny takes no permit. The permit comes back when the
+    /// response body ends or is dropped, when the response future is dropped, or when
+    /// the inner service fails; with [`count_when`](Self::count_when) or a late cost, in
+    /// the same store call as the adjustment, once the body ends. Changeable at run time
+    /// ([`Rules::with_in_flight`]); plans have the layer's. See [`InFlightLimit`] (the
+    /// stores, the permit TTL). Off by default.
+    ///
+    /// It replaces an [`InFlightLayer`](crate::InFlightLayer) stacked beside this
+    /// layer: one store call per request instead of two, and the layer's key, name,
+    /// metrics, failure policy, breaker and [`RulesHandle`] apply to it. A request
+    /// with an in-flight limit does not [wait](Self::max_wait): a denial is answered at
+    /// once.
+    pub fn in_flight(mut self, in_flight: InFlightLimit) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_in_flight(Some(in_flight));
         self
     }
 

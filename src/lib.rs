@@ -185,7 +185,10 @@ pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use in_flight::InFlightLayer;
 pub use layer::{DEFAULT_NAME, RateLimitLayer};
-pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
+pub use limit::{
+    Algorithm, DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_IN_FLIGHT_TTL, InFlightLimit, Limit,
+    MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange,
+};
 pub use limiter::Limiter;
 pub use plan::{Plan, PlanLookup, PlanRequest, Plans};
 pub use policy::{FailurePolicy, MissingKey, RequestCost};

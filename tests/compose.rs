@@ -72,9 +72,9 @@ fn handler()
 }
 
 /// One request through `service` with these headers: its status.
-async fn send<S>(service: &S, headers: &[(&str, &str)]) -> StatusCode
+async fn send<S, B>(service: &S, headers: &[(&str, &str)]) -> StatusCode
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone,
 {
     let mut request = Request::new(Body::empty());
     for (name, value) in headers {

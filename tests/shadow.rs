@@ -32,9 +32,9 @@ async fn hello(_request: Request<()>) -> Result<Response<&'static str>, Infallib
 /// What one request got: its status and its `X-RateLimit-Remaining`, if any.
 type Seen = (StatusCode, Option<u64>);
 
-async fn send<S>(service: &mut S, key: &str) -> Seen
+async fn send<S, B>(service: &mut S, key: &str) -> Seen
 where
-    S: Service<Request<()>, Response = Response<&'static str>, Error = Infallible>,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
 {
     let request = Request::builder().header("x-key", key).body(()).unwrap();
     let response = service.ready().await.unwrap().call(request).await.unwrap();
