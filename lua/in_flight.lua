@@ -27,11 +27,13 @@ local function define_in_flight()
     return W
   end
 
-  -- A copy of the list, so that a peek's copy of the state keeps the old one.
+  -- Each id added with its own end: the state is saved with the parameters of the limit
+  -- that changed it first, which may be another group's (a release's) in a batch. A
+  -- copy of the list, so that a peek's copy of the state keeps the old one.
   function f.commit(s, now, L, W, B, cost)
     local add = {}
     for i = 1, #s.add do add[i] = s.add[i] end
-    add[#add + 1] = f.id
+    add[#add + 1] = { f.id, now + W }
     s.add = add
     s.held = s.held + 1
   end
@@ -43,7 +45,7 @@ local function define_in_flight()
       redis.call('ZREM', key, s.remove[i])
     end
     for i = 1, #s.add do
-      redis.call('ZADD', key, now + W, s.add[i])
+      redis.call('ZADD', key, s.add[i][2], s.add[i][1])
     end
     -- The key lives until its last permit ends (none left: Redis removed it).
     local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')

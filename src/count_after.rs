@@ -104,10 +104,13 @@ impl<B> Recount<B> for UpFront {
     /// here (its permit, no units to settle): the body holds it until it ends.
     #[inline(always)]
     fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<Self::Body> {
-        RateLimitBody::wrap(response, charged.map(|charged| {
-            let cost = charged.cost;
-            charged.decided(cost)
-        }))
+        RateLimitBody::wrap(
+            response,
+            charged.map(|charged| {
+                let cost = charged.cost;
+                charged.decided(cost)
+            }),
+        )
     }
 }
 

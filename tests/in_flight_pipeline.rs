@@ -345,14 +345,14 @@ async fn memory_count_when_settles_with_the_release() {
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
-    use tollgate::{clock::ManualClock, key::Key, store::RedisStore};
+    use tollgate::{clock::ManualClock, store::RedisStore};
 
     async fn store(server: &support::RedisServer) -> Arc<dyn Store> {
         Arc::new(RedisStore::connect(&server.url()).await.unwrap())
     }
 
     fn members(server: &support::RedisServer, client: &str) -> u64 {
-        let key = format!("tollgate:{{{client}}}:inflight");
+        let key = format!("tollgate:{{header:x-client|{client}}}:inflight");
         let out = server.cli(&["ZCARD", &key]).unwrap();
         out.trim().parse().unwrap()
     }
@@ -389,8 +389,7 @@ mod redis {
     async fn redis_one_decision_call_and_one_release_call_per_request() {
         let server = support::RedisServer::start();
         let redis = RedisStore::connect(&server.url()).await.unwrap();
-        let limit = Limit::per_minute(1000).unwrap();
-        let limit_key = redis.redis_key(&Key::new("a"), &limit);
+        let limit_key = "tollgate:{header:x-client|a}:fw2:1000:60000";
         let app = App::new();
         let layer = layer(Arc::new(redis), 1000, 2).late_cost(|response: &Response<Body>| {
             response
@@ -415,7 +414,7 @@ mod redis {
             assert_eq!(server.script_calls(), before + 2 * i + 2);
         }
         // Ten requests costing 5 each: the release carried the late cost's top-up.
-        let value = server.cli(&["GET", &limit_key]).unwrap();
+        let value = server.cli(&["GET", limit_key]).unwrap();
         assert_eq!(support::fixed_window_count(value.trim()), 50);
         support::assert_every_key_expires(&server);
     }
@@ -463,7 +462,7 @@ mod redis {
         assert_eq!(answer.status(), StatusCode::OK);
         // The key lives as long as its last permit (plus the caller's clock margin).
         let ttl: i64 = server
-            .cli(&["PTTL", "tollgate:{a}:inflight"])
+            .cli(&["PTTL", "tollgate:{header:x-client|a}:inflight"])
             .unwrap()
             .trim()
             .parse()
@@ -472,4 +471,3 @@ mod redis {
         app.finish(answer).await;
     }
 }
-

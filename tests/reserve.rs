@@ -99,8 +99,7 @@ where
             Request<()>,
             Response = Response<tollgate::count_after::RateLimitBody<String>>,
             Error = Infallible,
-        >
-        + Clone
+        > + Clone
         + Send
         + 'static,
     <L::Service as Service<Request<()>>>::Future: Send + 'static,

@@ -124,8 +124,13 @@ fn start(service: &Svc, key: &str) -> tollgate_future::Boxed {
 }
 
 mod tollgate_future {
-    pub(crate) type Boxed =
-        std::pin::Pin<Box<dyn std::future::Future<Output = http::Response<tollgate::count_after::RateLimitBody<String>>> + Send>>;
+    pub(crate) type Boxed = std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = http::Response<tollgate::count_after::RateLimitBody<String>>,
+                > + Send,
+        >,
+    >;
 }
 
 #[tokio::test(start_paused = true)]

@@ -12,8 +12,11 @@ use super::{
 };
 use crate::{
     Decision, FailurePolicy, StoreError,
-    count_after::{Charged, Held}, metrics::Outcome as Recorded,
-    rejection::OnRejection, rules::Active, store::Guarded,
+    count_after::{Charged, Held},
+    metrics::Outcome as Recorded,
+    rejection::OnRejection,
+    rules::Active,
+    store::Guarded,
 };
 
 /// Acts on the store's `answer` about `request`, under the `rules` it was asked with:

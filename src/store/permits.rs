@@ -328,7 +328,9 @@ impl MemoryStore {
         adjustment: Option<Adjustment>,
     ) -> Decision {
         let decision = match adjustment {
-            Some(adjustment) if !limits.is_empty() => self.adjust_now(permit.key(), limits, adjustment),
+            Some(adjustment) if !limits.is_empty() => {
+                self.adjust_now(permit.key(), limits, adjustment)
+            }
             _ => Decision::new(Vec::new()).decided_at(self.now_ms()),
         };
         self.local_permits().give_back(permit);

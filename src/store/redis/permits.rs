@@ -360,7 +360,11 @@ impl RedisStore {
         };
         let key = permit.key();
         if let (Some(cache), Some(Adjustment::Refund { .. })) = (&self.block_cache, adjustment) {
-            cache.forget(key, BlockCache::fingerprint(limits), local_now_ms(self.clock.as_ref()));
+            cache.forget(
+                key,
+                BlockCache::fingerprint(limits),
+                local_now_ms(self.clock.as_ref()),
+            );
         }
         // No units to move: the permit alone, as a refund of one unit of the in-flight
         // limit only ("-0" would read as a request of cost 0).
