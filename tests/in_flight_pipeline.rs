@@ -292,6 +292,12 @@ async fn rules_change_keeps_permits(store: Arc<dyn Store>) {
     drop(held);
 }
 
+#[test]
+fn an_in_flight_limit_of_zero_is_refused() {
+    let error = InFlightLimit::new(0).unwrap_err();
+    assert!(error.to_string().contains("max_in_flight"), "{error}");
+}
+
 fn memory() -> Arc<dyn Store> {
     Arc::new(MemoryStore::new())
 }
@@ -426,6 +432,44 @@ mod redis {
             assert!(start.elapsed() < DEADLINE, "the permit never came back");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// The bound of a permit that is not renewed: a response still open one TTL after
+    /// its permit was taken no longer counts (set the TTL above the longest response);
+    /// its end then gives nothing back twice.
+    #[tokio::test]
+    async fn redis_a_response_longer_than_the_ttl_stops_counting() {
+        let server = support::RedisServer::start();
+        let clock = ManualClock::new(1_800_000_000_000);
+        let store: Arc<dyn Store> = Arc::new(
+            RedisStore::connect(&server.url())
+                .await
+                .unwrap()
+                .with_clock(clock.clone()),
+        );
+        let app = App::new();
+        let layer = RateLimitLayer::new(Limit::per_minute(1000).unwrap())
+            .key(HeaderKey::new("x-client").unwrap())
+            .shared_store(store)
+            .timeout(Some(Duration::from_secs(5)))
+            .in_flight(
+                InFlightLimit::new(1)
+                    .unwrap()
+                    .with_permit_ttl(Duration::from_secs(10)),
+            );
+        let mut service = tower::Layer::layer(&layer, app.handler());
+        let long = send(&mut service, request("a")).await;
+        clock.advance(Duration::from_millis(9_999));
+        assert_denied(&send(&mut service, request("a")).await);
+        clock.advance(Duration::from_millis(1));
+        let next = send(&mut service, request("a")).await;
+        assert_eq!(next.status(), StatusCode::OK);
+        // The long one ends: it removes its own (ended) permit only.
+        app.finish(long).await;
+        assert_denied(&send(&mut service, request("a")).await);
+        assert_eq!(members(&server, "a"), 1);
+        app.finish(next).await;
+        released(&server, "a").await;
     }
 
     /// A permit never given back (its replica "crashed": the body is leaked) ends one

@@ -8,8 +8,15 @@
 //! its key held is answered 429 with `Retry-After` (gRPC: `RESOURCE_EXHAUSTED`) by the
 //! same [`OnRejection`](crate::OnRejection) hook as [`RateLimitLayer`](crate::RateLimitLayer)'s.
 //!
-//! It is a layer of its own, so that `RateLimitLayer`'s response type and cost stay as
-//! they are; stack the two to have both:
+//! **With a rate limit, prefer the in-flight stage of the rate limit's own pipeline**,
+//! [`RateLimitLayer::in_flight`](crate::RateLimitLayer::in_flight) with an
+//! [`InFlightLimit`](crate::InFlightLimit): one store call decides both all-or-nothing
+//! (here a request the cap admits may still be rate-limited, and the other way round),
+//! one more gives the permit back with any adjustment after the response, and the
+//! layer's rules, plans, metrics and handle apply to it. This layer stays for an
+//! in-flight limit on its own (its permits are renewed while a request runs, so a long
+//! response keeps counting; the stage's permits end one TTL after they were taken). The
+//! two keep their permits apart. Stacked:
 //!
 //! ```
 //! use std::time::Duration;
