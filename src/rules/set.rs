@@ -200,9 +200,11 @@ impl Rules {
     /// when it comes count against the new `max`. See [`InFlightLimit`] and
     /// [`RateLimitLayer::in_flight`](crate::RateLimitLayer::in_flight).
     ///
-    /// With [`max_wait`](Self::with_max_wait), a request of rules with an in-flight
-    /// limit is decided without reserving and answered at once when denied: it does
-    /// not wait (not yet composed).
+    /// The cap is enforced in [shadow mode](Self::with_shadow) too (shadow limits are
+    /// about rates); shadow limits are decided in a call of their own beside it, as
+    /// without one. With [`max_wait`](Self::with_max_wait), a request of rules with an
+    /// in-flight limit is decided without reserving and answered at once when denied:
+    /// it does not wait (not yet composed).
     pub fn with_in_flight(mut self, in_flight: Option<InFlightLimit>) -> Self {
         self.in_flight = in_flight;
         self
