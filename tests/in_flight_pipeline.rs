@@ -515,3 +515,127 @@ mod redis {
         app.finish(answer).await;
     }
 }
+
+/// Not a test: a measurement of what the in-flight stage costs Redis, printed (run with
+/// `--ignored --nocapture`). 32 tasks send 4 000 requests under a rate limit alone, then
+/// under the rate limit with an in-flight limit (and a late cost); Redis's own CPU per
+/// request (`INFO commandstats` usec of the script calls) and script calls per request.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, printed: run with --ignored --nocapture"]
+async fn measure_redis_cost_of_the_in_flight_stage() {
+    let server = support::RedisServer::start();
+    let stats = |server: &support::RedisServer| -> (u64, u64) {
+        let out = server.cli(&["INFO", "commandstats"]).unwrap();
+        let mut calls = 0;
+        let mut usec = 0;
+        for line in out.lines() {
+            if let Some(rest) = line
+                .strip_prefix("cmdstat_fcall:")
+                .or_else(|| line.strip_prefix("cmdstat_evalsha:"))
+            {
+                for field in rest.split(',') {
+                    if let Some(v) = field.strip_prefix("calls=") {
+                        calls += v.parse::<u64>().unwrap();
+                    }
+                    if let Some(v) = field.strip_prefix("usec=") {
+                        usec += v.parse::<u64>().unwrap();
+                    }
+                }
+            }
+        }
+        (calls, usec)
+    };
+    const N: usize = 4000;
+    const TASKS: usize = 32;
+    for (name, in_flight) in [
+        ("rate", false),
+        ("rate+in-flight+late cost", true),
+        ("rate", false),
+        ("rate+in-flight+late cost", true),
+    ] {
+        let store: Arc<dyn Store> = Arc::new(
+            tollgate::store::RedisStore::connect(&server.url())
+                .await
+                .unwrap(),
+        );
+        let base = RateLimitLayer::new(Limit::per_minute(100_000_000).unwrap())
+            .key(HeaderKey::new("x-client").unwrap())
+            .shared_store(store)
+            .timeout(Some(Duration::from_secs(5)));
+        let handler =
+            tower::util::BoxCloneSyncService::new(service_fn(|_req: Request<Body>| async {
+                let mut response = Response::new(Body::from("ok"));
+                response
+                    .headers_mut()
+                    .insert("x-cost", http::HeaderValue::from_static("1"));
+                Ok::<_, Infallible>(response)
+            }));
+        // Warm.
+        let (before_calls, before_usec);
+        let start = Instant::now();
+        if in_flight {
+            let layer = base
+                .in_flight(cap(1_000_000))
+                .late_cost(|r: &Response<Body>| {
+                    r.headers()
+                        .get("x-cost")
+                        .map(|v| v.to_str().unwrap().parse().unwrap())
+                });
+            let service = tower::Layer::layer(&layer, handler);
+            let _ = send(&mut service.clone(), request("warm"))
+                .await
+                .into_body()
+                .collect()
+                .await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            (before_calls, before_usec) = stats(&server);
+            run_all(service, N, TASKS).await;
+        } else {
+            let service = tower::Layer::layer(&base, handler);
+            let _ = send(&mut service.clone(), request("warm"))
+                .await
+                .into_body()
+                .collect()
+                .await;
+            (before_calls, before_usec) = stats(&server);
+            run_all(service, N, TASKS).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (calls, usec) = stats(&server);
+        let elapsed = start.elapsed();
+        eprintln!(
+            "{name}: {:.2} script calls/request, {:.2} us Redis CPU/request (script calls), {:?}",
+            (calls - before_calls) as f64 / N as f64,
+            (usec - before_usec) as f64 / N as f64,
+            elapsed
+        );
+    }
+}
+
+#[cfg(feature = "redis")]
+async fn run_all<S, B>(service: S, n: usize, tasks: usize)
+where
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: std::fmt::Debug,
+{
+    let handles: Vec<_> = (0..tasks)
+        .map(|t| {
+            let mut service = service.clone();
+            tokio::spawn(async move {
+                for i in 0..n / tasks {
+                    let client = format!("c{}", (t * 7919 + i) % 64);
+                    let response = send(&mut service, request(&client)).await;
+                    assert_eq!(response.status(), StatusCode::OK);
+                    response.into_body().collect().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.await.unwrap();
+    }
+}

@@ -170,6 +170,8 @@ impl Guarded {
     /// the failure policy (quota held already cannot take a permit). A call dropped
     /// after the store took its permit (a timeout) gives the permit back (the store's
     /// future does so when dropped).
+    // The ready answer stays unboxed, as `check_now`'s: the memory store's path.
+    #[allow(clippy::result_large_err)]
     pub(crate) fn check_in_flight_now(
         &self,
         key: &Key,

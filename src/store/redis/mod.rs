@@ -394,7 +394,7 @@ impl Store for RedisStore {
         limits: &[Limit],
         adjustment: Option<Adjustment>,
     ) -> Check {
-        self.release_in_flight_call(permit, limits, adjustment)
+        self.release_in_flight_call(&permit, limits, adjustment)
     }
 
     fn connecting(&self) -> bool {

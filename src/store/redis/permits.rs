@@ -346,7 +346,7 @@ impl RedisStore {
     /// decisions, as [`Store::adjust`](crate::Store::adjust)).
     pub(super) fn release_in_flight_call(
         &self,
-        permit: Permit,
+        permit: &Permit,
         limits: &[Limit],
         adjustment: Option<Adjustment>,
     ) -> Check {
