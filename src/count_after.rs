@@ -215,7 +215,8 @@ pin_project! {
     pub struct RateLimitBody<B> {
         #[pin]
         inner: B,
-        held: Option<Charged>,
+        // Boxed: a body without one (the plain path) grows by a pointer only.
+        held: Option<Box<Charged>>,
     }
 }
 
@@ -227,12 +228,13 @@ impl<B> RateLimitBody<B> {
 
     #[inline(always)]
     fn wrap(response: Response<B>, held: Option<Charged>) -> Response<Self> {
+        let held = held.map(Box::new);
         response.map(|inner| Self { inner, held })
     }
 
     /// Whether the body still holds its request's in-flight permit.
     pub fn holds_permit(&self) -> bool {
-        self.held.as_ref().is_some_and(Charged::holds_permit)
+        self.held.as_ref().is_some_and(|held| held.holds_permit())
     }
 
     /// The body it wraps.

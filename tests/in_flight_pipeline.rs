@@ -394,7 +394,11 @@ mod redis {
     #[tokio::test]
     async fn redis_one_decision_call_and_one_release_call_per_request() {
         let server = support::RedisServer::start();
-        let redis = RedisStore::connect(&server.url()).await.unwrap();
+        // A frozen clock: the ten requests count in one (aligned) window.
+        let redis = RedisStore::connect(&server.url())
+            .await
+            .unwrap()
+            .with_clock(ManualClock::new(1_800_000_000_000));
         let limit_key = "tollgate:{header:x-client|a}:fw2:1000:60000";
         let app = App::new();
         let layer = layer(Arc::new(redis), 1000, 2).late_cost(|response: &Response<Body>| {

@@ -114,7 +114,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// every limit has room and fewer than `in_flight.max()` permits of `key` are held;
     /// then its units are spent and a permit is taken (in [`Admitted`]). A request the
     /// cap denies spends nothing; its decision ends with the cap's denial. See
-    /// [`InFlightLimit`](crate::InFlightLimit). The memory and Redis stores implement
+    /// [`InFlightLimit`]. The memory and Redis stores implement
     /// it; the default fails with [`StoreErrorKind::Unsupported`].
     fn check_in_flight(
         &self,
