@@ -476,6 +476,28 @@ mod redis {
         released(&server, "a").await;
     }
 
+    /// Redis down under `FailurePolicy::Local`: the limits and the cap are decided in
+    /// the policy's memory store, permits given back there.
+    #[tokio::test]
+    async fn redis_down_with_the_local_policy_counts_permits_in_the_process() {
+        let mut server = support::RedisServer::start();
+        let store = store(&server).await;
+        let app = App::new();
+        let layer = layer(store, 1000, 1)
+            .timeout(Some(Duration::from_millis(500)))
+            .circuit_breaker(None)
+            .on_store_error(tollgate::FailurePolicy::Local(MemoryStore::new()));
+        let mut service = tower::Layer::layer(&layer, app.handler());
+        server.kill();
+        let first = send(&mut service, request("a")).await;
+        assert_eq!(first.status(), StatusCode::OK);
+        assert!(first.body().holds_permit());
+        assert_denied(&send(&mut service, request("a")).await);
+        app.finish(first).await;
+        let second = send(&mut service, request("a")).await;
+        assert_eq!(second.status(), StatusCode::OK);
+    }
+
     /// A permit never given back (its replica "crashed": the body is leaked) ends one
     /// TTL after it was taken, by the store's clock; until then it counts.
     #[tokio::test]
