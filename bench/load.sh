@@ -16,7 +16,9 @@
 #                                   issue 17's features cost: memory-lockout redis-lockout
 #                                   (a lockout on the limit), memory-wait redis-wait
 #                                   (max_wait), memory-inflight redis-inflight (an
-#                                   InFlightLayer instead of the limit); see
+#                                   InFlightLayer instead of the limit),
+#                                   memory-rate-inflight redis-rate-inflight (the limit
+#                                   with an in-flight limit in its pipeline); see
 #                                   bench/src/bin/bench_server.rs
 #   SCENARIOS="allow reject"        nothing rejected / one key flooded (1 per hour); also
 #                                   clients: nothing rejected, a key per client, wrk sending
@@ -81,7 +83,7 @@ for scenario in $SCENARIOS; do
     $scenario == zipf ]] ||
     die "unknown scenario '$scenario' (allow, reject, clients, flood or zipf)"
 done
-KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-lease redis-pool redis-cluster redis-tls governor handwritten memory-lockout redis-lockout memory-wait redis-wait memory-inflight redis-inflight "
+KNOWN_MODES=" plain memory memory-noheaders redis redis-nocoalesce redis-nocache redis-lease redis-pool redis-cluster redis-tls governor handwritten memory-lockout redis-lockout memory-wait redis-wait memory-inflight redis-inflight memory-rate-inflight redis-rate-inflight "
 for mode in $MODES; do
   [[ $KNOWN_MODES == *" $mode "* ]] || die "unknown mode '$mode'; one of:$KNOWN_MODES"
 done

@@ -12,9 +12,9 @@ use tollgate::{Limit, RateLimitLayer, headers::HeaderStyle, key::GlobalKey};
 use tower::{Layer, Service, service_fn};
 
 #[inline(never)]
-fn measure<S>(service: &mut S, n: u32)
+fn measure<S, B>(service: &mut S, n: u32)
 where
-    S: Service<Request<()>, Response = Response<()>, Error = Infallible>,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
 {
     for _ in 0..n {
         let response = service

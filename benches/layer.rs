@@ -21,9 +21,9 @@ async fn hello(_request: Request<()>) -> Result<Response<&'static str>, Infallib
     Ok(response)
 }
 
-fn run<S>(service: &mut S) -> Response<&'static str>
+fn run<S, B>(service: &mut S) -> Response<B>
 where
-    S: Service<Request<()>, Response = Response<&'static str>, Error = Infallible>,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
 {
     let ready = service
         .ready()

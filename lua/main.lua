@@ -36,6 +36,12 @@
 -- check_reserving), and each of its limits answers allowed 1 with retry_after = the
 -- wait (> 0; an allowed limit answers 0 otherwise). A reserving request gets no lease.
 -- Without this section nothing changes.
+-- Permits (optional, lua/in_flight.lua): after the reservations (then present, as "0"
+-- when there are none, and the lease sections as "0 0"), the number of requests P that
+-- take or give back an in-flight permit, and for each: request index (1-based), permit
+-- id. Such a request's group ends with its in-flight limit (code 6): a request takes
+-- the permit when all its limits allow it, an adjustment gives it back. Without this
+-- section nothing changes.
 --
 -- Returns (empty when there are no requests), in this order:
 -- 1. for each limit of each request in order: allowed (0/1), remaining (minus the time
@@ -53,7 +59,7 @@
 -- `key` and `changed` (false; set here to the limit that saves it once it commits).
 local definitions = {
   define_fixed_window, define_sliding_window, define_sliding_window_counter,
-  define_token_bucket, define_gcra,
+  define_token_bucket, define_gcra, define_in_flight,
 }
 local algorithms = {}
 local function algorithm(code)
@@ -113,7 +119,7 @@ end
 
 -- The lease sections follow the requests (an adjustment has one argument more than a
 -- request): looked for only when ARGV goes on past N plain requests.
-local asks, reserving, reservation
+local asks, reserving, reservation, permits
 if #ARGV > a + 2 * ARGV[a] then
   local e = a + 1
   for _ = 1, ARGV[a] + 0 do
@@ -125,7 +131,11 @@ if #ARGV > a + 2 * ARGV[a] then
     end
   end
   asks, e = lease_sections(e, groups, now)
+  local p = e -- the permits section follows the reservations
   if ARGV[e] ~= nil then
+    p = e + 1 + 2 * ARGV[e]
+  end
+  if ARGV[e] ~= nil and ARGV[e] + 0 > 0 then
     reserving = {}
     for _ = 1, ARGV[e] + 0 do
       reserving[ARGV[e + 1] + 0] = ARGV[e + 2] + 0
@@ -160,6 +170,12 @@ if #ARGV > a + 2 * ARGV[a] then
       return w
     end
   end
+  if ARGV[p] ~= nil then
+    permits = {}
+    for i = 1, ARGV[p] + 0 do
+      permits[ARGV[p + 2 * i - 1] + 0] = ARGV[p + 2 * i]
+    end
+  end
 end
 
 local tail = {} -- the asks' results, after the requests'
@@ -179,6 +195,7 @@ for r = 1, ARGV[a] + 0 do
   if peek then g = -g end
   local group = groups[g]
   a = a + 2
+  if permits then algorithm(6).id = permits[r] end
   local m = #group
   local limit = group[1]
   local key = KEYS[k]

@@ -123,7 +123,7 @@ use pin_project_lite::pin_project;
 use crate::{
     Adjustment, Decision, Limit, StoreError,
     key::Key,
-    store::{Check, Guarded},
+    store::{Check, Guarded, Permit},
 };
 
 /// Decides, from the response, what a request finally costs: the last type parameter of
@@ -150,11 +150,19 @@ pub struct UpFront;
 impl<B> Recount<B> for UpFront {
     const AFTER: bool = false;
 
-    type Body = B;
+    type Body = RateLimitBody<B>;
 
+    /// Only a request of an [in-flight limit](crate::InFlightLimit) carries a charge
+    /// here (its permit, no units to settle): the body holds it until it ends.
     #[inline(always)]
-    fn finish(&self, response: Response<B>, _charged: Option<Charged>) -> Response<B> {
-        response
+    fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<Self::Body> {
+        RateLimitBody::wrap(
+            response,
+            charged.map(|charged| {
+                let cost = charged.cost;
+                charged.decided(cost)
+            }),
+        )
     }
 }
 
@@ -174,14 +182,14 @@ impl<B, P> Recount<B> for CountWhen<P>
 where
     P: Fn(&Response<B>) -> bool + Clone + Send + Sync + 'static,
 {
-    type Body = B;
+    type Body = RateLimitBody<B>;
 
-    fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<B> {
-        if let Some(charged) = charged {
+    fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<Self::Body> {
+        let charged = charged.and_then(|charged| {
             let units = if (self.0)(&response) { charged.cost } else { 0 };
-            charged.settle(units);
-        }
-        response
+            charged.settle_or_hold(units)
+        });
+        RateLimitBody::wrap(response, charged)
     }
 }
 
@@ -201,14 +209,14 @@ impl<B, F> Recount<B> for LateCost<F>
 where
     F: Fn(&Response<B>) -> Option<u32> + Clone + Send + Sync + 'static,
 {
-    type Body = B;
+    type Body = RateLimitBody<B>;
 
-    fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<B> {
-        if let Some(charged) = charged {
+    fn finish(&self, response: Response<B>, charged: Option<Charged>) -> Response<Self::Body> {
+        let charged = charged.and_then(|charged| {
             let cost = charged.cost;
-            charged.settle((self.0)(&response).unwrap_or(cost));
-        }
-        response
+            charged.settle_or_hold((self.0)(&response).unwrap_or(cost))
+        });
+        RateLimitBody::wrap(response, charged)
     }
 }
 
@@ -247,6 +255,88 @@ where
             inner,
             pending: charged.map(|charged| (charged, self.0.clone())),
         })
+    }
+}
+
+pin_project! {
+    /// The response body of a [`RateLimit`](crate::RateLimit) service (with
+    /// [`UpFront`], [`CountWhen`] or [`LateCost`] counting): the inner body, and for a
+    /// request of an [in-flight limit](crate::InFlightLimit) its permit (and its
+    /// adjustment), given back in one store call when the body ends, fails or is
+    /// dropped. Without an in-flight limit it holds nothing and only passes the body on.
+    pub struct RateLimitBody<B> {
+        #[pin]
+        inner: B,
+        // Boxed: a body without one (the plain path) grows by a pointer only.
+        held: Option<Box<Charged>>,
+    }
+}
+
+impl<B> RateLimitBody<B> {
+    /// `inner`, holding nothing.
+    pub fn new(inner: B) -> Self {
+        Self { inner, held: None }
+    }
+
+    #[inline(always)]
+    fn wrap(response: Response<B>, held: Option<Charged>) -> Response<Self> {
+        let held = held.map(Box::new);
+        response.map(|inner| Self { inner, held })
+    }
+
+    /// Whether the body still holds its request's in-flight permit.
+    pub fn holds_permit(&self) -> bool {
+        self.held.as_ref().is_some_and(|held| held.holds_permit())
+    }
+
+    /// The body it wraps.
+    pub fn into_inner(self) -> B {
+        self.inner
+    }
+}
+
+impl<B: Default> Default for RateLimitBody<B> {
+    fn default() -> Self {
+        Self::new(B::default())
+    }
+}
+
+impl<B: fmt::Debug> fmt::Debug for RateLimitBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitBody")
+            .field("inner", &self.inner)
+            .field("held", &self.held)
+            .finish()
+    }
+}
+
+impl<B: Body> Body for RateLimitBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    #[inline]
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let mut this = self.project();
+        let frame = ready!(this.inner.as_mut().poll_frame(cx));
+        // The end, or an error (the body is over): the request is no longer in flight,
+        // and its charge settles (dropped, with the units decided at the response).
+        if this.held.is_some() && (!matches!(frame, Some(Ok(_))) || this.inner.is_end_stream()) {
+            this.held.take();
+        }
+        Poll::Ready(frame)
+    }
+
+    #[inline]
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    #[inline]
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -339,6 +429,21 @@ pub struct Charged {
     /// The store and limits charged, and when: the enforced ones and the shadow ones
     /// (each only when its call allowed the request).
     charges: [Option<Charge>; 2],
+    /// The in-flight permit of the request, given back with the enforced adjustment.
+    permit: Option<Held>,
+    /// What the request costs in the end, once known, while its permit is held (until
+    /// the body ends): settled when dropped.
+    units: Option<u32>,
+}
+
+impl Drop for Charged {
+    fn drop(&mut self) {
+        // Held until the body is over: settle what the response decided. (Without
+        // decided units the permit's own drop gives it back; the units stay spent.)
+        if let Some(units) = self.units.take() {
+            self.finish(units);
+        }
+    }
 }
 
 impl fmt::Debug for Charged {
@@ -357,7 +462,37 @@ impl Charged {
             key,
             cost,
             charges,
+            permit: None,
+            units: None,
         }
+    }
+
+    /// The same charge holding the request's in-flight permit.
+    pub(crate) fn holding(mut self, permit: Held) -> Self {
+        self.permit = Some(permit);
+        self
+    }
+
+    /// Whether it holds an in-flight permit.
+    pub fn holds_permit(&self) -> bool {
+        self.permit.is_some()
+    }
+
+    /// The same charge, to settle at `units` when dropped.
+    fn decided(mut self, units: u32) -> Self {
+        self.units = Some(units);
+        self
+    }
+
+    /// Settles at `units` now, or, holding a permit, returns the charge to settle at
+    /// `units` when the body is over (the permit's release and the adjustment go in one
+    /// store call).
+    fn settle_or_hold(self, units: u32) -> Option<Self> {
+        if self.permit.is_some() {
+            return Some(self.decided(units));
+        }
+        self.settle(units);
+        None
     }
 
     /// The units charged up front.
@@ -365,8 +500,14 @@ impl Charged {
         self.cost
     }
 
-    /// Makes the request cost `units` in the end: gives back or charges the difference.
-    pub fn settle(self, units: u32) {
+    /// Makes the request cost `units` in the end: gives back or charges the difference
+    /// (and gives its in-flight permit back, in the same store call).
+    pub fn settle(mut self, units: u32) {
+        self.units = None;
+        self.finish(units);
+    }
+
+    fn finish(&mut self, units: u32) {
         let adjustment = |at: u64| {
             if units < self.cost {
                 Some(Adjustment::Refund {
@@ -381,24 +522,38 @@ impl Charged {
                 None
             }
         };
-        for (store, limits, at) in self.charges.iter().flatten() {
+        let mut permit = self.permit.take();
+        for index in 0..self.charges.len() {
+            let Some((store, limits, at)) = self.charges[index].take() else {
+                continue;
+            };
             // A lockout that counts pending units hears of every charge it allowed.
             let adjustment = if self.cost > 0 && limits.iter().any(Limit::pending) {
                 Some(Adjustment::Settle {
                     charged: self.cost,
                     kept: units,
-                    charged_at_ms: *at,
+                    charged_at_ms: at,
                 })
             } else {
-                adjustment(*at)
+                adjustment(at)
             };
+            // The enforced limits' adjustment goes with the permit's release.
+            if index == 0
+                && let Some(held) = permit.take()
+            {
+                held.release(adjustment.map(|adjustment| (adjustment, limits)));
+                continue;
+            }
             let Some(adjustment) = adjustment else {
                 continue;
             };
-            match store.adjust_now(&self.key, limits, adjustment) {
+            match store.adjust_now(&self.key, &limits, adjustment) {
                 Ok(result) => self.report(result),
                 Err(check) => self.wait(check),
             }
+        }
+        if let Some(held) = permit {
+            held.release(None);
         }
     }
 
@@ -428,5 +583,89 @@ impl Charged {
             let key = self.key.redacted();
             tracing::warn!(error = %error, key = %key, layer = &*self.layer, "rate limit adjustment failed");
         }
+    }
+}
+
+/// A request's in-flight permit, given back to the store that took it when dropped,
+/// or together with the request's adjustment through [`release`](Self::release).
+pub(crate) struct Held {
+    store: Guarded,
+    limits: Arc<[Limit]>,
+    permit: Option<Permit>,
+    layer: Arc<str>,
+}
+
+impl fmt::Debug for Held {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Held")
+            .field("permit", &self.permit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Held {
+    pub(crate) fn new(
+        store: Guarded,
+        limits: Arc<[Limit]>,
+        permit: Permit,
+        layer: Arc<str>,
+    ) -> Self {
+        Self {
+            store,
+            limits,
+            permit: Some(permit),
+            layer,
+        }
+    }
+
+    /// Gives the permit back, with `adjustment` of `limits` (those of the permit's that
+    /// count after the response) in the same store call. Around the circuit breaker: a
+    /// permit is given back even while requests skip the store (if the store fails, its
+    /// TTL ends it).
+    pub(crate) fn release(mut self, adjustment: Option<(Adjustment, Arc<[Limit]>)>) {
+        self.give_back(adjustment);
+    }
+
+    fn give_back(&mut self, adjustment: Option<(Adjustment, Arc<[Limit]>)>) {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        let key: Key = permit.key().clone();
+        let (adjustment, limits) = match adjustment {
+            Some((adjustment, limits)) => (Some(adjustment), limits),
+            None => (None, self.limits.clone()),
+        };
+        let check = self
+            .store
+            .store()
+            .release_in_flight(permit, &limits, adjustment);
+        match check.into_ready() {
+            Ok(result) => report(&self.layer, &key, result),
+            Err(check) => {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    tracing::warn!(
+                        layer = &*self.layer,
+                        "in-flight permit not given back: no runtime (its TTL ends it)"
+                    );
+                    return;
+                };
+                let layer = self.layer.clone();
+                runtime.spawn(async move { report(&layer, &key, check.await) });
+            }
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.give_back(None);
+    }
+}
+
+fn report(layer: &str, key: &Key, result: Result<Decision, StoreError>) {
+    if let Err(error) = result {
+        let error = error.chain();
+        let key = key.redacted();
+        tracing::warn!(error = %error, key = %key, layer, "in-flight permit release failed");
     }
 }

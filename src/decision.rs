@@ -118,6 +118,25 @@ impl Decision {
         }
     }
 
+    /// The same decision with the in-flight cap's answer last: `cap` is `None` when the
+    /// cap had room (nothing is added), else its denial, which denies the decision.
+    pub(crate) fn with_cap(mut self, cap: Option<LimitDecision>) -> Self {
+        if let Some(cap) = cap {
+            self.allowed = false;
+            self.limits.push(cap);
+        }
+        self
+    }
+
+    /// Takes the last limit's outcome out (the in-flight cap a store decided beside the
+    /// limits), the decision then being the other limits' alone.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn pop_limit(&mut self) -> Option<LimitDecision> {
+        let last = self.limits.pop();
+        self.allowed = self.limits.iter().all(|l| l.allowed);
+        last
+    }
+
     /// The same decision, allowed after a wait of `wait_ms`: a reservation, made by
     /// [`Store::reserve`](crate::store::Store::reserve). The units are counted already at the
     /// moment the request may run; the caller waits `wait_ms`, then runs it without asking

@@ -13,7 +13,7 @@ use http::{HeaderMap, Response};
 #[cfg(doc)]
 use crate::rules::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 use crate::{
-    CircuitBreaker, FailurePolicy, Limit, MissingKey,
+    CircuitBreaker, FailurePolicy, InFlightLimit, Limit, MissingKey,
     count_after::{CountWhen, LateCost, TrailerCost, UpFront},
     decide::Shared,
     headers::HeaderStyle,
@@ -328,6 +328,26 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
         self
     }
 
+    /// At most `in_flight.max()` requests of a key in flight at once, decided in the
+    /// same store call as the limits, all-or-nothing: a request the cap denies spends no
+    /// units, and one the limits deny takes no permit. The permit comes back when the
+    /// response body ends or is dropped, when the response future is dropped, or when
+    /// the inner service fails; with [`count_when`](Self::with_count_when) or a late cost, in
+    /// the same store call as the adjustment, once the body ends. Changeable at run time
+    /// ([`Rules::with_in_flight`](crate::rules::Rules::with_in_flight)); plans have the layer's. See [`InFlightLimit`] (the
+    /// stores, the permit TTL). Off by default.
+    ///
+    /// It replaces an [`InFlightLayer`](crate::in_flight::InFlightLayer) stacked beside this
+    /// layer: one store call per request instead of two, and the layer's key, name,
+    /// metrics, failure policy, breaker and [`RulesHandle`](crate::rules::RulesHandle) apply to it. It does not
+    /// combine with [`max_wait`](Self::with_max_wait) yet: the layer is refused when built
+    /// ([`validate`](Self::validate)), and so are such rules at run time.
+    pub fn with_in_flight(mut self, in_flight: InFlightLimit) -> Self {
+        let settings = self.settings.changed();
+        settings.rules = settings.rules.clone().with_in_flight(Some(in_flight));
+        self
+    }
+
     /// How many requests may [wait](Self::with_max_wait) at once: `total` for the layer (and
     /// its clones), `per_key` for one key ([`DEFAULT_MAX_WAITERS`] and
     /// [`DEFAULT_MAX_WAITERS_PER_KEY`] by default). Beyond either, a request is answered
@@ -435,6 +455,7 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
     /// of its `Debug`) and the feature it cannot serve.
     pub fn validate(&self) -> Result<(), crate::ConfigError> {
         let settings = &self.settings;
+        settings.rules.conflict()?;
         let capabilities = settings.store.capabilities();
         if settings.counts_after && !capabilities.contains(crate::store::Capability::Adjust) {
             return Err(crate::ConfigError::new(

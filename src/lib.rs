@@ -121,7 +121,10 @@ pub use decision::{Decision, LimitDecision, RateLimitInfo};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_NAME, RateLimitLayer};
-pub use limit::{Algorithm, Limit, MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange};
+pub use limit::{
+    Algorithm, DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_IN_FLIGHT_TTL, InFlightLimit, Limit,
+    MAX_SLIDING_WINDOW_LIMIT, MAX_WINDOW, OnChange,
+};
 pub use limiter::{Limiter, Verdict};
 pub use policy::{Exempt, FailurePolicy, MissingKey, NoExemption, RequestCost};
 pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};

@@ -73,9 +73,9 @@ fn handler()
 }
 
 /// One request through `service` with these headers: its status.
-async fn send<S>(service: &S, headers: &[(&str, &str)]) -> StatusCode
+async fn send<S, B>(service: &S, headers: &[(&str, &str)]) -> StatusCode
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone,
 {
     let mut request = Request::new(Body::empty());
     for (name, value) in headers {
@@ -417,7 +417,10 @@ async fn counted_up_front_beside_a_late_cost(store: impl Store + Clone) {
     // responses, so wait for the last).
     let mut left = None;
     for _ in 0..200 {
-        let decision = store.peek(&global(), &[tokens.clone()], 0).await.unwrap();
+        let decision = store
+            .peek(&global(), std::slice::from_ref(&tokens), 0)
+            .await
+            .unwrap();
         left = decision.remaining();
         if left == Some(70) {
             break;

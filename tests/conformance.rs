@@ -409,7 +409,7 @@ macro_rules! conformance {
                     let server = RedisServer::start();
                     let url = support::acl::least_privilege_user(&server, "tollgate");
                     let clock = ManualClock::new(START);
-                    let store = RedisStore::connect(&url)
+                    let store = RedisStore::connect(url)
                         .await
                         .unwrap()
                         .with_clock(clock.clone());

@@ -581,7 +581,7 @@ mod redis {
         std::thread::spawn(move || {
             let runtime = tokio::runtime::Runtime::new().unwrap();
             runtime.block_on(async {
-                let store = RedisStore::connect(&url)
+                let store = RedisStore::connect(url)
                     .await
                     .unwrap()
                     .with_clock(ManualClock::new(NOW_MS));

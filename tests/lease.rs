@@ -942,7 +942,7 @@ async fn a_peek_neither_spends_nor_takes_a_lease() {
 /// breaker, one global key, a 10 s store timeout.
 type Node = tower::util::BoxCloneSyncService<
     http::Request<()>,
-    http::Response<String>,
+    http::Response<tollgate::count_after::RateLimitBody<String>>,
     std::convert::Infallible,
 >;
 

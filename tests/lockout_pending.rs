@@ -290,7 +290,7 @@ mod redis {
 
     /// Without the block cache, so that every decision is the script's.
     async fn store(server: &RedisServer, clock: &ManualClock, prefix: &str) -> RedisStore {
-        RedisStore::connect(&server.url())
+        RedisStore::connect(server.url())
             .await
             .unwrap()
             .with_prefix(prefix)

@@ -1040,7 +1040,7 @@ async fn case_store(clock: &ManualClock, block_cache: bool) -> RedisStore {
         c.set(c.get() + 1);
         c.get()
     });
-    let store = RedisStore::connect(&server)
+    let store = RedisStore::connect(server)
         .await
         .unwrap_or_else(|error| environment_fault(&error))
         .with_prefix(&format!("case{case}"))

@@ -271,18 +271,22 @@ struct Setup {
     limiter: Limiter<HeaderKey>,
 }
 
-fn finish<L>(layer: L, rules: RulesHandle, limiter: Limiter<HeaderKey>) -> Setup
+fn finish<L, RB>(layer: L, rules: RulesHandle, limiter: Limiter<HeaderKey>) -> Setup
 where
     L: Layer<Svc>,
-    L::Service: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+    L::Service: Service<Request<Body>, Response = Response<RB>, Error = Infallible>
         + Clone
         + Send
         + Sync
         + 'static,
     <L::Service as Service<Request<Body>>>::Future: Send + 'static,
+    RB: http_body::Body<Data = axum::body::Bytes> + Send + 'static,
+    RB::Error: Into<axum::BoxError>,
 {
     Setup {
-        service: BoxCloneSyncService::new(layer.layer(handler())),
+        service: BoxCloneSyncService::new(
+            layer.layer(handler()).map_response(|r| r.map(Body::new)),
+        ),
         rules,
         limiter,
     }

@@ -82,9 +82,9 @@ fn seen<B>(response: &Response<B>) -> Seen {
     }
 }
 
-async fn send<S>(service: &mut S, key: &str, plan: Option<&str>) -> Seen
+async fn send<S, B>(service: &mut S, key: &str, plan: Option<&str>) -> Seen
 where
-    S: Service<Request<()>, Response = Response<&'static str>, Error = Infallible>,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
 {
     let mut request = Request::builder().header("x-key", key);
     if let Some(plan) = plan {
@@ -101,9 +101,9 @@ where
 }
 
 /// The status only.
-async fn status<S>(service: &mut S, key: &str, plan: Option<&str>) -> StatusCode
+async fn status<S, B>(service: &mut S, key: &str, plan: Option<&str>) -> StatusCode
 where
-    S: Service<Request<()>, Response = Response<&'static str>, Error = Infallible>,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
 {
     send(service, key, plan).await.status
 }

@@ -54,7 +54,7 @@ async fn rediss_without_the_tls_feature_names_the_feature() {
 async fn the_documented_acl_user_decides_on_redis_time() {
     let server = RedisServer::start();
     let url = acl::least_privilege_user(&server, "tollgate");
-    let store = RedisStore::connect(&url).await.unwrap();
+    let store = RedisStore::connect(url).await.unwrap();
     assert!(decide_all(&store, "tenant").await.unwrap());
     // Without coalescing too (each decision its own EVALSHA).
     let store = store.with_coalescing(None);
@@ -123,7 +123,7 @@ async fn a_wrong_password_is_refused_at_connect() {
     let server = RedisServer::start();
     acl::least_privilege_user(&server, "tollgate");
     let url = format!("redis://tollgate:wrong@127.0.0.1:{}", server.port());
-    let error = support::chain(&RedisStore::connect(&url).await.unwrap_err());
+    let error = support::chain(&RedisStore::connect(url).await.unwrap_err());
     assert!(
         error.to_lowercase().contains("authentication failed"),
         "{error}"

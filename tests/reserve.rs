@@ -99,8 +99,11 @@ impl Runs {
 fn service<L>(layer: L, runs: &Runs, start: Instant) -> Svc
 where
     L: Layer<Svc>,
-    L::Service: Service<Request<()>, Response = Response<String>, Error = Infallible>
-        + Clone
+    L::Service: Service<
+            Request<()>,
+            Response = Response<tollgate::count_after::RateLimitBody<String>>,
+            Error = Infallible,
+        > + Clone
         + Send
         + 'static,
     <L::Service as Service<Request<()>>>::Future: Send + 'static,
@@ -111,7 +114,13 @@ where
         runs.0.lock().push((id, start.elapsed()));
         async { Ok::<_, Infallible>(Response::new("ok".to_owned())) }
     });
-    tower::util::BoxCloneService::new(layer.layer(tower::util::BoxCloneService::new(inner)))
+    let layered = layer.layer(tower::util::BoxCloneService::new(inner));
+    tower::util::BoxCloneService::new(tower::ServiceExt::map_response(
+        layered,
+        |response: Response<tollgate::count_after::RateLimitBody<String>>| {
+            response.map(tollgate::count_after::RateLimitBody::into_inner)
+        },
+    ))
 }
 
 fn layer(limits: Vec<Limit>, store: impl Store, max_wait: Duration) -> RateLimitLayer<HeaderKey> {

@@ -45,7 +45,7 @@ fn rules(q: u32) -> Rules {
     .with_on_store_error(FailurePolicy::Deny)
 }
 
-fn header<'a>(response: &'a Response<&'static str>, name: &str) -> &'a str {
+fn header<'a, B: std::fmt::Debug>(response: &'a Response<B>, name: &str) -> &'a str {
     response
         .headers()
         .get(name)
@@ -57,7 +57,7 @@ fn header<'a>(response: &'a Response<&'static str>, name: &str) -> &'a str {
 /// Every field of a response comes from one rule set: the policy's quotas (written from
 /// the rules) equal the limit the store decided with (`X-RateLimit-Limit`, from the
 /// decision), and there is one `RateLimit` item per policy item.
-fn assert_one_version(response: &Response<&'static str>) -> u32 {
+fn assert_one_version<B: std::fmt::Debug>(response: &Response<B>) -> u32 {
     assert!(
         matches!(
             response.status(),

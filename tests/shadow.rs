@@ -35,9 +35,9 @@ async fn hello(_request: Request<()>) -> Result<Response<&'static str>, Infallib
 /// What one request got: its status and its `X-RateLimit-Remaining`, if any.
 type Seen = (StatusCode, Option<u64>);
 
-async fn send<S>(service: &mut S, key: &str) -> Seen
+async fn send<S, B>(service: &mut S, key: &str) -> Seen
 where
-    S: Service<Request<()>, Response = Response<&'static str>, Error = Infallible>,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
 {
     let request = Request::builder().header("x-key", key).body(()).unwrap();
     let response = service.ready().await.unwrap().call(request).await.unwrap();
@@ -253,7 +253,7 @@ fn a_layer_in_shadow_lets_requests_through_when_its_store_fails() {
     let mut server = RedisServer::start();
     let url = server.url();
     let recorder = with_metrics(|| async {
-        let store: Arc<dyn Store> = Arc::new(RedisStore::connect(&url).await.unwrap());
+        let store: Arc<dyn Store> = Arc::new(RedisStore::connect(url).await.unwrap());
         server.kill();
         let mut service = layer(&store, hourly("h", 1))
             .with_shadow(true)

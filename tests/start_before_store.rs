@@ -229,7 +229,7 @@ async fn in_background_still_refuses_a_wrong_password() {
         .cli(&["CONFIG", "SET", "requirepass", "right"])
         .unwrap();
     let url = format!("redis://:wrong@127.0.0.1:{}", server.port());
-    let result = RedisStore::connect(&url).in_background(true).await;
+    let result = RedisStore::connect(url).in_background(true).await;
     assert!(
         result.is_err(),
         "a wrong password started in the background"

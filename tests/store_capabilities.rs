@@ -187,7 +187,7 @@ async fn the_redis_store_accepts_every_combination() {
     use tollgate::store::RedisStore;
 
     let server = support::RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     assert_eq!(store.capabilities(), Capabilities::ALL);
     let base = || {
         RateLimitLayer::new(per_minute())

@@ -198,7 +198,11 @@ async fn runtime_changes(store: impl Store) {
                 let mut seen = Vec::new();
                 let mut n = 0u32;
                 while !stop.load(Ordering::Relaxed) {
-                    let plan = if (task + n) % 2 == 0 { "free" } else { "pro" };
+                    let plan = if (task + n).is_multiple_of(2) {
+                        "free"
+                    } else {
+                        "pro"
+                    };
                     let request = Request::get("/")
                         .header("x-api-key", format!("key-{task}-{}", n % 3))
                         .header("x-plan", plan)
@@ -244,7 +248,7 @@ async fn runtime_changes_on_memory_give_every_response_one_rule_set() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtime_changes_on_redis_give_every_response_one_rule_set() {
     let server = support::RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     runtime_changes(store).await;
 }
 
@@ -292,7 +296,7 @@ async fn a_waiting_line_survives_a_change_of_limits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_breaker_survives_a_change_of_limits() {
     let mut server = support::RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::connect(server.url()).await.unwrap();
     let limit = Limit::fixed_window(100, MINUTE).unwrap();
     let layer = RateLimitLayer::new(limit.clone())
         .with_key(HeaderKey::new("x-api-key").unwrap())

@@ -14,7 +14,10 @@ use std::{convert::Infallible, time::Duration};
 use futures_util::FutureExt;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
-use tollgate::{Limit, RateLimitLayer, clock::Clock, key::HeaderKey, store::MemoryStore};
+use tollgate::{
+    Limit, RateLimitLayer, clock::Clock, count_after::RateLimitBody, key::HeaderKey,
+    store::MemoryStore,
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// Milliseconds since a start on an aligned second, on Tokio's clock.
@@ -32,7 +35,7 @@ impl Clock for TokioClock {
     }
 }
 
-type Svc = tower::util::BoxCloneService<Request<()>, Response<String>, Infallible>;
+type Svc = tower::util::BoxCloneService<Request<()>, Response<RateLimitBody<String>>, Infallible>;
 
 /// 2 a second per `x-key`, waiting up to `max_wait`, at most `total` and `per_key`
 /// waiters.
@@ -122,8 +125,13 @@ fn start(service: &Svc, key: &str) -> tollgate_future::Boxed {
 }
 
 mod tollgate_future {
-    pub(crate) type Boxed =
-        std::pin::Pin<Box<dyn std::future::Future<Output = http::Response<String>> + Send>>;
+    pub(crate) type Boxed = std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = http::Response<tollgate::count_after::RateLimitBody<String>>,
+                > + Send,
+        >,
+    >;
 }
 
 #[tokio::test(start_paused = true)]

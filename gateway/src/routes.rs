@@ -483,12 +483,14 @@ fn wrap<K>(
 where
     K: tollgate::key::KeyExtractor<axum::body::Body> + Send + Sync + 'static,
 {
+    // The layer's body holds a request's in-flight permit, when it has one: boxed.
+    let boxed = |response: http::Response<_>| response.map(axum::body::Body::new);
     match after {
-        None => BoxCloneSyncService::new(layer.layer(service)),
+        None => BoxCloneSyncService::new(layer.layer(service).map_response(boxed)),
         Some(after) => {
             let after = after.clone();
             let layer = layer.with_late_cost(move |response: &Response| after.cost(response));
-            BoxCloneSyncService::new(layer.layer(service))
+            BoxCloneSyncService::new(layer.layer(service).map_response(boxed))
         }
     }
 }

@@ -6,6 +6,7 @@
 //! its [`ResponseFuture`](crate::ResponseFuture) for those it waited for: the same two
 //! functions, whatever features the layer combines.
 
+mod in_flight;
 pub(crate) mod settle;
 mod shadow;
 mod start;
@@ -52,12 +53,16 @@ pub(crate) enum Answer {
     One(Result<Decision, StoreError>),
     /// About its enforced and its shadow limits, in two calls.
     Shadowed(Answers),
+    /// About its limits and its in-flight cap, in one call (and its shadow limits, if
+    /// any, in a second one). Boxed: rare, and larger than the others.
+    InFlight(Box<in_flight::Answers>),
 }
 
 /// The store call a request waits for.
 pub(crate) enum Asking {
     One(Check),
     Both(Checks),
+    InFlight(Box<in_flight::Calls>),
 }
 
 impl Asking {
@@ -67,6 +72,7 @@ impl Asking {
         match self {
             Self::One(check) => Pin::new(check).poll(cx).map(Answer::One),
             Self::Both(checks) => Pin::new(checks).poll(cx).map(Answer::Shadowed),
+            Self::InFlight(calls) => calls.poll(cx).map(|a| Answer::InFlight(Box::new(a))),
         }
     }
 }

@@ -6,12 +6,17 @@ use http::Request;
 
 use super::{
     Answer, Asked, Next, Shared,
+    in_flight::Answers as InFlightAnswers,
     shadow::Answers,
     wait::{self, Round},
 };
 use crate::{
-    Decision, FailurePolicy, StoreError, count_after::Charged, metrics::Outcome as Recorded,
-    rejection::OnRejection, rules::Active, store::Guarded,
+    Decision, FailurePolicy, StoreError,
+    count_after::{Charged, Held},
+    metrics::Outcome as Recorded,
+    rejection::OnRejection,
+    rules::Active,
+    store::Guarded,
 };
 
 /// Acts on the store's `answer` about `request`, under the `rules` it was asked with:
@@ -35,6 +40,99 @@ where
     match answer {
         Answer::One(result) => settle_one(shared, rules, result, request, asked, round, counts),
         Answer::Shadowed(answers) => shadowed(shared, rules, answers, request, asked, counts),
+        Answer::InFlight(answers) => in_flight(shared, rules, *answers, request, asked, counts),
+    }
+}
+
+/// [`settle`] for rules with an in-flight limit: as [`settle_one`] (and [`shadowed`] for
+/// their shadow limits), and the permit taken rides on the call to the inner service,
+/// which gives it back once the response is over. A store error under
+/// [`FailurePolicy::Local`] asks the local store for the limits and a permit alike.
+/// Never waits: see [`Rules::with_in_flight`](crate::rules::Rules::with_in_flight).
+#[inline(never)]
+fn in_flight<ReqB, ResB, R>(
+    shared: &Shared<R>,
+    rules: &Active,
+    answers: InFlightAnswers,
+    request: &Request<ReqB>,
+    asked: &Asked,
+    counts: bool,
+) -> Next<ResB>
+where
+    R: OnRejection<ReqB, ResB>,
+{
+    let InFlightAnswers { admitted, shadow } = answers;
+    let (shadow_at, allowed) = match shadow {
+        Some(shadow) => {
+            let at = charged_at(&shadow);
+            let allowed = if would_reject(shared, shadow, asked) {
+                Recorded::WouldReject
+            } else {
+                Recorded::Allowed
+            };
+            (at, allowed)
+        }
+        None => (None, Recorded::Allowed),
+    };
+    let policy = rules.rules.on_store_error();
+    let (result, permit, local) = match admitted {
+        Ok(admitted) => {
+            let (decision, permit) = admitted.into_parts();
+            (Ok(decision), permit, false)
+        }
+        Err(error) => match (&rules.local, rules.rules.in_flight()) {
+            (Some(local), Some(cap)) if matches!(policy, FailurePolicy::Local(_)) => {
+                record(shared, rules, Recorded::StoreError, asked);
+                policy.log_failure(&error, &asked.key, &shared.name);
+                // The memory store answers at once.
+                match local.check_in_flight_now(&asked.key, rules.limits(), asked.cost, cap) {
+                    Ok(Ok(admitted)) => {
+                        let (decision, permit) = admitted.into_parts();
+                        (Ok(decision), permit, true)
+                    }
+                    Ok(Err(error)) => (Err(error), None, true),
+                    Err(_) => (Err(StoreError::circuit_open()), None, true),
+                }
+            }
+            _ => (Err(error), None, false),
+        },
+    };
+    let store = rules.store_for(local);
+    // A permit beside a denial (never from the shipped stores) goes back at once.
+    let permit = permit.map(|permit| {
+        Held::new(
+            store.clone(),
+            rules.limits().clone(),
+            permit,
+            shared.name.clone(),
+        )
+    });
+    let asker = Asker {
+        store,
+        allowed,
+        may_wait: false,
+        local,
+    };
+    let failed = result.is_err();
+    let next = act(shared, rules, &asker, result, request, asked);
+    let next = if counts {
+        charge(shared, rules, next, shadow_at, failed || local, asked)
+    } else {
+        next
+    };
+    match (next, permit) {
+        (Next::Call(decision, charged), Some(permit)) => {
+            let charged = charged.unwrap_or_else(|| {
+                Box::new(Charged::new(
+                    shared.name.clone(),
+                    asked.key.clone(),
+                    asked.cost,
+                    [None, None],
+                ))
+            });
+            Next::Call(decision, Some(Box::new(charged.holding(permit))))
+        }
+        (next, _) => next,
     }
 }
 

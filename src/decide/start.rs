@@ -5,12 +5,14 @@ use http::Request;
 
 use super::{
     Answer, Asked, Asking, Next, Shared,
+    in_flight::Calls,
     settle::{settle, settle_one},
     shadow::Checks,
     wait::{Round, Ticket},
 };
 use crate::{
-    Decision, Limit, StoreError, key::Key, rejection::OnRejection, rules::Active, store::Check,
+    Decision, InFlightLimit, Limit, StoreError, key::Key, rejection::OnRejection, rules::Active,
+    store::Check,
 };
 
 impl<R> Shared<R> {
@@ -32,6 +34,9 @@ impl<R> Shared<R> {
     where
         R: OnRejection<ReqB, ResB>,
     {
+        if let Some(in_flight) = rules.rules.in_flight() {
+            return self.decide_in_flight(rules, in_flight, request, asked, counts);
+        }
         match rules.shadow() {
             None => match ask(rules, &asked.key, rules.limits(), asked.cost) {
                 Ok(result) => settle_one(self, rules, result, request, asked, Round::First, counts),
@@ -69,6 +74,44 @@ impl<R> Shared<R> {
                 counts,
             ),
             Err(checks) => Next::Ask(Asking::Both(checks)),
+        }
+    }
+}
+
+impl<R> Shared<R> {
+    /// [`decide`](Self::decide) for rules with an in-flight limit: the enforced limits
+    /// and the cap in one store call (never reserving), the shadow limits, if any, in a
+    /// call of their own beside it. Out of line: layers without one pay a branch.
+    #[inline(never)]
+    fn decide_in_flight<ReqB, ResB>(
+        &self,
+        rules: &Active,
+        in_flight: &InFlightLimit,
+        request: &Request<ReqB>,
+        asked: &Asked,
+        counts: bool,
+    ) -> Next<ResB>
+    where
+        R: OnRejection<ReqB, ResB>,
+    {
+        let admit =
+            rules
+                .store
+                .check_in_flight_now(&asked.key, rules.limits(), asked.cost, in_flight);
+        let shadow = rules
+            .shadow()
+            .map(|shadow| rules.store.check_now(&asked.key, shadow, asked.cost));
+        match Calls::new(admit, shadow) {
+            Ok(answers) => settle(
+                self,
+                rules,
+                Answer::InFlight(Box::new(answers)),
+                request,
+                asked,
+                Round::First,
+                counts,
+            ),
+            Err(calls) => Next::Ask(Asking::InFlight(calls)),
         }
     }
 }

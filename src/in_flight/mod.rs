@@ -10,12 +10,15 @@
 //! (nginx `limit_conn`, Traefik `inFlightReq`; tower's `ConcurrencyLimitLayer` is one
 //! global count).
 //!
-//! - Denied: `Retry-After: 1` ([`InFlightLayer::with_retry_after`] to change it: nobody knows
-//!   when a request in flight ends), and no `RateLimit` fields: they describe windows,
-//!   not concurrency.
-//! - The response body is wrapped ([`InFlightBody`]) to see its end: that is why this is a
-//!   layer of its own, so that `RateLimitLayer`'s response type and cost stay as they
-//!   are. Stack the two to have both:
+//! **With a rate limit, prefer the in-flight stage of the rate limit's own pipeline**,
+//! [`RateLimitLayer::with_in_flight`](crate::RateLimitLayer::with_in_flight) with an
+//! [`InFlightLimit`](crate::InFlightLimit): one store call decides both all-or-nothing
+//! (here a request the cap admits may still be rate-limited, and the other way round),
+//! one more gives the permit back with any adjustment after the response, and the
+//! layer's rules, plans, metrics and handle apply to it. This layer stays for an
+//! in-flight limit on its own (its permits are renewed while a request runs, so a long
+//! response keeps counting; the stage's permits end one TTL after they were taken). The
+//! two keep their permits apart. Stacked:
 //!
 //! ```
 //! use std::time::Duration;

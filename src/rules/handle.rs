@@ -44,7 +44,16 @@ impl RulesHandle {
 
     /// Applies `rules` to every request that arrives from now on; requests in flight
     /// finish under the rules they started with. Returns the new version.
+    ///
+    /// Rules a layer would refuse when built (an in-flight limit with `max_wait`, see
+    /// [`RateLimitLayer::validate`](crate::RateLimitLayer::validate)) are refused here
+    /// too: the rules in force stay, the refusal is logged at `error`, and the version
+    /// returned is theirs, unchanged.
     pub fn set(&self, rules: Rules) -> u64 {
+        if let Err(error) = rules.conflict() {
+            tracing::error!(%error, "rate limit rules refused");
+            return self.version();
+        }
         // The memory store learns when the plans' state expires too.
         let all = rules.every_stored_limit();
         self.cell.lasting.store.limits_changed(&all);

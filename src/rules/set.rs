@@ -2,7 +2,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::{CircuitBreaker, ConfigError, FailurePolicy, HeaderStyle, Limit, MissingKey, Plans};
+use crate::{
+    CircuitBreaker, ConfigError, FailurePolicy, HeaderStyle, InFlightLimit, Limit, MissingKey,
+    Plans,
+};
 
 /// The default time a store call may take before the failure policy applies.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
@@ -33,6 +36,8 @@ pub struct Rules {
     max_waiters: (usize, usize),
     /// [`RateLimitInfo`](crate::RateLimitInfo) in allowed requests' extensions.
     request_info: bool,
+    /// At most this many requests in flight per key: see [`with_in_flight`](Self::with_in_flight).
+    in_flight: Option<InFlightLimit>,
 }
 
 impl Rules {
@@ -56,6 +61,7 @@ impl Rules {
             max_wait: None,
             max_waiters: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY),
             request_info: false,
+            in_flight: None,
         }
         .with_limits(limits)
     }
@@ -181,6 +187,42 @@ impl Rules {
     pub fn with_request_info(mut self, on: bool) -> Self {
         self.request_info = on;
         self
+    }
+
+    /// The same rules with this in-flight limit (`None`: none, the default): at most
+    /// `max` requests of a key in flight, decided in the same store call as the limits,
+    /// all-or-nothing, on the layer's store (and its plans': every plan has the
+    /// layer's in-flight limit). A change keeps the permits held: requests in flight
+    /// when it comes count against the new `max`. See [`InFlightLimit`] and
+    /// [`RateLimitLayer::with_in_flight`](crate::RateLimitLayer::with_in_flight).
+    ///
+    /// The cap is enforced in [shadow mode](Self::with_shadow) too (shadow limits are
+    /// about rates); shadow limits are decided in a call of their own beside it, as
+    /// without one. It does not combine with
+    /// [`max_wait`](Self::with_max_wait) yet (a request that waited would be asked again
+    /// without its permit): a layer with both is refused when built, and
+    /// [`RulesHandle::set`](crate::rules::RulesHandle::set) refuses such rules.
+    pub fn with_in_flight(mut self, in_flight: Option<InFlightLimit>) -> Self {
+        self.in_flight = in_flight;
+        self
+    }
+
+    /// The settings of these rules that cannot work together: an in-flight limit with
+    /// `max_wait` (a request that waited would be asked again without its permit).
+    pub(crate) fn conflict(&self) -> Result<(), ConfigError> {
+        if self.in_flight.is_some() && self.max_wait.is_some() {
+            return Err(ConfigError::new(
+                "in_flight",
+                "cannot be combined with max_wait: a request over an in-flight limit or a \
+                 rate limit is answered at once; remove one of in_flight and max_wait",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The in-flight limit. See [`with_in_flight`](Self::with_in_flight).
+    pub fn in_flight(&self) -> Option<&InFlightLimit> {
+        self.in_flight.as_ref()
     }
 
     /// Whether allowed requests carry a [`RateLimitInfo`](crate::RateLimitInfo). See

@@ -10,9 +10,9 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
-use super::{Acquired, Check, Permits, Reset, Store};
+use super::{Acquired, Admitted, Check, Permits, Reset, Store};
 use crate::{
-    Adjustment, Decision, Limit, StoreError,
+    Adjustment, Decision, InFlightLimit, Limit, StoreError,
     breaker::{Admission, Breaker, Feedback},
     key::Key,
 };
@@ -163,6 +163,25 @@ impl Guarded {
         self.call(
             || Err(StoreError::circuit_open()),
             |store| store.adjust(key, limits, adjustment),
+        )
+    }
+
+    /// [`Store::check_in_flight`] under the timeout and breaker. With the circuit open:
+    /// the failure policy (quota held already cannot take a permit). A call dropped
+    /// after the store took its permit (a timeout) gives the permit back (the store's
+    /// future does so when dropped).
+    // The ready answer stays unboxed, as `check_now`'s: the memory store's path.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn check_in_flight_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Result<Result<Admitted, StoreError>, Check<Admitted>> {
+        self.call(
+            || Err(StoreError::circuit_open()),
+            |store| store.check_in_flight(key, limits, cost, in_flight),
         )
     }
 

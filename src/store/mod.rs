@@ -24,7 +24,7 @@ pub use check::Check;
 pub(crate) use guarded::Guarded;
 pub use memory::MemoryStore;
 pub(crate) use permits::LocalPermits;
-pub use permits::{Acquired, Permit, Permits};
+pub use permits::{Acquired, Admitted, Permit, Permits};
 pub use prefix::validate_prefix;
 #[cfg(feature = "sentinel")]
 pub use redis::SentinelConfig;
@@ -37,7 +37,7 @@ pub use redis::{
 #[cfg(feature = "redis")]
 pub use redis::{IN_FLIGHT_ACQUIRE_SOURCE, IN_FLIGHT_RENEW_SOURCE};
 
-use crate::{Adjustment, Decision, Limit, StoreError, StoreErrorKind, key::Key};
+use crate::{Adjustment, Decision, InFlightLimit, Limit, StoreError, StoreErrorKind, key::Key};
 
 /// What [`Store::reset`] returns: the reset, done once it resolves.
 pub type Reset = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'static>>;
@@ -159,6 +159,37 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         Check::ready(Err(unsupported(self, Capability::Adjust)))
     }
 
+    /// [`check`](Self::check) with an in-flight cap beside `limits` (which may be
+    /// empty), in one atomic step, all-or-nothing: the request is allowed only when
+    /// every limit has room and fewer than `in_flight.max()` permits of `key` are held;
+    /// then its units are spent and a permit is taken (in [`Admitted`]). A request the
+    /// cap denies spends nothing; its decision ends with the cap's denial. See
+    /// [`InFlightLimit`]. The memory and Redis stores implement
+    /// it; the default fails with [`StoreErrorKind::Unsupported`].
+    fn check_in_flight(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Check<Admitted> {
+        let _ = (key, limits, cost, in_flight);
+        Check::ready(Err(StoreError::unsupported("in-flight limits")))
+    }
+
+    /// Gives back `permit` (taken by [`check_in_flight`](Self::check_in_flight)) and
+    /// applies `adjustment` to `limits` of its key, in one atomic step (one Redis call).
+    /// The default fails with [`StoreErrorKind::Unsupported`].
+    fn release_in_flight(
+        &self,
+        permit: Permit,
+        limits: &[Limit],
+        adjustment: Option<Adjustment>,
+    ) -> Check {
+        let _ = (permit, limits, adjustment);
+        Check::ready(Err(StoreError::unsupported("in-flight limits")))
+    }
+
     /// Whether the store is still making its first connection: it started while its
     /// backend was unreachable (a `RedisStore` started `in_background`), and every decision fails
     /// until it connects. A layer on it logs at start what its failure policy answers
@@ -211,6 +242,25 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         (**self).adjust(key, limits, adjustment)
+    }
+
+    fn check_in_flight(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Check<Admitted> {
+        (**self).check_in_flight(key, limits, cost, in_flight)
+    }
+
+    fn release_in_flight(
+        &self,
+        permit: Permit,
+        limits: &[Limit],
+        adjustment: Option<Adjustment>,
+    ) -> Check {
+        (**self).release_in_flight(permit, limits, adjustment)
     }
 
     fn connecting(&self) -> bool {

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use super::{Check, MemoryStore};
-use crate::key::Key;
+use crate::{Adjustment, Decision, InFlightLimit, Limit, key::Key};
 
 /// Counts requests in flight per key: what an [`InFlightLayer`](crate::in_flight::InFlightLayer)
 /// keeps its permits in. Implemented by [`MemoryStore`] (in the process) and `RedisStore`
@@ -152,6 +152,39 @@ impl Acquired {
     }
 }
 
+/// What [`Store::check_in_flight`](super::Store::check_in_flight) answers: the decision
+/// of the rate limits and the in-flight cap together, and the permit taken when it
+/// allowed the request (never one when it denied it).
+#[derive(Debug)]
+#[must_use = "a permit taken stays taken until it is released"]
+pub struct Admitted {
+    decision: Decision,
+    permit: Option<Permit>,
+}
+
+impl Admitted {
+    /// `decision`, with `permit` taken when it allowed the request. A permit beside a
+    /// denial is given back by the caller.
+    pub fn new(decision: Decision, permit: Option<Permit>) -> Self {
+        Self { decision, permit }
+    }
+
+    /// The decision.
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+
+    /// The decision and the permit taken, if any.
+    pub fn into_parts(self) -> (Decision, Option<Permit>) {
+        (self.decision, self.permit)
+    }
+}
+
+/// The slot of [`LocalPermits`] that an [`InFlightLimit`](crate::InFlightLimit) counts in:
+/// one per key whatever its `max` (an [`InFlightLayer`](crate::in_flight::InFlightLayer)'s slots are
+/// its `max`, at least 1), so that a changed `max` keeps the permits held.
+pub(crate) const ANY_MAX: u32 = 0;
+
 /// Permits counted in this process: in flight per key and maximum; a key leaves the map
 /// when its last permit comes back, so a key with nothing in flight takes no memory.
 #[derive(Debug, Default)]
@@ -200,6 +233,31 @@ impl LocalPermits {
         Acquired::taken(Permit::new(key.clone(), max, id), u64::from(count))
     }
 
+    /// Runs `decide` under the lock of the permits, and takes one of `max` permits of
+    /// `key` (slot [`ANY_MAX`]) when it allows: a request finding all `max` held gets
+    /// `full()` instead, and decides nothing. One atomic step for both, in the process.
+    pub(crate) fn take_with(
+        &self,
+        key: &Key,
+        max: u32,
+        full: impl FnOnce() -> Decision,
+        decide: impl FnOnce() -> Decision,
+    ) -> Admitted {
+        let mut held = self.held.lock();
+        let count = held.get(&Lookup(key, ANY_MAX)).copied().unwrap_or(0);
+        if count >= max {
+            return Admitted::new(full(), None);
+        }
+        let decision = decide();
+        if !decision.is_allowed() {
+            return Admitted::new(decision, None);
+        }
+        *held.entry((key.clone(), ANY_MAX)).or_insert(0) += 1;
+        drop(held);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Admitted::new(decision, Some(Permit::new(key.clone(), ANY_MAX, id)))
+    }
+
     /// Gives `permit` back.
     pub(crate) fn give_back(&self, permit: &Permit) {
         let lookup = Lookup(&permit.key, permit.max);
@@ -228,6 +286,55 @@ impl MemoryStore {
     pub(crate) fn take_permit(&self, key: &Key, max: u32) -> Acquired {
         let acquired = self.local_permits().take(key, max);
         acquired.decided_at(self.now_ms())
+    }
+}
+
+impl MemoryStore {
+    /// [`Store::check_in_flight`](super::Store::check_in_flight), answered now: `limits`
+    /// decided under the lock of the permits. A request the cap denies is decided
+    /// nothing: its decision is the limits' as a [peek](super::Store::peek) reads them,
+    /// with the cap's denial last.
+    pub fn check_in_flight_now(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Admitted {
+        let full = || {
+            let peeked = if limits.is_empty() {
+                Decision::new(Vec::new()).decided_at(self.now_ms())
+            } else {
+                self.peek_now(key, limits, cost)
+            };
+            peeked.with_cap(Some(in_flight.denial()))
+        };
+        let decide = || {
+            if limits.is_empty() {
+                Decision::new(Vec::new()).decided_at(self.now_ms())
+            } else {
+                self.decide(key, limits, cost)
+            }
+        };
+        self.local_permits()
+            .take_with(key, in_flight.max(), full, decide)
+    }
+
+    /// [`Store::release_in_flight`](super::Store::release_in_flight), now.
+    pub(crate) fn release_in_flight_now(
+        &self,
+        permit: &Permit,
+        limits: &[Limit],
+        adjustment: Option<Adjustment>,
+    ) -> Decision {
+        let decision = match adjustment {
+            Some(adjustment) if !limits.is_empty() => {
+                self.adjust_now(permit.key(), limits, adjustment)
+            }
+            _ => Decision::new(Vec::new()).decided_at(self.now_ms()),
+        };
+        self.local_permits().give_back(permit);
+        decision
     }
 }
 

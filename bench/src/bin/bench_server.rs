@@ -27,6 +27,9 @@
 //!   gives it back, in Redis a script call, a renewal task and a `ZREM`; `reject`: a
 //!   maximum of one, held for good by a request the server makes to itself at start, so
 //!   every request is refused);
+//! - `memory-rate-inflight`, `redis-rate-inflight`: the rate limit *with* an in-flight
+//!   limit of a million as a stage of its pipeline (`RateLimitLayer::with_in_flight`): one
+//!   store call decides both, one more gives the permit back when the body ends;
 //! - `governor`: tower_governor 0.8;
 //! - `handwritten`: an axum middleware that runs a fixed-window `INCR`+`PEXPIRE` script per
 //!   request with `redis::Script::invoke_async` on one `MultiplexedConnection`, the
@@ -72,7 +75,7 @@ use axum::{
     routing::get,
 };
 use tollgate::{
-    FailurePolicy, Limit, RateLimitLayer,
+    FailurePolicy, InFlightLimit, Limit, RateLimitLayer,
     headers::HeaderStyle,
     in_flight::InFlightLayer,
     key::{GlobalKey, Key, KeyError, KeyExtractor},
@@ -145,10 +148,12 @@ enum Mode {
     RedisWait,
     MemoryInFlight,
     RedisInFlight,
+    MemoryRateInFlight,
+    RedisRateInFlight,
 }
 
 impl Mode {
-    const ALL: [(&'static str, Mode); 18] = [
+    const ALL: [(&'static str, Mode); 20] = [
         ("plain", Mode::Plain),
         ("memory", Mode::Memory),
         ("memory-noheaders", Mode::MemoryNoHeaders),
@@ -167,6 +172,8 @@ impl Mode {
         ("redis-wait", Mode::RedisWait),
         ("memory-inflight", Mode::MemoryInFlight),
         ("redis-inflight", Mode::RedisInFlight),
+        ("memory-rate-inflight", Mode::MemoryRateInFlight),
+        ("redis-rate-inflight", Mode::RedisRateInFlight),
     ];
 
     fn parse(name: &str) -> Result<Self, Error> {
@@ -466,6 +473,16 @@ async fn app(args: &Args) -> Result<Router, Error> {
             }
             router
         }
+        Mode::MemoryRateInFlight => router.layer(
+            layer
+                .with_store(memory())
+                .with_in_flight(InFlightLimit::new(ALLOW_IN_FLIGHT)?),
+        ),
+        Mode::RedisRateInFlight => router.layer(
+            layer
+                .with_store(RedisStore::connect(redis_url()?).await?)
+                .with_in_flight(InFlightLimit::new(ALLOW_IN_FLIGHT)?),
+        ),
         Mode::Governor => {
             let mut config = GovernorConfigBuilder::default();
             if reject {

@@ -33,9 +33,9 @@ use self::{
     evict::{SWEEP_BUCKETS, SWEEP_INTERVAL_MS, drop_expired, evict},
     shard::{Entry, Known, REFERENCED, SHARDS, Shard, Slot, Slots, fingerprint, lock},
 };
-use super::{Check, Reset, Store, permits::LocalPermits};
+use super::{Admitted, Check, Permit, Reset, Store, permits::LocalPermits};
 use crate::{
-    Adjustment, Decision, Limit,
+    Adjustment, Decision, InFlightLimit, Limit,
     algorithm::{self, Pending, State},
     clock::{Clock, MonotonicClock},
     key::Key,
@@ -214,6 +214,12 @@ impl MemoryStore {
         self.inner.adjust(key, limits, adjustment, now)
     }
 
+    /// What [`Store::peek`] answers, now.
+    pub(crate) fn peek_now(&self, key: &Key, limits: &[Limit], cost: u32) -> Decision {
+        let now = self.inner.clock.now_ms();
+        self.inner.peek(key, limits, cost, now)
+    }
+
     /// How many keys hold state (expired state not yet swept included).
     pub fn len(&self) -> usize {
         self.inner.shards.iter().map(|s| lock(s).table.len()).sum()
@@ -275,6 +281,25 @@ impl Store for MemoryStore {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         Check::ready(Ok(self.adjust_now(key, limits, adjustment)))
+    }
+
+    fn check_in_flight(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Check<Admitted> {
+        Check::ready(Ok(self.check_in_flight_now(key, limits, cost, in_flight)))
+    }
+
+    fn release_in_flight(
+        &self,
+        permit: Permit,
+        limits: &[Limit],
+        adjustment: Option<Adjustment>,
+    ) -> Check {
+        Check::ready(Ok(self.release_in_flight_now(&permit, limits, adjustment)))
     }
 
     /// A carried-over limit keeps its fingerprint with new parameters: the sweeps judge

@@ -63,7 +63,17 @@ pub(crate) struct Encoded {
     pub(crate) slot: u16,
     /// What rides on it for leased quota (an ask, units going back).
     pub(crate) lease: Option<Arc<dyn Rider>>,
+    /// The id of the in-flight permit it takes (a request) or gives back (an
+    /// adjustment): its group ends with the in-flight limit.
+    pub(crate) permit: Option<String>,
 }
+
+/// The script's code of an in-flight limit (lua/in_flight.lua).
+const IN_FLIGHT_CODE: u64 = 6;
+
+/// The capacity an in-flight limit is sent with: above any cost, so a request of any
+/// cost takes one permit.
+const IN_FLIGHT_CAPACITY: u64 = 1 << 32;
 
 impl Encoded {
     /// A request for `key` under `limits` of `cost` (`at` = None), or an adjustment of
@@ -102,7 +112,39 @@ impl Encoded {
             reserve_ms: 0,
             slot,
             lease: None,
+            permit: None,
         }
+    }
+
+    /// [`new`](Self::new) with an in-flight limit of `max` permits of `ttl_ms` last in
+    /// the group (`limits` may be empty): a request that takes permit `id` when allowed,
+    /// or (`at`) an adjustment that gives it back.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn in_flight(
+        prefix: &str,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        at: Option<i64>,
+        cluster: bool,
+        (max, ttl_ms): (u32, u64),
+        id: String,
+    ) -> Self {
+        let mut encoded = Self::new(prefix, key, limits, cost, at, cluster);
+        encoded.keys = Keys::with_in_flight(prefix, key, limits, true);
+        if cluster {
+            encoded.slot = slot_of(encoded.keys.iter().next().unwrap_or_default());
+        }
+        encoded.group.extend([
+            IN_FLIGHT_CODE,
+            u64::from(max),
+            ttl_ms,
+            IN_FLIGHT_CAPACITY,
+            0,
+        ]);
+        encoded.quotas.push(max);
+        encoded.permit = Some(id);
+        encoded
     }
 
     /// How many values of the script's reply are this request's ask's result (after
@@ -129,7 +171,8 @@ impl Encoded {
                     && self.at.is_none()
                     && !self.peek
                     && self.reserve_ms == 0
-                    && self.lease.is_none() =>
+                    && self.lease.is_none()
+                    && self.permit.is_none() =>
             {
                 Some((limit, window_ms))
             }
@@ -212,17 +255,27 @@ pub(crate) fn script_call(mode: &Mode, now: Option<u64>, requests: &[&Encoded]) 
         };
     }
     let reserving = requests.iter().filter(|r| r.reserve_ms > 0).count();
+    let permits = requests.iter().filter(|r| r.permit.is_some()).count();
     if requests.iter().any(|r| r.lease.is_some()) {
         sections(&mut cmd, requests, &group_of);
-    } else if reserving > 0 {
+    } else if reserving > 0 || permits > 0 {
         // No asks, no returns: the reservations follow (see lua/main.lua).
         cmd.arg(0).arg(0);
     }
-    if reserving > 0 {
+    if reserving > 0 || permits > 0 {
         cmd.arg(reserving);
         for (index, request) in requests.iter().enumerate() {
             if request.reserve_ms > 0 {
                 cmd.arg(index + 1).arg(request.reserve_ms);
+            }
+        }
+    }
+    if permits > 0 {
+        // Then the permits (see lua/main.lua).
+        cmd.arg(permits);
+        for (index, request) in requests.iter().enumerate() {
+            if let Some(id) = &request.permit {
+                cmd.arg(index + 1).arg(id.as_str());
             }
         }
     }

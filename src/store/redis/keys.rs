@@ -66,6 +66,16 @@ pub(crate) fn permits_key(prefix: &str, key: &Key, max: u32) -> String {
 }
 
 /// The channel resets of keys under `prefix` are announced on.
+/// The permits of an [`InFlightLimit`](crate::InFlightLimit) for `key`:
+/// `<prefix>:{<key>}:inflight`, one per key whatever its `max`.
+pub(crate) fn in_flight_key(prefix: &str, key: &Key) -> String {
+    let [a, b, c, d] = tagged(prefix, key);
+    join(&[a, b, c, d, IN_FLIGHT_SUFFIX])
+}
+
+/// The last part of [`in_flight_key`].
+const IN_FLIGHT_SUFFIX: &str = "inflight";
+
 pub(crate) fn reset_channel(prefix: &str) -> String {
     join(&[prefix, ":reset"])
 }
@@ -85,10 +95,24 @@ impl Keys {
     /// lockout, each followed by its pending key when its lockout counts pending units
     /// ([`Limit::pending_until_settled`]).
     pub(crate) fn new(prefix: &str, key: &Key, limits: &[Limit]) -> Self {
+        Self::with_in_flight(prefix, key, limits, false)
+    }
+
+    /// [`new`](Self::new), with the key of the in-flight permits after the limits' keys
+    /// (before the block keys) when `in_flight`: the in-flight limit is the group's last.
+    pub(crate) fn with_in_flight(
+        prefix: &str,
+        key: &Key,
+        limits: &[Limit],
+        in_flight: bool,
+    ) -> Self {
         let mut keys = Self::default();
         let [a, b, c, d] = tagged(prefix, key);
         for limit in limits {
             keys.push(&[a, b, c, d, limit.id()]);
+        }
+        if in_flight {
+            keys.push(&[a, b, c, d, IN_FLIGHT_SUFFIX]);
         }
         for limit in limits.iter().filter(|l| l.lockout_ms() > 0) {
             keys.push(&[a, b, c, d, limit.id(), LOCKOUT_SUFFIX]);

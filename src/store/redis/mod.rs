@@ -56,9 +56,9 @@ use self::{
     lease::{Leases, Spent},
     link::{Connection, Link},
 };
-use super::{Check, Reset, Store};
+use super::{Admitted, Check, Permit, Reset, Store};
 use crate::{
-    Adjustment, ConfigError, Decision, Limit, StoreError, StoreErrorKind,
+    Adjustment, ConfigError, Decision, InFlightLimit, Limit, StoreError, StoreErrorKind,
     clock::{Clock, MonotonicClock},
     key::Key,
 };
@@ -392,6 +392,25 @@ impl Store for RedisStore {
 
     fn adjust(&self, key: &Key, limits: &[Limit], adjustment: Adjustment) -> Check {
         self.adjust_call(key, limits, adjustment)
+    }
+
+    fn check_in_flight(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Check<Admitted> {
+        self.check_in_flight_call(key, limits, cost, in_flight)
+    }
+
+    fn release_in_flight(
+        &self,
+        permit: Permit,
+        limits: &[Limit],
+        adjustment: Option<Adjustment>,
+    ) -> Check {
+        self.release_in_flight_call(&permit, limits, adjustment)
     }
 
     fn connecting(&self) -> bool {

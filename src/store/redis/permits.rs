@@ -26,11 +26,18 @@ use std::{
 use redis::{Script, Value};
 use tokio::sync::oneshot;
 
-use super::{RedisStore, keys::permits_key, link::Connection};
+use super::{
+    RedisStore,
+    block_cache::BlockCache,
+    encode::Encoded,
+    keys::{in_flight_key, permits_key},
+    link::Connection,
+    local_now_ms,
+};
 use crate::{
-    StoreError, StoreErrorKind,
+    Adjustment, InFlightLimit, Limit, StoreError, StoreErrorKind,
     key::Key,
-    store::{Acquired, Check, Permit, Permits},
+    store::{Acquired, Admitted, Check, Permit, Permits},
 };
 
 /// The in-flight script that takes a permit ([`Permits::acquire`](crate::algorithm::in_flight::Permits::acquire)).
@@ -275,4 +282,132 @@ async fn run(
         invocation.arg(arg);
     }
     connection.eval(&invocation).await
+}
+
+/// The in-flight limits of the pipeline ([`InFlightLimit`]): a permit taken in the same
+/// script call as the request's rate limits (lua/in_flight.lua), and given back in the
+/// same call as its adjustment. No renewal: a permit ends one TTL after it was taken.
+impl RedisStore {
+    /// [`Store::check_in_flight`](crate::store::Store::check_in_flight): one script call, queued
+    /// with the other decisions (no lease is spent or asked, no cached denial answers
+    /// it). Dropped before the answer (a timeout, a client that hung up), it removes its
+    /// permit, which the script may have added all the same.
+    pub(super) fn check_in_flight_call(
+        &self,
+        key: &Key,
+        limits: &[Limit],
+        cost: u32,
+        in_flight: &InFlightLimit,
+    ) -> Check<Admitted> {
+        let id = next_id();
+        let member = id_arg(id);
+        let max = in_flight.max();
+        let encoded = Encoded::in_flight(
+            &self.prefix,
+            key,
+            limits,
+            cost,
+            None,
+            self.connection.is_cluster(),
+            (max, in_flight.permit_ttl_ms()),
+            member.clone(),
+        );
+        let call = match self.send(encoded) {
+            Ok(call) => call,
+            Err(error) => return Check::ready(Err(error)),
+        };
+        let asking = Asking {
+            release: Some((
+                self.connection.clone(),
+                in_flight_key(&self.prefix, key),
+                member,
+            )),
+        };
+        let key = key.clone();
+        let denial = in_flight.denial();
+        Check::pending(async move {
+            let mut asking = asking;
+            let result = call.decision().await;
+            // Answered: the script took the permit only if it allowed the request.
+            asking.release = None;
+            let mut decision = result?;
+            let cap = decision.pop_limit();
+            let has_room = cap.as_ref().is_some_and(|cap| cap.allowed);
+            if has_room && decision.is_allowed() {
+                return Ok(Admitted::new(decision, Some(Permit::new(key, max, id))));
+            }
+            let decision = decision.with_cap((!has_room).then_some(denial));
+            Ok(Admitted::new(decision, None))
+        })
+    }
+
+    /// [`Store::release_in_flight`](crate::store::Store::release_in_flight): one script call
+    /// that removes the permit and applies the adjustment (queued in order with the
+    /// decisions, as [`Store::adjust`](crate::store::Store::adjust)).
+    pub(super) fn release_in_flight_call(
+        &self,
+        permit: &Permit,
+        limits: &[Limit],
+        adjustment: Option<Adjustment>,
+    ) -> Check {
+        if let Some(settle @ Adjustment::Settle { .. }) = adjustment {
+            // The settle of a lockout's pending units has no in-flight form: its own call,
+            // queued first, then the permit alone.
+            let settled = crate::store::Store::adjust(self, permit.key(), limits, settle);
+            match settled.into_ready() {
+                Ok(Err(error)) => {
+                    tracing::warn!(error = %error.chain(), "rate limit adjustment failed");
+                }
+                Ok(Ok(_)) => {}
+                Err(pending) => {
+                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                        runtime.spawn(async move {
+                            if let Err(error) = pending.await {
+                                tracing::warn!(error = %error.chain(), "rate limit adjustment failed");
+                            }
+                        });
+                    }
+                }
+            }
+            return self.release_in_flight_call(permit, limits, None);
+        }
+        let (units, at) = match adjustment {
+            Some(Adjustment::Settle { .. }) => unreachable!("sent on its own above"),
+            Some(Adjustment::Refund {
+                units,
+                charged_at_ms,
+            }) => (units, i64::try_from(charged_at_ms).unwrap_or(i64::MAX)),
+            Some(Adjustment::TopUp { units }) => (units, -1),
+            None => (0, 0),
+        };
+        let key = permit.key();
+        if let (Some(cache), Some(Adjustment::Refund { .. })) = (&self.block_cache, adjustment) {
+            cache.forget(
+                key,
+                BlockCache::fingerprint(limits),
+                local_now_ms(self.clock.as_ref()),
+            );
+        }
+        // No units to move: the permit alone, as a refund of one unit of the in-flight
+        // limit only ("-0" would read as a request of cost 0).
+        let (limits, units, at) = if units == 0 || limits.is_empty() {
+            (&[][..], 1, 0)
+        } else {
+            (limits, units, at)
+        };
+        let encoded = Encoded::in_flight(
+            &self.prefix,
+            key,
+            limits,
+            units,
+            Some(at),
+            self.connection.is_cluster(),
+            (permit.max(), 1),
+            id_arg(permit.id()),
+        );
+        match self.send(encoded) {
+            Ok(call) => Check::pending(call.decision()),
+            Err(error) => Check::ready(Err(error)),
+        }
+    }
 }

@@ -446,6 +446,7 @@ mod tests {
             reserve_ms: 0,
             slot: 0,
             lease: None,
+            permit: None,
         }
     }
 

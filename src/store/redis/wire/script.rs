@@ -13,6 +13,7 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../../../lua/sliding_window_counter.lua"),
     include_str!("../../../../lua/token_bucket.lua"),
     include_str!("../../../../lua/gcra.lua"),
+    include_str!("../../../../lua/in_flight.lua"),
     include_str!("../../../../lua/lease.lua"),
     include_str!("../../../../lua/lockout.lua"),
     include_str!("../../../../lua/main.lua"),
