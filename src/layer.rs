@@ -456,6 +456,7 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
     pub fn validate(&self) -> Result<(), crate::ConfigError> {
         let settings = &self.settings;
         settings.rules.conflict()?;
+        crate::rules::needs(&settings.rules, &*settings.store)?;
         let capabilities = settings.store.capabilities();
         if settings.counts_after && !capabilities.contains(crate::store::Capability::Adjust) {
             return Err(crate::ConfigError::new(

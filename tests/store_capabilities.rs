@@ -211,3 +211,32 @@ async fn the_redis_store_accepts_every_combination() {
         .validate()
         .unwrap();
 }
+
+/// An in-flight limit needs a store that counts permits with its limits: refused when the
+/// layer is built, naming the store and the feature, and refused at run time too (the
+/// rules in force stay). (Before: `check_in_flight`'s default failed every request with
+/// `Unsupported`, which the failure policy then answered.)
+#[test]
+fn an_in_flight_limit_needs_check_in_flight() {
+    let cap = tollgate::InFlightLimit::new(2).unwrap();
+    let layer = RateLimitLayer::new(per_minute())
+        .with_key(GlobalKey)
+        .with_store(CheckOnly::default())
+        .with_in_flight(cap);
+    let error = layer.validate().unwrap_err();
+    let message = error.to_string();
+    assert_eq!(error.field(), "in_flight", "{message}");
+    assert!(message.contains("CheckOnly"), "{message}");
+    assert!(message.contains("in-flight"), "{message}");
+
+    let layer = RateLimitLayer::new(per_minute())
+        .with_key(GlobalKey)
+        .with_store(CheckOnly::default());
+    let handle = layer.rules_handle();
+    let before = handle.version();
+    assert_eq!(handle.set(handle.rules().with_in_flight(Some(cap))), before);
+    assert!(handle.rules().in_flight().is_none());
+
+    let memory = RateLimitLayer::new(per_minute()).with_in_flight(cap);
+    memory.validate().unwrap();
+}

@@ -62,4 +62,4 @@ pub(crate) mod set;
 pub(crate) use active::{Active, Cell, Chosen, Resolving};
 pub use handle::RulesHandle;
 pub use set::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT, Rules};
-pub(crate) use set::{disjoint, unique};
+pub(crate) use set::{disjoint, needs, unique};

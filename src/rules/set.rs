@@ -412,3 +412,20 @@ pub(crate) fn disjoint(enforced: &[Limit], shadow: &[Limit]) -> Result<(), Confi
         None => Ok(()),
     }
 }
+
+/// Refuses `rules` that need a capability `store` lacks: an in-flight limit on a store
+/// without [`Capability::InFlight`](crate::store::Capability::InFlight).
+pub(crate) fn needs(rules: &Rules, store: &dyn crate::store::Store) -> Result<(), ConfigError> {
+    let capability = crate::store::Capability::InFlight;
+    if rules.in_flight.is_some() && !store.capabilities().contains(capability) {
+        return Err(ConfigError::new(
+            "in_flight",
+            format!(
+                "{} cannot count requests in flight with its limits (Store::check_in_flight), \
+                 which an in-flight limit needs",
+                crate::store::store_name(store)
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -28,11 +28,22 @@ pub enum Capability {
     /// [`Store::reset`](super::Store::reset): clears a key's state
     /// ([`Limiter::reset`](crate::Limiter::reset)).
     Reset,
+    /// [`Store::check_in_flight`](super::Store::check_in_flight) and
+    /// [`Store::release_in_flight`](super::Store::release_in_flight): an
+    /// [in-flight limit](crate::InFlightLimit) decided with the rate limits. A layer with
+    /// one on a store without it is refused, and so are such rules at run time.
+    InFlight,
 }
 
 impl Capability {
     /// Every capability.
-    pub const ALL: [Self; 4] = [Self::Reserve, Self::Adjust, Self::Peek, Self::Reset];
+    pub const ALL: [Self; 5] = [
+        Self::Reserve,
+        Self::Adjust,
+        Self::Peek,
+        Self::Reset,
+        Self::InFlight,
+    ];
 
     /// The name of the [`Store`](super::Store) method it is.
     pub const fn method(self) -> &'static str {
@@ -41,6 +52,7 @@ impl Capability {
             Self::Adjust => "adjust",
             Self::Peek => "peek",
             Self::Reset => "reset",
+            Self::InFlight => "check_in_flight",
         }
     }
 
@@ -50,6 +62,7 @@ impl Capability {
             Self::Adjust => 2,
             Self::Peek => 4,
             Self::Reset => 8,
+            Self::InFlight => 16,
         }
     }
 }
@@ -74,7 +87,7 @@ impl Capabilities {
     /// Deciding only ([`check`](super::Store::check)).
     pub const NONE: Self = Self(0);
     /// Every [`Capability`]: the memory and Redis stores.
-    pub const ALL: Self = Self(0b1111);
+    pub const ALL: Self = Self(0b1_1111);
 
     /// These and `capability`.
     #[must_use]
