@@ -63,15 +63,7 @@ where
 {
     let InFlightAnswers { admitted, shadow } = answers;
     let (shadow_at, allowed) = match shadow {
-        Some(shadow) => {
-            let at = charged_at(&shadow);
-            let allowed = if would_reject(shared, shadow, asked) {
-                Recorded::WouldReject
-            } else {
-                Recorded::Allowed
-            };
-            (at, allowed)
-        }
+        Some(shadow) => shadow_verdict(shared, shadow, asked),
         None => (None, Recorded::Allowed),
     };
     let policy = rules.rules.on_store_error();
@@ -184,12 +176,7 @@ where
 {
     let Answers { enforced, shadow } = answers;
     let failed = shadow.is_err();
-    let shadow_at = charged_at(&shadow);
-    let allowed = if would_reject(shared, shadow, asked) {
-        Recorded::WouldReject
-    } else {
-        Recorded::Allowed
-    };
+    let (shadow_at, allowed) = shadow_verdict(shared, shadow, asked);
     let (next, enforced_failed) = match enforced {
         Some(result) => {
             let failed = result.is_err();
@@ -216,6 +203,22 @@ where
         charge(shared, rules, next, shadow_at, enforced_failed, asked)
     } else {
         next
+    }
+}
+
+/// What the shadow limits' answer makes of a request: when they charged it (to settle
+/// after the response), and what it is counted as (`would_reject` when they denied it,
+/// which is logged).
+fn shadow_verdict<R>(
+    shared: &Shared<R>,
+    shadow: Result<Decision, StoreError>,
+    asked: &Asked,
+) -> (Option<u64>, Recorded) {
+    let at = charged_at(&shadow);
+    if would_reject(shared, shadow, asked) {
+        (at, Recorded::WouldReject)
+    } else {
+        (at, Recorded::Allowed)
     }
 }
 
