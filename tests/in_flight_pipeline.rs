@@ -354,6 +354,7 @@ async fn memory_count_when_settles_with_the_release() {
 mod redis {
     use super::*;
     use tollgate::{clock::ManualClock, store::RedisStore};
+    use tower::Layer;
 
     async fn store(server: &support::RedisServer) -> Arc<dyn Store> {
         Arc::new(RedisStore::connect(server.url()).await.unwrap())
@@ -363,6 +364,42 @@ mod redis {
         let key = format!("tollgate:{{header:x-client|{client}}}:inflight");
         let out = server.cli(&["ZCARD", &key]).unwrap();
         out.trim().parse().unwrap()
+    }
+
+    /// A lockout that counts pending units, with counting after the response and an
+    /// in-flight limit: each success's settle (its own call) and its permit's release
+    /// both reach Redis, so successes never fill the limit and no permit stays held.
+    #[tokio::test]
+    async fn redis_a_lockout_settles_beside_the_permit() {
+        let server = support::RedisServer::start();
+        let logins = Limit::per_minute(2)
+            .unwrap()
+            .with_lockout(Duration::from_secs(600))
+            .unwrap();
+        let mut service = RateLimitLayer::new(logins)
+            .with_key(HeaderKey::new("x-client").unwrap())
+            .with_store(store(&server).await)
+            .with_timeout(Some(Duration::from_secs(5)))
+            .with_in_flight(cap(1))
+            .with_count_when(|response: &Response<Body>| {
+                response.status() == StatusCode::UNAUTHORIZED
+            })
+            .layer(service_fn(|_: Request<Body>| async {
+                Ok::<_, Infallible>(Response::new(Body::empty()))
+            }));
+        for i in 0..5 {
+            let response = send(&mut service, request("login")).await;
+            assert_eq!(response.status(), StatusCode::OK, "success {}", i + 1);
+            response.into_body().collect().await.unwrap();
+            // The release is sent once the body ends; wait for it to land.
+            for _ in 0..200 {
+                if members(&server, "login") == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(members(&server, "login"), 0, "the permit came back");
+        }
     }
 
     #[tokio::test]

@@ -352,24 +352,13 @@ impl RedisStore {
     ) -> Check {
         if let Some(settle @ Adjustment::Settle { .. }) = adjustment {
             // The settle of a lockout's pending units has no in-flight form: its own call,
-            // queued first, then the permit alone.
+            // queued first, then the permit alone; the caller waits for both as one.
             let settled = crate::store::Store::adjust(self, permit.key(), limits, settle);
-            match settled.into_ready() {
-                Ok(Err(error)) => {
-                    tracing::warn!(error = %error.chain(), "rate limit adjustment failed");
-                }
-                Ok(Ok(_)) => {}
-                Err(pending) => {
-                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                        runtime.spawn(async move {
-                            if let Err(error) = pending.await {
-                                tracing::warn!(error = %error.chain(), "rate limit adjustment failed");
-                            }
-                        });
-                    }
-                }
-            }
-            return self.release_in_flight_call(permit, limits, None);
+            let released = self.release_in_flight_call(permit, limits, None);
+            return Check::pending(async move {
+                settled.await?;
+                released.await
+            });
         }
         let (units, at) = match adjustment {
             Some(Adjustment::Settle { .. }) => unreachable!("sent on its own above"),
