@@ -176,7 +176,7 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
     /// Decides each request under the limits of its plan, picked by `plans`'s resolver;
     /// the limits given to the layer apply to requests without a plan when there is no
     /// default plan. See [`plan`](crate::plan).
-    pub fn with_plans(mut self, plans: crate::Plans) -> Self {
+    pub fn with_plans(mut self, plans: crate::plan::Plans) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_plans(plans);
         self

@@ -131,13 +131,7 @@ pub use rejection::{DefaultRejection, GrpcMissingKey, OnRejection, is_grpc};
 pub use service::RateLimit;
 
 // One public path per type: a type with a public module of its own (plans, rules, stores,
-// headers, in-flight limits) is exported there only. These crate-internal shortcuts keep
-// `crate::Rules` and the like working inside the library; they are not API.
-pub(crate) use headers::HeaderStyle;
-pub(crate) use plan::Plans;
-pub(crate) use rules::Rules;
-#[cfg(test)]
-pub(crate) use store::MemoryStore;
+// headers, in-flight limits) is exported there only.
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -861,7 +861,7 @@ mod tests {
         assert_ne!(locked, plain);
         // Two limits of one rule set that differ only in their lockout would share one
         // state: refused, naming the field.
-        let err = crate::Rules::new([locked.clone(), plain]).unwrap_err();
+        let err = crate::rules::Rules::new([locked.clone(), plain]).unwrap_err();
         assert_eq!(err.field(), "lockout");
         assert!(crate::rules::Rules::new([locked.clone(), locked]).is_ok());
     }

@@ -6,11 +6,12 @@ use std::{fmt, future::Future, sync::Arc};
 use http::{Request, Response};
 
 use crate::{
-    Decision, FailurePolicy, Limit, Rules, StoreError,
+    Decision, FailurePolicy, Limit, StoreError,
     decide::{Asked, Asking, Next, Shared, settle, wait::Round},
     key::{Key, KeyError, KeyExtractor},
     metrics::{LayerMetrics, Outcome, Timer},
     rejection::OnRejection,
+    rules::Rules,
     rules::{Active, Cell, Chosen},
     store::Store,
 };

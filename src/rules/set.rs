@@ -3,8 +3,8 @@
 use std::{sync::Arc, time::Duration};
 
 use crate::{
-    CircuitBreaker, ConfigError, FailurePolicy, HeaderStyle, InFlightLimit, Limit, MissingKey,
-    Plans,
+    CircuitBreaker, ConfigError, FailurePolicy, InFlightLimit, Limit, MissingKey,
+    headers::HeaderStyle, plan::Plans,
 };
 
 /// The default time a store call may take before the failure policy applies.

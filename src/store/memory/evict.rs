@@ -128,7 +128,7 @@ mod tests {
         super::{SHARDS, shard::*},
         *,
     };
-    use crate::{Limit, MemoryStore, algorithm, clock::ManualClock, key::Key};
+    use crate::{Limit, algorithm, clock::ManualClock, key::Key, store::MemoryStore};
 
     #[test]
     fn forgets_expired_keys_without_being_asked() {
