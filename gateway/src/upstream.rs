@@ -6,7 +6,7 @@
 //! response is read it spawns one more task that returns the connection to its pool. A
 //! proxied request thus crossed three tasks, usually on both threads. Here the request's
 //! own task polls its connection: while it waits for the response head (the future
-//! [`Client::send`] returns) and while the client's side reads the response body
+//! [`Pool::send`] returns) and while the client's side reads the response body
 //! ([`UpstreamBody`]). The connection goes back to the pool as soon as the body has ended,
 //! and is closed when the body is dropped before its end (the client went away), as any
 //! half-read HTTP/1 connection must be.
@@ -150,7 +150,10 @@ impl Pool {
 
     /// Sends `request` (origin-form URI) and returns the response head, its body reading
     /// through the connection. Errors are the connection's or the request body's.
-    pub(crate) async fn send(self: &Arc<Self>, request: Request<Body>) -> Result<Response<Body>, Error> {
+    pub(crate) async fn send(
+        self: &Arc<Self>,
+        request: Request<Body>,
+    ) -> Result<Response<Body>, Error> {
         let (mut conn, reused) = match self.take() {
             Some(conn) => (conn, true),
             None => (self.connect().await?, false),
