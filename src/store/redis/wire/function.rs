@@ -26,8 +26,9 @@ use redis::{
     aio::ConnectionLike,
 };
 
+pub(crate) use super::in_flight::{Adjust, InFlightEntry};
 use super::{
-    reply,
+    in_flight, reply,
     script::{SCRIPT, SCRIPT_SOURCE},
 };
 
@@ -38,17 +39,26 @@ const KEYS_LINE: &str = "local KEYS, ARGV = KEYS, ARGV\n";
 const PER_CALL_LINE: &str =
     "-- Per call: from here on, once per call (a library's function body; see prelude.lua).\n";
 
-/// The library's second function, which only a library has: one request against one
-/// fixed window, decided without the general function's parsing (about half of a call's
-/// instructions inside Redis; BENCHMARKS.md).
-const FIXED_WINDOW_SOURCE: &str = include_str!("../../../../lua/one.lua");
+/// The library's own functions, which only a library has: one request against one fixed
+/// window, and many (lua/one.lua), decided without the general function's parsing (about
+/// half of a call's instructions inside Redis; BENCHMARKS.md); a batch of in-flight
+/// decisions and releases on one fixed window each (lua/one_in_flight.lua).
+const FIXED_WINDOW_SOURCE: &str = concat!(
+    include_str!("../../../../lua/one.lua"),
+    include_str!("../../../../lua/one_in_flight.lua"),
+);
 
 /// The library's name, which is also its general function's: `tollgate_` and the first
-/// 12 hex digits of the SHA-1 of its Lua (the script, then lua/one.lua).
+/// 12 hex digits of the SHA-1 of its Lua (the script, then lua/one.lua and
+/// lua/one_in_flight.lua).
 pub(crate) static NAME: LazyLock<String> = LazyLock::new(|| {
     let lua = Script::new(&format!("{SCRIPT_SOURCE}{FIXED_WINDOW_SOURCE}"));
     format!("tollgate_{}", &lua.get_hash()[..12])
 });
+
+/// The name of the function for a batch of in-flight decisions and releases
+/// (lua/one_in_flight.lua): `<NAME>_fi`.
+static IN_FLIGHT_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_fi", *NAME));
 
 /// The name of the function for one request against one fixed window: `<NAME>_fw`.
 static FIXED_WINDOW_NAME: LazyLock<String> = LazyLock::new(|| fixed_window_name(&NAME));
@@ -68,7 +78,7 @@ pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| library(SCRIPT_SO
 
 /// `source` (the script) as a library named `name`, with a function of that name, one
 /// named `<name>_fw` and one named `<name>_fwn` (lua/one.lua; the last may touch keys of
-/// any slots on its node).
+/// any slots on its node), and one named `<name>_fi` (lua/one_in_flight.lua).
 fn library(source: &str, name: &str) -> String {
     assert!(
         source.matches(KEYS_LINE).count() == 1 && source.matches(PER_CALL_LINE).count() == 1,
@@ -87,7 +97,8 @@ fn library(source: &str, name: &str) -> String {
          redis.register_function('{name}', decide)\n\
          redis.register_function('{fixed_window}', decide_fixed_window)\n\
          redis.register_function{{function_name = '{fixed_window}n', \
-         callback = decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}\n"
+         callback = decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}\n\
+         redis.register_function('{name}_fi', decide_in_flight)\n"
     )
 }
 
@@ -270,6 +281,12 @@ pub(crate) fn fixed_windows_call(
     cmd
 }
 
+/// The call of the library's function for a batch of in-flight decisions and releases
+/// (lua/one_in_flight.lua): [`in_flight::call`] of `<NAME>_fi`.
+pub(crate) fn in_flight_call(now: Option<u64>, entries: &[InFlightEntry<'_>]) -> Cmd {
+    in_flight::call(&IN_FLIGHT_NAME, now, entries)
+}
+
 /// Sends a script call and reads its reply: [`Cmd::query_async`] into a `Vec<i64>`, in
 /// one pass over the reply.
 async fn query<C: ConnectionLike>(call: &Cmd, connection: &mut C) -> RedisResult<Vec<i64>> {
@@ -304,7 +321,7 @@ fn is_fcall(call: &Cmd) -> bool {
 /// group of one limit, code 1, capacity = limit, no lockout; one request of group 1), and
 /// for [`fixed_windows_call`] that of its requests (one Redis only: on a cluster a call
 /// without declared keys never takes this way, see `nodes`).
-fn as_evalsha(call: &Cmd) -> Cmd {
+pub(crate) fn as_evalsha(call: &Cmd) -> Cmd {
     let mut args = call.args_iter().filter_map(|arg| match arg {
         Arg::Simple(bytes) => Some(bytes),
         _ => None,
@@ -312,7 +329,10 @@ fn as_evalsha(call: &Cmd) -> Cmd {
     let function = args.nth(1);
     let mut cmd = Cmd::with_capacity(call.args_iter().len() + 7, 0);
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash());
-    if function == Some(FIXED_WINDOWS_NAME.as_bytes()) {
+    if function == Some(IN_FLIGHT_NAME.as_bytes()) {
+        let words: Vec<&[u8]> = args.collect();
+        in_flight::as_script(&mut cmd, &words);
+    } else if function == Some(FIXED_WINDOWS_NAME.as_bytes()) {
         let (_keys, now, _elsewhere) = (args.next(), args.next(), args.next());
         let rest: Vec<&[u8]> = args.collect();
         let requests: Vec<&[&[u8]]> = rest.chunks_exact(4).collect();
