@@ -15,7 +15,8 @@
 -- The state is main.lua's, through the same algorithms (fixed_window.lua, in_flight.lua):
 -- each key loaded once per call, committed in Lua, saved at the end; a window no other
 -- entry of the call touches is counted in place instead (fw_count: one INCRBY), as
--- main.lua's one-limit path does. The permits' save is in_flight.lua's with variadic
+-- main.lua's one-limit path does. The permits' commit and save are in_flight.lua's
+-- (without the commit's copy of the list, kept there for a peek), the save with variadic
 -- commands (one ZREM, one ZADD per key and call) and without the ZRANGE when the key held
 -- no live permit before the call (its last end is then the call's own).
 -- Returns what main.lua returns for these requests: per entry four values per limit
@@ -57,6 +58,14 @@ local function decide_in_flight(keys, args)
       changed[#changed + 1] = s
     end
   end
+  -- in_flight.lua's commit without its copy of the list (kept there for a peek, which
+  -- never comes here): a batch of one hot key adds in linear time.
+  local function take(p, T)
+    local add = p.add
+    add[#add + 1] = { perm.id, now + T }
+    p.held = p.held + 1
+    change(p, T)
+  end
   local count = #args
   while a <= count do
     local cost = args[a] + 0
@@ -80,18 +89,14 @@ local function decide_in_flight(keys, args)
         allowed, out[n + 2], out[n + 3], out[n + 4] =
           fw_count(key, now, L, W, cost, w, redis.call)
         out[n + 1] = allowed
-        if allowed == 1 then
-          perm.commit(p, now, M, T, CAP, cost)
-          change(p, T)
-        end
+        if allowed == 1 then take(p, T) end
       else
         local s = window(key, L, W)
         local fit = fw.fits(s, now, L, W, L, cost)
         if fit and room then
           fw.commit(s, now, L, W, L, cost)
           change(s, W)
-          perm.commit(p, now, M, T, CAP, cost)
-          change(p, T)
+          take(p, T)
         end
         out[n + 1] = fit and 1 or 0
         out[n + 2] = fw.remaining(s, now, L, W, L)

@@ -596,6 +596,72 @@ mod tests {
         }
     }
 
+    /// A batch of in-flight decisions and releases on one fixed window each goes to the
+    /// library's `<name>_fi`; where functions turn out unavailable, that call becomes
+    /// exactly the general script's call of the same batch. Any other request in the
+    /// batch keeps it on the general function.
+    #[test]
+    fn in_flight_batches_have_their_function_and_the_scripts_form_as_fallback() {
+        use crate::store::redis::encode::{Encoded, script_call};
+        use crate::{Limit, key::Key};
+        use std::time::Duration;
+        let functions = Mode::default();
+        let script = Mode::default();
+        script.script_only();
+        let minute = [Limit::fixed_window(10, Duration::from_secs(60)).unwrap()];
+        let hour = [Limit::fixed_window(5, Duration::from_secs(3600)).unwrap()];
+        let taking = |key: &str, limits: &[Limit], cost: u32, id: &str| {
+            let key = Key::new(key);
+            Encoded::in_flight("app", &key, limits, cost, None, false, (3, 30_000), id.into())
+        };
+        let giving = |key: &str, limits: &[Limit], units: u32, at: i64, id: &str| {
+            let key = Key::new(key);
+            Encoded::in_flight("app", &key, limits, units, Some(at), false, (3, 1), id.into())
+        };
+        let batch = [
+            taking("a", &minute, 1, "01"),
+            taking("a", &minute, 10, "02"),
+            giving("b", &[], 1, 0, "03"),
+            giving("a", &minute, 4, 1_700_000_000_000, "04"),
+            taking("c", &hour, 2, "05"),
+            giving("c", &hour, 1, -1, "06"),
+        ];
+        for now in [None, Some(1_700_000_000_000)] {
+            for requests in [&batch[..], &batch[..1], &batch[2..3]] {
+                let requests: Vec<&Encoded> = requests.iter().collect();
+                let lean = script_call(&functions, now, &requests);
+                assert_eq!(words(&lean)[..2], ["FCALL", IN_FLIGHT_NAME.as_str()]);
+                assert_eq!(
+                    words(&as_evalsha(&lean)),
+                    words(&script_call(&script, now, &requests))
+                );
+            }
+        }
+        let mut peek = taking("a", &minute, 1, "07");
+        peek.peek = true;
+        let two = [minute[0].clone(), hour[0].clone()];
+        let locked = [minute[0]
+            .clone()
+            .with_lockout(Duration::from_secs(60))
+            .unwrap()];
+        let bucket = [Limit::token_bucket(10, Duration::from_secs(60)).unwrap()];
+        let plain = Encoded::new("app", &Key::new("p"), &minute, 1, None, false);
+        for other in [
+            taking("a", &minute, 11, "08"), // more than the limit
+            taking("a", &two, 1, "09"),     // two limits
+            taking("a", &locked, 1, "10"),  // a lockout
+            taking("a", &bucket, 1, "11"),  // a token bucket
+            taking("a", &[], 1, "12"),      // no rate limit
+            giving("a", &minute, 0, 0, "13"),
+            peek,
+            plain,
+        ] {
+            let requests = [&batch[0], &other];
+            let call = script_call(&functions, None, &requests);
+            assert_eq!(words(&call)[1], NAME.as_str(), "{other:?}");
+        }
+    }
+
     /// The replies of Redis 6.0.9, 7.0.15, Valkey 8.1.8 and 9.1.2 (and Dragonfly's).
     #[test]
     fn errors_that_mean_no_functions() {
