@@ -28,6 +28,26 @@ local function decide_in_flight(keys, args)
   local fw, perm = algorithm(1), algorithm(6)
   local CAP = 4294967296 -- an in-flight limit's capacity (src/store/redis/encode.rs)
   local states, changed, windows = {}, {}, {}
+  -- What a batch repeats, done once per call: an argument's number (each `+ 0` is a
+  -- strtod), and an integer's text for a command (a Lua number is printed by Redis with
+  -- "%.17g" before 7.2: see prelude.lua).
+  local nums, texts = {}, {}
+  local function num(arg)
+    local v = nums[arg]
+    if v == nil then
+      v = arg + 0
+      nums[arg] = v
+    end
+    return v
+  end
+  local function text(x)
+    local t = texts[x]
+    if t == nil then
+      t = int(x)
+      texts[x] = t
+    end
+    return t
+  end
   local out, n, k, a = {}, 0, 1, 2
   -- The permits' state of `key`, with `base`: the live permits Redis held before the call.
   local function permits(key)
@@ -40,7 +60,7 @@ local function decide_in_flight(keys, args)
   end
   local function live(p)
     if p.held == nil then
-      p.held = redis.call('ZCOUNT', p.key, now + 1, '+inf')
+      p.held = redis.call('ZCOUNT', p.key, text(now + 1), '+inf')
       if p.base == nil then p.base = p.held end
     end
   end
@@ -68,9 +88,9 @@ local function decide_in_flight(keys, args)
   end
   local count = #args
   while a <= count do
-    local cost = args[a] + 0
+    local cost = num(args[a])
     if cost > 0 then
-      local L, W, M, T = args[a + 1] + 0, args[a + 2] + 0, args[a + 3] + 0, args[a + 4] + 0
+      local L, W, M, T = num(args[a + 1]), num(args[a + 2]), num(args[a + 3]), num(args[a + 4])
       perm.id = args[a + 5]
       a = a + 6
       local key = keys[k]
@@ -118,8 +138,8 @@ local function decide_in_flight(keys, args)
       end
       local pkey, M = keys[k], nil
       if cost < 0 then
-        local at, L, W = args[a + 1] + 0, args[a + 2] + 0, args[a + 3] + 0
-        M = args[a + 4] + 0
+        local at, L, W = args[a + 1] + 0, num(args[a + 2]), num(args[a + 3])
+        M = num(args[a + 4])
         perm.id = args[a + 5]
         a = a + 6
         local s = window(keys[k], L, W)
@@ -135,7 +155,7 @@ local function decide_in_flight(keys, args)
         pkey = keys[k + 1]
         k = k + 2
       else
-        M = args[a + 1] + 0
+        M = num(args[a + 1])
         perm.id = args[a + 2]
         a = a + 3
         k = k + 1
@@ -156,20 +176,20 @@ local function decide_in_flight(keys, args)
       local key = s.key
       if #s.remove > 0 then
         redis.call('ZREM', key, unpack(s.remove))
-        redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', text(now))
       end
       if #s.add > 0 then
         local adds, last = {}, 0
         for j = 1, #s.add do
           local end_at = s.add[j][2]
-          adds[2 * j - 1], adds[2 * j] = end_at, s.add[j][1]
+          adds[2 * j - 1], adds[2 * j] = text(end_at), s.add[j][1]
           if end_at > last then last = end_at end
         end
         redis.call('ZADD', key, unpack(adds))
         if s.base ~= 0 then
           last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2] + 0
         end
-        expire(key, math.max(last - now, 1))
+        redis.call('PEXPIRE', key, text(math.max(last - now, 1) + ttl_margin)) -- expire()
       end
     end
   end
