@@ -197,9 +197,21 @@ impl Encoded {
         let fixed_window = u64::from(Algorithm::FixedWindow.code());
         let mut keys = self.keys.iter();
         match (&self.group[..], self.at) {
-            (&[code, limit, window_ms, capacity, 0, IN_FLIGHT_CODE, max, ttl_ms, IN_FLIGHT_CAPACITY, 0], at)
-                if code == fixed_window && capacity == limit && self.keys.len() == 2 =>
-            {
+            (
+                &[
+                    code,
+                    limit,
+                    window_ms,
+                    capacity,
+                    0,
+                    IN_FLIGHT_CODE,
+                    max,
+                    ttl_ms,
+                    IN_FLIGHT_CAPACITY,
+                    0,
+                ],
+                at,
+            ) if code == fixed_window && capacity == limit && self.keys.len() == 2 => {
                 let (window, permits) = (keys.next()?, keys.next()?);
                 match at {
                     None if (1..=limit).contains(&u64::from(self.cost)) => {

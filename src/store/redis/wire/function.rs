@@ -13,7 +13,7 @@
 //! their own. A server without functions (before 7.0, or an ACL user without `+fcall` or
 //! `+function`) gets `EVALSHA` instead, from then on for that connection.
 //!
-//! Over 600 lines with its tests (about 390 without): they hold every `FCALL` form to
+//! Over 600 lines with its tests (about 410 without): they hold every `FCALL` form to
 //! its `EVALSHA` fallback through this file's private names, and stay beside them.
 
 use std::sync::{
@@ -612,11 +612,29 @@ mod tests {
         let hour = [Limit::fixed_window(5, Duration::from_secs(3600)).unwrap()];
         let taking = |key: &str, limits: &[Limit], cost: u32, id: &str| {
             let key = Key::new(key);
-            Encoded::in_flight("app", &key, limits, cost, None, false, (3, 30_000), id.into())
+            Encoded::in_flight(
+                "app",
+                &key,
+                limits,
+                cost,
+                None,
+                false,
+                (3, 30_000),
+                id.into(),
+            )
         };
         let giving = |key: &str, limits: &[Limit], units: u32, at: i64, id: &str| {
             let key = Key::new(key);
-            Encoded::in_flight("app", &key, limits, units, Some(at), false, (3, 1), id.into())
+            Encoded::in_flight(
+                "app",
+                &key,
+                limits,
+                units,
+                Some(at),
+                false,
+                (3, 1),
+                id.into(),
+            )
         };
         let batch = [
             taking("a", &minute, 1, "01"),

@@ -132,10 +132,13 @@ pub(crate) fn as_script(cmd: &mut Cmd, words: &[&[u8]]) {
     let Some(rest) = words.get(1 + keys..) else {
         return;
     };
-    let (now, mut rest) = rest.split_first().map_or((&b""[..], &[][..]), |(n, r)| (*n, r));
+    let (now, mut rest) = rest
+        .split_first()
+        .map_or((&b""[..], &[][..]), |(n, r)| (*n, r));
     let mut groups: Vec<Vec<&[u8]>> = Vec::new();
     // Each entry: its cost word (negated for a release), its group, its `at`, its id.
-    let mut requests: Vec<(Vec<u8>, usize, Option<Vec<u8>>, &[u8])> = Vec::new();
+    type Request<'a> = (&'a [u8], usize, Option<&'a [u8]>, &'a [u8]);
+    let mut requests: Vec<Request<'_>> = Vec::new();
     fn group_index<'a>(group: Vec<&'a [u8]>, groups: &mut Vec<Vec<&'a [u8]>>) -> usize {
         let index = match groups.iter().position(|g| *g == group) {
             Some(index) => index,
@@ -152,18 +155,18 @@ pub(crate) fn as_script(cmd: &mut Cmd, words: &[&[u8]]) {
             let [_, limit, window, max, ttl, id] = [0, 1, 2, 3, 4, 5].map(|i| rest[i]);
             let group = vec![b"1", limit, window, limit, b"0", b"6", max, ttl, CAP, b"0"];
             let g = group_index(group, &mut groups);
-            requests.push((cost.to_vec(), g, None, id));
+            requests.push((cost, g, None, id));
             rest = &rest[6..];
         } else if value < 0 && rest.len() >= 6 {
             let [_, at, limit, window, max, id] = [0, 1, 2, 3, 4, 5].map(|i| rest[i]);
             let group = vec![b"1", limit, window, limit, b"0", b"6", max, b"1", CAP, b"0"];
             let g = group_index(group, &mut groups);
-            requests.push((cost.to_vec(), g, Some(at.to_vec()), id));
+            requests.push((cost, g, Some(at), id));
             rest = &rest[6..];
         } else if rest.len() >= 3 {
             let (max, id) = (rest[1], rest[2]);
             let g = group_index(vec![b"6", max, b"1", CAP, b"0"], &mut groups);
-            requests.push((b"-1".to_vec(), g, Some(b"0".to_vec()), id));
+            requests.push((b"-1", g, Some(b"0"), id));
             rest = &rest[3..];
         } else {
             break;
@@ -182,9 +185,9 @@ pub(crate) fn as_script(cmd: &mut Cmd, words: &[&[u8]]) {
     }
     cmd.arg(requests.len());
     for (cost, group, at, _) in &requests {
-        cmd.arg(cost.as_slice()).arg(*group);
+        cmd.arg(*cost).arg(*group);
         if let Some(at) = at {
-            cmd.arg(at.as_slice());
+            cmd.arg(*at);
         }
     }
     cmd.arg(0).arg(0).arg(0).arg(requests.len());
@@ -192,4 +195,3 @@ pub(crate) fn as_script(cmd: &mut Cmd, words: &[&[u8]]) {
         cmd.arg(index + 1).arg(*id);
     }
 }
-

@@ -20,7 +20,11 @@ enum Op {
     /// A decision for client `client` (of two) of `cost` (1 to its limit), its permit's
     /// TTL the case's, or three times it when `long` (two layers with different TTLs on
     /// one key).
-    Decide { client: usize, cost: u32, long: bool },
+    Decide {
+        client: usize,
+        cost: u32,
+        long: bool,
+    },
     /// The release of the `pick`-th permit still out (none out: a decision instead), with
     /// an adjustment of `units` (0: bare), a refund when `refund`, else a top-up.
     Release {
@@ -40,14 +44,18 @@ struct Shape {
 }
 
 fn shape() -> impl Strategy<Value = Shape> {
-    (1u64..=4, prop_oneof![Just(1_000u64), Just(60_000)], 1u64..=3, 200u64..=3_000).prop_map(
-        |(limit, window_ms, max, ttl_ms)| Shape {
+    (
+        1u64..=4,
+        prop_oneof![Just(1_000u64), Just(60_000)],
+        1u64..=3,
+        200u64..=3_000,
+    )
+        .prop_map(|(limit, window_ms, max, ttl_ms)| Shape {
             limit,
             window_ms,
             max,
             ttl_ms,
-        },
-    )
+        })
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -119,7 +127,8 @@ fn run(
         now = now.saturating_add_signed(*step);
         // Each op's id first (the entries borrow them).
         // Client, id, the cost or adjustment, whether a decision, its TTL.
-        let mut planned: Vec<(usize, String, Option<(u32, i64)>, bool, u64)> = Vec::new();
+        type Planned = (usize, String, Option<(u32, i64)>, bool, u64);
+        let mut planned: Vec<Planned> = Vec::new();
         for op in ops {
             match *op {
                 Op::Release {
@@ -129,7 +138,14 @@ fn run(
                 } if !out.is_empty() => {
                     let (client, id, at) = out.remove(pick % out.len());
                     let adjust = (units > 0).then(|| {
-                        (units, if refund { i64::try_from(at).unwrap() } else { -1 })
+                        (
+                            units,
+                            if refund {
+                                i64::try_from(at).unwrap()
+                            } else {
+                                -1
+                            },
+                        )
                     });
                     planned.push((client, id, adjust, false, 1));
                 }
@@ -196,7 +212,12 @@ fn run(
         for ((_, _, ttl_x), (_, _, ttl_y)) in x.iter_mut().zip(y.iter_mut()) {
             // Both live, set within the same few ms: as the same TTL.
             prop_assert!(*ttl_x > 0 && *ttl_y > 0, "a key without a TTL");
-            prop_assert!((*ttl_x - *ttl_y).abs() < 250, "TTLs {} and {}", ttl_x, ttl_y);
+            prop_assert!(
+                (*ttl_x - *ttl_y).abs() < 250,
+                "TTLs {} and {}",
+                ttl_x,
+                ttl_y
+            );
             (*ttl_x, *ttl_y) = (0, 0);
         }
         prop_assert_eq!(x, y, "after the batch at {}", now);
@@ -233,7 +254,12 @@ fn the_in_flight_function_decides_like_the_general_function() {
     });
     runner
         .run(&(shape(), batches()), |(shape, batches)| {
-            run(&mut lean.borrow_mut(), &mut general.borrow_mut(), shape, &batches)
+            run(
+                &mut lean.borrow_mut(),
+                &mut general.borrow_mut(),
+                shape,
+                &batches,
+            )
         })
         .unwrap();
 }
