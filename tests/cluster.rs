@@ -1021,3 +1021,94 @@ async fn a_hot_keys_burst_in_a_migrating_slot_follows_every_ask_and_counts_once(
     let errorstats = cluster.cli(from, &["INFO", "errorstats"]).unwrap();
     assert!(errorstats.contains("errorstat_ASK"), "{errorstats}");
 }
+
+/// The in-flight stage on a cluster: a batch's decisions (one fixed window and a permit
+/// each) and its permits' releases (bare, and with a top-up) go per slot to the
+/// library's function for them (`<library>_fi`) on every master, all-or-nothing: each
+/// key's window counts exactly, at most `max` permits are held, and every permit comes
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_calls_go_to_their_own_function_on_every_master() {
+    use tollgate::{Adjustment, InFlightLimit};
+    let cluster = RedisCluster::start();
+    let store = connect(&cluster).await.with_block_cache(None);
+    let functions = support::redis_server_major_version() >= 7;
+    for master in cluster.masters() {
+        let set = ["CONFIG", "SET", "slowlog-log-slower-than", "0"];
+        cluster.cli(master, &set).unwrap();
+        cluster
+            .cli(master, &["CONFIG", "SET", "slowlog-max-len", "100000"])
+            .unwrap();
+        cluster.cli(master, &["SLOWLOG", "RESET"]).unwrap();
+    }
+    let limits = [Limit::fixed_window(5, HOUR).unwrap()];
+    let cap = InFlightLimit::new(2)
+        .unwrap()
+        .with_permit_ttl(Duration::from_secs(60));
+    let keys: Vec<Key> = (0..60).map(|i| Key::new(format!("client-{i}"))).collect();
+    let mut allowed = vec![0u32; keys.len()];
+    for round in 0..4 {
+        // Three decisions per key at once: two permits at most.
+        let checks: Vec<_> = keys
+            .iter()
+            .flat_map(|key| (0..3).map(|_| store.check_in_flight(key, &limits, 1, &cap)))
+            .collect();
+        let mut permits = Vec::new();
+        for (i, admitted) in futures_util::future::join_all(checks)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            let (decision, permit) = admitted.unwrap().into_parts();
+            assert_eq!(decision.is_allowed(), permit.is_some());
+            if let Some(permit) = permit {
+                allowed[i / 3] += 1;
+                permits.push(permit);
+            }
+        }
+        // In round 0 each key's third decision finds both permits held.
+        if round == 0 {
+            assert!(allowed.iter().all(|&a| a == 2), "{allowed:?}");
+        }
+        // Every other release tops the window up by one unit.
+        let releases: Vec<_> = permits
+            .into_iter()
+            .enumerate()
+            .map(|(i, permit)| {
+                let adjustment = (i % 2 == 0).then_some(Adjustment::TopUp { units: 1 });
+                store.release_in_flight(permit, &limits, adjustment)
+            })
+            .collect();
+        for released in futures_util::future::join_all(releases).await {
+            released.unwrap();
+        }
+    }
+    for (key, &got) in keys.iter().zip(&allowed) {
+        // Two allowed a round and one top-up each, up to the limit of 5: rounds 0 and 1.
+        assert_eq!(got, 4, "{key:?}");
+        assert_eq!(
+            stored_count(&cluster, &store, key, &limits[0]),
+            5,
+            "{key:?}"
+        );
+        let permits = stored_card(&cluster, &format!("tollgate:{{{}}}:inflight", key.as_str()));
+        assert_eq!(permits, 0, "{key:?}");
+    }
+    for master in cluster.masters() {
+        let log = cluster.cli(master, &["SLOWLOG", "GET", "100000"]).unwrap();
+        let lean = log.lines().filter(|l| l.trim().ends_with("_fi")).count();
+        if functions {
+            assert!(lean > 0, "node {master}: no call of <library>_fi");
+        } else {
+            assert_eq!(lean, 0, "node {master}");
+        }
+    }
+}
+
+/// The size of sorted set `name` in the cluster (0: no such key).
+fn stored_card(cluster: &RedisCluster, name: &str) -> u64 {
+    let card = cluster
+        .cli(cluster.node_for_key(name), &["ZCARD", name])
+        .unwrap();
+    card.trim().parse().unwrap()
+}

@@ -468,6 +468,84 @@ mod redis {
         support::assert_every_key_expires(&server);
     }
 
+    /// On Redis 7+ the decisions and the releases (bare, and with a late cost's top-up)
+    /// go to the library's function for the in-flight stage (`<library>_fi`,
+    /// lua/one_in_flight.lua); after `FUNCTION FLUSH` the library is loaded again and
+    /// every request counts once. An ACL user without functions gets the general script
+    /// (`EVALSHA`, its first call turned into the script's form), which decides alike.
+    #[tokio::test]
+    async fn redis_in_flight_calls_have_a_function_of_their_own_and_survive_a_flush() {
+        let server = support::RedisServer::start();
+        let functions = support::redis_server_major_version() >= 7;
+        for user in [None, Some("no-functions")] {
+            let url = match user {
+                None => server.url(),
+                Some(user) => {
+                    let mut rules = support::acl::documented_rules(user, "tollgate");
+                    rules.retain(|rule| rule != "+fcall" && rule != "+function|load");
+                    support::acl::set_user(&server, &rules);
+                    support::acl::url_for(&server, user)
+                }
+            };
+            server.cli(&["FLUSHALL"]).unwrap();
+            server.flush_scripts();
+            server
+                .cli(&["CONFIG", "SET", "slowlog-log-slower-than", "0"])
+                .unwrap();
+            server
+                .cli(&["CONFIG", "SET", "slowlog-max-len", "10000"])
+                .unwrap();
+            server.cli(&["SLOWLOG", "RESET"]).unwrap();
+            server.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+            let redis: Arc<dyn Store> = Arc::new(
+                RedisStore::connect(url)
+                    .await
+                    .unwrap()
+                    .with_clock(ManualClock::new(1_800_000_000_000)),
+            );
+            let app = App::new();
+            let late = layer(redis.clone(), 1000, 2)
+                .with_on_store_error(tollgate::FailurePolicy::Deny)
+                .with_late_cost(|_: &Response<Body>| Some(5));
+            let mut late = tower::Layer::layer(&late, app.handler());
+            let bare = layer(redis, 1000, 2).with_on_store_error(tollgate::FailurePolicy::Deny);
+            let mut bare = tower::Layer::layer(&bare, app.handler());
+            for round in 0..2 {
+                if round == 1 {
+                    server.flush_scripts();
+                }
+                for _ in 0..5 {
+                    let answer = send(&mut late, request("a")).await;
+                    assert_eq!(answer.status(), StatusCode::OK, "{user:?}, round {round}");
+                    assert_eq!(members(&server, "a"), 1, "{user:?}, round {round}");
+                    app.finish(answer).await;
+                    released(&server, "a").await;
+                    let answer = send(&mut bare, request("b")).await;
+                    assert_eq!(answer.status(), StatusCode::OK);
+                    assert_eq!(members(&server, "b"), 1);
+                    app.finish(answer).await;
+                    released(&server, "b").await;
+                }
+            }
+            // Ten requests costing 5 each (a top-up of 4 with each release), ten of 1.
+            for (client, count) in [("a", 50), ("b", 10)] {
+                let key = format!("tollgate:{{header:x-client|{client}}}:fw2:1000:60000");
+                let value = server.cli(&["GET", &key]).unwrap();
+                assert_eq!(support::fixed_window_count(value.trim()), count, "{client}");
+            }
+            let log = server.cli(&["SLOWLOG", "GET", "10000"]).unwrap();
+            let lean = log.lines().filter(|l| l.trim().ends_with("_fi")).count();
+            if functions && user.is_none() {
+                // 40 calls, and the one that met the flushed library.
+                assert!((40..=41).contains(&lean), "{lean} calls of _fi: {log}");
+            } else {
+                assert_eq!(lean, 0, "{log}");
+                assert!(server.calls("evalsha") >= 40);
+            }
+            support::assert_every_key_expires(&server);
+        }
+    }
+
     /// Waits until `client` holds no permit.
     async fn released(server: &support::RedisServer, client: &str) {
         let start = Instant::now();

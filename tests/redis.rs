@@ -823,11 +823,13 @@ async fn decisions_call_the_library_from_redis_7_on_and_the_script_before() {
     if support::redis_server_major_version() >= 7 {
         assert_eq!((fcalls, evalshas), (3, 0));
         let libraries = server.cli(&["FUNCTION", "LIST"]).unwrap();
-        // The library's name, its function's, and its functions for one fixed window and
-        // for many (the last with the flag allow-cross-slot-keys).
-        assert_eq!(libraries.matches("tollgate_").count(), 4, "{libraries}");
+        // The library's name, its function's, its functions for one fixed window and
+        // for many (the last with the flag allow-cross-slot-keys), and the in-flight
+        // stage's.
+        assert_eq!(libraries.matches("tollgate_").count(), 5, "{libraries}");
         assert_eq!(libraries.matches("_fw\n").count(), 1, "{libraries}");
         assert_eq!(libraries.matches("_fwn\n").count(), 1, "{libraries}");
+        assert_eq!(libraries.matches("_fi\n").count(), 1, "{libraries}");
         assert_eq!(
             libraries.matches("allow-cross-slot-keys").count(),
             1,

@@ -10,7 +10,10 @@ use smallvec::SmallVec;
 
 use super::{
     keys::{Keys, slot_of},
-    wire::function::{FixedWindowRequest, Mode, fixed_window_call, fixed_windows_call},
+    wire::function::{
+        Adjust, FixedWindowRequest, InFlightEntry, Mode, fixed_window_call, fixed_windows_call,
+        in_flight_call,
+    },
 };
 use crate::{
     Algorithm, Decision, Limit, LimitDecision, StoreError, StoreErrorKind,
@@ -180,6 +183,80 @@ impl Encoded {
         }
     }
 
+    /// This request as the library's function for in-flight batches takes it
+    /// (lua/one_in_flight.lua), when it is one of that function's shapes: a decision on
+    /// one fixed window (no lockout, capacity = limit, a cost of 1 to the limit) and an
+    /// in-flight permit; or a permit's release, bare or with an adjustment of such a
+    /// window (a refund or a top-up of at least 1 unit; a settle never rides on one).
+    /// Never a peek, a reservation or a lease.
+    pub(crate) fn as_in_flight(&self) -> Option<InFlightEntry<'_>> {
+        let id = self.permit.as_deref()?;
+        if self.peek || self.reserve_ms > 0 || self.lease.is_some() || self.kept.is_some() {
+            return None;
+        }
+        let fixed_window = u64::from(Algorithm::FixedWindow.code());
+        let mut keys = self.keys.iter();
+        match (&self.group[..], self.at) {
+            (
+                &[
+                    code,
+                    limit,
+                    window_ms,
+                    capacity,
+                    0,
+                    IN_FLIGHT_CODE,
+                    max,
+                    ttl_ms,
+                    IN_FLIGHT_CAPACITY,
+                    0,
+                ],
+                at,
+            ) if code == fixed_window && capacity == limit && self.keys.len() == 2 => {
+                let (window, permits) = (keys.next()?, keys.next()?);
+                match at {
+                    None if (1..=limit).contains(&u64::from(self.cost)) => {
+                        Some(InFlightEntry::Decide {
+                            window,
+                            permits,
+                            cost: self.cost,
+                            limit,
+                            window_ms,
+                            max,
+                            ttl_ms,
+                            id,
+                        })
+                    }
+                    Some(at) if at >= -1 && self.cost >= 1 && ttl_ms == 1 => {
+                        Some(InFlightEntry::Release {
+                            adjust: Some(Adjust {
+                                window,
+                                limit,
+                                window_ms,
+                                units: self.cost,
+                                at,
+                            }),
+                            permits,
+                            max,
+                            id,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            (&[IN_FLIGHT_CODE, max, 1, IN_FLIGHT_CAPACITY, 0], Some(0))
+                if self.cost == 1 && self.keys.len() == 1 =>
+            {
+                Some(InFlightEntry::Release {
+                    adjust: None,
+                    permits: keys.next()?,
+                    max,
+                    id,
+                })
+            }
+            _ => None,
+        }
+    }
+
     /// This request as the function for many fixed windows takes it (key, limit, window
     /// ms, cost), when it is one against one fixed window ([`Self::one_fixed_window`]).
     pub(crate) fn as_fixed_window(&self) -> Option<FixedWindowRequest<'_>> {
@@ -195,6 +272,15 @@ impl Encoded {
 /// and requests name theirs by index, so a batch of requests under the same limits costs
 /// two arguments per request besides its keys.
 pub(crate) fn script_call(mode: &Mode, now: Option<u64>, requests: &[&Encoded]) -> Cmd {
+    if mode.functions()
+        && requests.first().is_some_and(|r| r.permit.is_some())
+        && let Some(entries) = requests
+            .iter()
+            .map(|r| r.as_in_flight())
+            .collect::<Option<SmallVec<[InFlightEntry<'_>; 16]>>>()
+    {
+        return in_flight_call(now, &entries);
+    }
     if let [request] = requests
         && mode.functions()
         && let Some((key, limit, window_ms, cost)) = request.as_fixed_window()

@@ -13,7 +13,7 @@
 //! their own. A server without functions (before 7.0, or an ACL user without `+fcall` or
 //! `+function`) gets `EVALSHA` instead, from then on for that connection.
 //!
-//! Over 600 lines with its tests (about 390 without): they hold every `FCALL` form to
+//! Over 600 lines with its tests (about 410 without): they hold every `FCALL` form to
 //! its `EVALSHA` fallback through this file's private names, and stay beside them.
 
 use std::sync::{
@@ -26,8 +26,9 @@ use redis::{
     aio::ConnectionLike,
 };
 
+pub(crate) use super::in_flight::{Adjust, InFlightEntry};
 use super::{
-    reply,
+    in_flight, reply,
     script::{SCRIPT, SCRIPT_SOURCE},
 };
 
@@ -38,17 +39,26 @@ const KEYS_LINE: &str = "local KEYS, ARGV = KEYS, ARGV\n";
 const PER_CALL_LINE: &str =
     "-- Per call: from here on, once per call (a library's function body; see prelude.lua).\n";
 
-/// The library's second function, which only a library has: one request against one
-/// fixed window, decided without the general function's parsing (about half of a call's
-/// instructions inside Redis; BENCHMARKS.md).
-const FIXED_WINDOW_SOURCE: &str = include_str!("../../../../lua/one.lua");
+/// The library's own functions, which only a library has: one request against one fixed
+/// window, and many (lua/one.lua), decided without the general function's parsing (about
+/// half of a call's instructions inside Redis; BENCHMARKS.md); a batch of in-flight
+/// decisions and releases on one fixed window each (lua/one_in_flight.lua).
+const FIXED_WINDOW_SOURCE: &str = concat!(
+    include_str!("../../../../lua/one.lua"),
+    include_str!("../../../../lua/one_in_flight.lua"),
+);
 
 /// The library's name, which is also its general function's: `tollgate_` and the first
-/// 12 hex digits of the SHA-1 of its Lua (the script, then lua/one.lua).
+/// 12 hex digits of the SHA-1 of its Lua (the script, then lua/one.lua and
+/// lua/one_in_flight.lua).
 pub(crate) static NAME: LazyLock<String> = LazyLock::new(|| {
     let lua = Script::new(&format!("{SCRIPT_SOURCE}{FIXED_WINDOW_SOURCE}"));
     format!("tollgate_{}", &lua.get_hash()[..12])
 });
+
+/// The name of the function for a batch of in-flight decisions and releases
+/// (lua/one_in_flight.lua): `<NAME>_fi`.
+static IN_FLIGHT_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_fi", *NAME));
 
 /// The name of the function for one request against one fixed window: `<NAME>_fw`.
 static FIXED_WINDOW_NAME: LazyLock<String> = LazyLock::new(|| fixed_window_name(&NAME));
@@ -68,7 +78,7 @@ pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| library(SCRIPT_SO
 
 /// `source` (the script) as a library named `name`, with a function of that name, one
 /// named `<name>_fw` and one named `<name>_fwn` (lua/one.lua; the last may touch keys of
-/// any slots on its node).
+/// any slots on its node), and one named `<name>_fi` (lua/one_in_flight.lua).
 fn library(source: &str, name: &str) -> String {
     assert!(
         source.matches(KEYS_LINE).count() == 1 && source.matches(PER_CALL_LINE).count() == 1,
@@ -87,7 +97,8 @@ fn library(source: &str, name: &str) -> String {
          redis.register_function('{name}', decide)\n\
          redis.register_function('{fixed_window}', decide_fixed_window)\n\
          redis.register_function{{function_name = '{fixed_window}n', \
-         callback = decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}\n"
+         callback = decide_fixed_windows, flags = {{ 'allow-cross-slot-keys' }}}}\n\
+         redis.register_function('{name}_fi', decide_in_flight)\n"
     )
 }
 
@@ -270,6 +281,12 @@ pub(crate) fn fixed_windows_call(
     cmd
 }
 
+/// The call of the library's function for a batch of in-flight decisions and releases
+/// (lua/one_in_flight.lua): [`in_flight::call`] of `<NAME>_fi`.
+pub(crate) fn in_flight_call(now: Option<u64>, entries: &[InFlightEntry<'_>]) -> Cmd {
+    in_flight::call(&IN_FLIGHT_NAME, now, entries)
+}
+
 /// Sends a script call and reads its reply: [`Cmd::query_async`] into a `Vec<i64>`, in
 /// one pass over the reply.
 async fn query<C: ConnectionLike>(call: &Cmd, connection: &mut C) -> RedisResult<Vec<i64>> {
@@ -304,7 +321,7 @@ fn is_fcall(call: &Cmd) -> bool {
 /// group of one limit, code 1, capacity = limit, no lockout; one request of group 1), and
 /// for [`fixed_windows_call`] that of its requests (one Redis only: on a cluster a call
 /// without declared keys never takes this way, see `nodes`).
-fn as_evalsha(call: &Cmd) -> Cmd {
+pub(crate) fn as_evalsha(call: &Cmd) -> Cmd {
     let mut args = call.args_iter().filter_map(|arg| match arg {
         Arg::Simple(bytes) => Some(bytes),
         _ => None,
@@ -312,7 +329,10 @@ fn as_evalsha(call: &Cmd) -> Cmd {
     let function = args.nth(1);
     let mut cmd = Cmd::with_capacity(call.args_iter().len() + 7, 0);
     cmd.arg("EVALSHA").arg(SCRIPT.get_hash());
-    if function == Some(FIXED_WINDOWS_NAME.as_bytes()) {
+    if function == Some(IN_FLIGHT_NAME.as_bytes()) {
+        let words: Vec<&[u8]> = args.collect();
+        in_flight::as_script(&mut cmd, &words);
+    } else if function == Some(FIXED_WINDOWS_NAME.as_bytes()) {
         let (_keys, now, _elsewhere) = (args.next(), args.next(), args.next());
         let rest: Vec<&[u8]> = args.collect();
         let requests: Vec<&[&[u8]]> = rest.chunks_exact(4).collect();
@@ -573,6 +593,90 @@ mod tests {
             let general: Vec<&Encoded> = general.iter().collect();
             let call = standalone_call(&functions, None, &general);
             assert_ne!(words(&call)[1], FIXED_WINDOWS_NAME.as_str());
+        }
+    }
+
+    /// A batch of in-flight decisions and releases on one fixed window each goes to the
+    /// library's `<name>_fi`; where functions turn out unavailable, that call becomes
+    /// exactly the general script's call of the same batch. Any other request in the
+    /// batch keeps it on the general function.
+    #[test]
+    fn in_flight_batches_have_their_function_and_the_scripts_form_as_fallback() {
+        use crate::store::redis::encode::{Encoded, script_call};
+        use crate::{Limit, key::Key};
+        use std::time::Duration;
+        let functions = Mode::default();
+        let script = Mode::default();
+        script.script_only();
+        let minute = [Limit::fixed_window(10, Duration::from_secs(60)).unwrap()];
+        let hour = [Limit::fixed_window(5, Duration::from_secs(3600)).unwrap()];
+        let taking = |key: &str, limits: &[Limit], cost: u32, id: &str| {
+            let key = Key::new(key);
+            Encoded::in_flight(
+                "app",
+                &key,
+                limits,
+                cost,
+                None,
+                false,
+                (3, 30_000),
+                id.into(),
+            )
+        };
+        let giving = |key: &str, limits: &[Limit], units: u32, at: i64, id: &str| {
+            let key = Key::new(key);
+            Encoded::in_flight(
+                "app",
+                &key,
+                limits,
+                units,
+                Some(at),
+                false,
+                (3, 1),
+                id.into(),
+            )
+        };
+        let batch = [
+            taking("a", &minute, 1, "01"),
+            taking("a", &minute, 10, "02"),
+            giving("b", &[], 1, 0, "03"),
+            giving("a", &minute, 4, 1_700_000_000_000, "04"),
+            taking("c", &hour, 2, "05"),
+            giving("c", &hour, 1, -1, "06"),
+        ];
+        for now in [None, Some(1_700_000_000_000)] {
+            for requests in [&batch[..], &batch[..1], &batch[2..3]] {
+                let requests: Vec<&Encoded> = requests.iter().collect();
+                let lean = script_call(&functions, now, &requests);
+                assert_eq!(words(&lean)[..2], ["FCALL", IN_FLIGHT_NAME.as_str()]);
+                assert_eq!(
+                    words(&as_evalsha(&lean)),
+                    words(&script_call(&script, now, &requests))
+                );
+            }
+        }
+        let mut peek = taking("a", &minute, 1, "07");
+        peek.peek = true;
+        let two = [minute[0].clone(), hour[0].clone()];
+        let locked = [minute[0]
+            .clone()
+            .with_lockout(Duration::from_secs(60))
+            .unwrap()];
+        let bucket = [Limit::token_bucket(10, Duration::from_secs(60)).unwrap()];
+        let plain = Encoded::new("app", &Key::new("p"), &minute, 1, None, false);
+        for other in [
+            taking("a", &minute, 11, "08"), // more than the limit
+            taking("a", &two, 1, "09"),     // two limits
+            taking("a", &locked, 1, "10"),  // a lockout
+            taking("a", &bucket, 1, "11"),  // a token bucket
+            taking("a", &[], 1, "12"),      // no rate limit
+            giving("a", &minute, 0, 0, "13"),
+            peek,
+            plain,
+        ] {
+            let requests = [&batch[0], &other];
+            let call = script_call(&functions, None, &requests);
+            assert_eq!(words(&call)[1], NAME.as_str(), "{other:?}");
         }
     }
 

@@ -10,6 +10,9 @@ use crate::{StoreError, StoreErrorKind};
 
 mod acl;
 pub(crate) mod function;
+mod in_flight;
+#[cfg(test)]
+mod in_flight_tests;
 pub(crate) mod reply;
 pub(crate) mod script;
 
