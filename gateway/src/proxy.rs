@@ -23,7 +23,10 @@ use hyper_util::{
 use ipnet::IpNet;
 use tollgate::key::ClientIp;
 
-use crate::config::Upstream;
+use crate::{
+    config::Upstream,
+    traffic::{self, Failure},
+};
 
 /// The HTTP client every route shares (one connection pool).
 pub(crate) type HttpClient = Client<HttpConnector, Body>;
@@ -49,6 +52,9 @@ pub(crate) struct Settings {
     pub(crate) trusted_proxies: Vec<IpNet>,
     /// How long the upstream may take to send its response head.
     pub(crate) upstream_timeout: Duration,
+    /// Whether the traffic metrics are recorded (`admin_listen` set): the upstream's
+    /// answers then carry when it was asked ([`traffic::Upstreamed`]).
+    pub(crate) metered: bool,
 }
 
 /// Forwards requests of one route to its upstream.
@@ -105,12 +111,16 @@ impl Proxy {
         // upstream URI only when the request had none.
         let request = Request::from_parts(parts, body);
         let timeout = self.settings.upstream_timeout;
+        // For the traffic metrics, when they are recorded.
+        let started = self.settings.metered.then(std::time::Instant::now);
         let error = match tokio::time::timeout(timeout, self.settings.client.request(request)).await
         {
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 remove_hop_by_hop(&mut parts.headers);
-                return Response::from_parts(parts, Body::new(body));
+                let mut response = Response::from_parts(parts, Body::new(body));
+                traffic::upstream_answered(&mut response, started);
+                return response;
             }
             Ok(Err(error)) => error,
             Err(_elapsed) => {
@@ -122,7 +132,8 @@ impl Proxy {
                     "upstream sent no response head within server.upstream_timeout"
                 );
                 self.count_upstream_error();
-                return status(StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
+                let response = status(StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
+                return traffic::upstream_failed(response, started, Failure::Timeout);
             }
         };
         if in_the_chain::<LengthLimitError>(&error) {
@@ -143,7 +154,16 @@ impl Proxy {
             "upstream request failed"
         );
         self.count_upstream_error();
-        status(StatusCode::BAD_GATEWAY, "bad gateway\n")
+        let failure = if error.is_connect() {
+            Failure::UpstreamUnreachable
+        } else {
+            Failure::UpstreamError
+        };
+        traffic::upstream_failed(
+            status(StatusCode::BAD_GATEWAY, "bad gateway\n"),
+            started,
+            failure,
+        )
     }
 
     fn count_upstream_error(&self) {

@@ -64,7 +64,7 @@ impl Watcher {
         match config {
             Ok(config) => Ok(self.live.apply(config)),
             Err(error) => {
-                metrics::counter!(RELOADS_REFUSED_TOTAL).increment(1);
+                crate::traffic::reload_refused();
                 tracing::error!(
                     path = %self.path.display(),
                     field = error.field,

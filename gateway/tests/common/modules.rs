@@ -31,3 +31,6 @@ mod serve;
 #[allow(dead_code)]
 #[path = "../../src/server.rs"]
 mod server;
+#[allow(dead_code)]
+#[path = "../../src/traffic.rs"]
+mod traffic;
