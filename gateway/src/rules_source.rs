@@ -118,7 +118,7 @@ impl Follower {
                 );
             }
             Err(error) => {
-                crate::traffic::reload_refused();
+                crate::reload::refused();
                 tracing::error!(
                     rules = version,
                     field = error.field,

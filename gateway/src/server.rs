@@ -169,7 +169,7 @@ impl Live {
         self.gateway.store(Arc::new(gateway));
         let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::gauge!(reload::RULES_VERSION).set(version as f64);
-        traffic::reload_applied();
+        reload::applied();
         tracing::info!(
             version,
             routes = new.routes.len(),
@@ -344,8 +344,18 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         metrics::Unit::Count,
         "Config reloads refused because the new file was invalid."
     );
+    metrics::describe_counter!(
+        reload::CONFIG_RELOADS_TOTAL,
+        metrics::Unit::Count,
+        "Config reloads (the file, or a rule set from Redis), by result: applied or refused."
+    );
+    metrics::describe_gauge!(
+        reload::CONFIG_LAST_RELOAD_SUCCESS,
+        metrics::Unit::Seconds,
+        "Unix time the config in force was loaded: at start, then at each applied reload."
+    );
     metrics::gauge!(reload::RULES_VERSION).set(1.0);
-    traffic::config_loaded();
+    reload::loaded();
     let routes = config.routes.len();
     let live = Arc::new(Live {
         gateway: ArcSwap::from_pointee(gateway),
@@ -456,7 +466,7 @@ async fn first_rule_set(
             follow.routes = Some(routes);
         }
         Some((version, Err(error))) => {
-            traffic::reload_refused();
+            reload::refused();
             tracing::error!(rules = version, field = error.field, %error,
                 "rule set from redis refused; serving the file's routes");
             follow.seen = Some(version);

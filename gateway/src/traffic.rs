@@ -1,7 +1,7 @@
 //! The gateway's traffic metrics, named after the OpenTelemetry HTTP semantic conventions
 //! as Prometheus exports them (dots become underscores, the unit a suffix): the requests
 //! it served ([`SERVER_DURATION`], [`SERVER_ACTIVE`], body sizes), the upstream's part of
-//! them apart ([`CLIENT_DURATION`]), and the config reloads. The limiter's own metrics
+//! them apart ([`CLIENT_DURATION`]); `reload.rs` has the config reloads'. The limiter's own metrics
 //! (`tollgate_requests_total`, ...) come from the library, labelled with the layer's name.
 //!
 //! Labels stay bounded whatever a client sends: the method is one of the nine of RFC 9110
@@ -22,7 +22,7 @@ use std::{
         atomic::{AtomicU64, Ordering},
     },
     task::{Context, Poll},
-    time::{Instant, SystemTime},
+    time::Instant,
 };
 
 use arc_swap::ArcSwap;
@@ -44,12 +44,6 @@ pub(crate) const SERVER_RESPONSE_BODY: &str = "http_server_response_body_size_by
 /// `http.client.request.duration`: the upstream's part of a proxied request, from sending
 /// it to the end of the upstream's response body (or the failure).
 pub(crate) const CLIENT_DURATION: &str = "http_client_request_duration_seconds";
-/// Config reloads by `result`: `applied` or `refused`.
-pub(crate) const CONFIG_RELOADS_TOTAL: &str = "tollgate_gateway_config_reloads_total";
-/// When the config in force was loaded: at start, then at each applied reload.
-pub(crate) const CONFIG_LAST_RELOAD_SUCCESS: &str =
-    "tollgate_gateway_config_last_reload_success_timestamp_seconds";
-
 /// The OpenTelemetry SDK's default bounds for `http.*.request.duration`, in seconds.
 pub(crate) const DURATION_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -178,8 +172,7 @@ pub(crate) fn upstream_failed<B>(
     response
 }
 
-/// Describes the metrics to the installed recorder (`# HELP`), and starts the reload
-/// series: none refused or applied yet, the config in force loaded now.
+/// Describes the metrics to the installed recorder (`# HELP`).
 pub(crate) fn describe() {
     metrics::describe_histogram!(
         SERVER_DURATION,
@@ -207,42 +200,6 @@ pub(crate) fn describe() {
         "Duration of HTTP client requests to the upstreams: from sending the request to the \
          end of the upstream's response body, or its failure."
     );
-    metrics::describe_counter!(
-        CONFIG_RELOADS_TOTAL,
-        metrics::Unit::Count,
-        "Config reloads (the file, or a rule set from Redis), by result: applied or refused."
-    );
-    metrics::describe_gauge!(
-        CONFIG_LAST_RELOAD_SUCCESS,
-        metrics::Unit::Seconds,
-        "Unix time the config in force was loaded: at start, then at each applied reload."
-    );
-}
-
-/// The config was loaded at start: the reload series start at zero.
-pub(crate) fn config_loaded() {
-    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "applied").increment(0);
-    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "refused").increment(0);
-    set_last_success();
-}
-
-/// A reload (of the file, or a rule set from Redis) was applied.
-pub(crate) fn reload_applied() {
-    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "applied").increment(1);
-    set_last_success();
-}
-
-/// A reload was refused: the running config stays.
-pub(crate) fn reload_refused() {
-    metrics::counter!(crate::reload::RELOADS_REFUSED_TOTAL).increment(1);
-    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "refused").increment(1);
-}
-
-fn set_last_success() {
-    let now = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0.0, |since| since.as_secs_f64());
-    metrics::gauge!(CONFIG_LAST_RELOAD_SUCCESS).set(now);
 }
 
 /// One route's series (or [`UNMATCHED`]'s), registered as they are first used.
