@@ -87,6 +87,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod adaptive;
 mod adjustment;
 // The reference model is public for the crate's own tests and benches (integration tests
 // cannot turn on a feature of the crate they test without skipping when it is off), not

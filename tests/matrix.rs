@@ -6,7 +6,9 @@
 //! count; late cost: the response's cost is charged; `max_wait`: a request over a token
 //! bucket is reserved and waits instead of a 429; lockout: a breach blocks for the
 //! lockout, not the window; leases: counts stay exact with quota held by the node; a rules
-//! swap while 8 tasks send requests: the new limits hold; failure policies: what a request
+//! swap while 8 tasks send requests: the new limits hold; an in-flight limit: a third
+//! request of a key is denied while two are held in the handler, and the permits come
+//! back; failure policies: what a request
 //! gets while the store is down, and with the local fallback every other probe passes on
 //! the fallback). A cell builds one layer with both features and runs both probes, each
 //! aware of the other (under plans a probe counts against its plan's limit, under
@@ -27,15 +29,16 @@ use std::{
     convert::Infallible,
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
 
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode};
+use tokio::sync::Semaphore;
 use tollgate::{
-    FailurePolicy, Limit, Limiter, RateLimitLayer,
+    ConfigError, FailurePolicy, InFlightLimit, Limit, Limiter, RateLimitLayer,
     clock::ManualClock,
     key::{HeaderKey, Key, KeyExtractor},
     plan::{Plan, PlanLookup, Plans},
@@ -47,6 +50,8 @@ use tower::{Layer, Service, ServiceExt, service_fn, util::BoxCloneSyncService};
 const HOUR: Duration = Duration::from_secs(3600);
 const LOCKOUT: Duration = Duration::from_secs(2 * 3600);
 const MAX_WAIT: Duration = Duration::from_millis(150);
+/// The in-flight limit's cap.
+const IN_FLIGHT: u32 = 2;
 const NOW_MS: u64 = 1_700_000_000_000;
 
 /// The features of the matrix.
@@ -60,13 +65,14 @@ enum F {
     MaxWait,
     Lockout,
     Leases,
+    InFlight,
     Swap,
     Allow,
     Deny,
     Local,
 }
 
-const FEATURES: [F; 12] = [
+const FEATURES: [F; 13] = [
     F::PlanHeader,
     F::PlanLookup,
     F::Shadow,
@@ -75,6 +81,7 @@ const FEATURES: [F; 12] = [
     F::MaxWait,
     F::Lockout,
     F::Leases,
+    F::InFlight,
     F::Swap,
     F::Allow,
     F::Deny,
@@ -95,7 +102,7 @@ impl F {
     fn routes(self) -> bool {
         matches!(
             self,
-            F::PlanHeader | F::PlanLookup | F::Shadow | F::Lockout | F::Leases
+            F::PlanHeader | F::PlanLookup | F::Shadow | F::Lockout | F::Leases | F::InFlight
         )
     }
 }
@@ -239,20 +246,57 @@ fn plans(ctx: &Ctx) -> Option<Plans> {
 
 type Svc = BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
 
-/// A handler answering the status in `x-status` (200 without), echoing `x-tokens`.
-fn handler() -> Svc {
-    BoxCloneSyncService::new(service_fn(|request: Request<Body>| async move {
-        let status = request
-            .headers()
-            .get("x-status")
-            .and_then(|v| v.to_str().ok()?.parse::<u16>().ok())
-            .unwrap_or(200);
-        let mut response = Response::new(Body::empty());
-        *response.status_mut() = StatusCode::from_u16(status).unwrap();
-        if let Some(tokens) = request.headers().get("x-tokens") {
-            response.headers_mut().insert("x-tokens", tokens.clone());
+/// Where held requests (`x-hold`) wait in the handler: how many came in, and the permits
+/// to go on.
+#[derive(Clone)]
+struct Gate {
+    entered: Arc<AtomicUsize>,
+    open: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> Self {
+        Self {
+            entered: Arc::new(AtomicUsize::new(0)),
+            open: Arc::new(Semaphore::new(0)),
         }
-        Ok::<_, Infallible>(response)
+    }
+
+    /// Waits until `n` held requests are in the handler.
+    async fn entered(&self, n: usize) {
+        let started = Instant::now();
+        while self.entered.load(Ordering::SeqCst) < n {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "{n} requests held"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+/// A handler answering the status in `x-status` (200 without), echoing `x-tokens`; a
+/// request with `x-hold` waits at `gate` first.
+fn handler(gate: Gate) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |request: Request<Body>| {
+        let gate = gate.clone();
+        async move {
+            if request.headers().contains_key("x-hold") {
+                gate.entered.fetch_add(1, Ordering::SeqCst);
+                gate.open.acquire().await.unwrap().forget();
+            }
+            let status = request
+                .headers()
+                .get("x-status")
+                .and_then(|v| v.to_str().ok()?.parse::<u16>().ok())
+                .unwrap_or(200);
+            let mut response = Response::new(Body::empty());
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            if let Some(tokens) = request.headers().get("x-tokens") {
+                response.headers_mut().insert("x-tokens", tokens.clone());
+            }
+            Ok::<_, Infallible>(response)
+        }
     }))
 }
 
@@ -267,6 +311,7 @@ fn key_of(value: &str) -> Key {
 
 struct Setup {
     service: Svc,
+    gate: Gate,
     rules: RulesHandle,
     limiter: Limiter<HeaderKey>,
 }
@@ -283,16 +328,21 @@ where
     RB: http_body::Body<Data = axum::body::Bytes> + Send + 'static,
     RB::Error: Into<axum::BoxError>,
 {
+    let gate = Gate::new();
     Setup {
         service: BoxCloneSyncService::new(
-            layer.layer(handler()).map_response(|r| r.map(Body::new)),
+            layer
+                .layer(handler(gate.clone()))
+                .map_response(|r| r.map(Body::new)),
         ),
+        gate,
         rules,
         limiter,
     }
 }
 
-fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Setup {
+/// The layer with the cell's features, or the [`ConfigError`] it is refused with.
+fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Result<Setup, ConfigError> {
     let mut layer = RateLimitLayer::new(limit(ctx, ctx.q(false)))
         .with_key(key_extractor())
         .with_store(store)
@@ -306,6 +356,9 @@ fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Setup {
     if ctx.has(F::MaxWait) {
         layer = layer.with_max_wait(Some(MAX_WAIT));
     }
+    if ctx.has(F::InFlight) {
+        layer = layer.with_in_flight(InFlightLimit::new(IN_FLIGHT).unwrap());
+    }
     match ctx.policy() {
         Some(F::Allow) => layer = layer.with_on_store_error(FailurePolicy::Allow),
         Some(F::Deny) => layer = layer.with_on_store_error(FailurePolicy::Deny),
@@ -315,19 +368,22 @@ fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Setup {
     if ctx.has(F::CountWhen) {
         let layer =
             layer.with_count_when(|r: &Response<Body>| r.status() == StatusCode::UNAUTHORIZED);
+        layer.validate()?;
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
-        finish(layer, rules, limiter)
+        Ok(finish(layer, rules, limiter))
     } else if ctx.has(F::LateCost) {
         let layer = layer.with_late_cost(|r: &Response<Body>| {
             r.headers()
                 .get("x-tokens")
                 .and_then(|v| v.to_str().ok()?.parse().ok())
         });
+        layer.validate()?;
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
-        finish(layer, rules, limiter)
+        Ok(finish(layer, rules, limiter))
     } else {
+        layer.validate()?;
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
-        finish(layer, rules, limiter)
+        Ok(finish(layer, rules, limiter))
     }
 }
 
@@ -516,6 +572,44 @@ async fn probe(feature: F, ctx: &Ctx, setup: &Setup) {
             // Hot keys get leases; the count stays exact on one node.
             exhaust(ctx, setup, &format!("{name}-pro")).await;
         }
+        F::InFlight => {
+            // Two requests held in the handler hold the cap's permits (and spend a unit
+            // each): a third is denied, and spends nothing.
+            let key = format!("{name}-pro");
+            let held: Vec<_> = (0..IN_FLIGHT)
+                .map(|_| {
+                    let service = setup.service.clone();
+                    let mut headers = counted(ctx, &key, 1);
+                    headers.push(("x-hold", "1".to_owned()));
+                    tokio::spawn(async move { send(&service, &headers).await.status() })
+                })
+                .collect();
+            setup.gate.entered(IN_FLIGHT as usize).await;
+            let status = send(&setup.service, &counted(ctx, &key, 1)).await.status();
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "a third in flight");
+            setup.gate.open.add_permits(IN_FLIGHT as usize);
+            for request in held {
+                assert_eq!(request.await.unwrap(), ctx.allowed(), "a held request");
+            }
+            // The permits come back when the responses end (on Redis, in a call after
+            // them): a request is allowed again, and the limit is spent after it.
+            let mut status = StatusCode::TOO_MANY_REQUESTS;
+            for _ in 0..200 {
+                status = send(&setup.service, &counted(ctx, &key, 1)).await.status();
+                if status != StatusCode::TOO_MANY_REQUESTS {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(status, ctx.allowed(), "the permits came back");
+            spend(
+                ctx,
+                setup,
+                &key,
+                ctx.probe_q() + ctx.extra() - IN_FLIGHT - 1,
+            )
+            .await;
+        }
         F::Swap | F::Allow | F::Deny | F::Local => unreachable!("not a probe of its own"),
     }
 }
@@ -589,8 +683,32 @@ async fn down(ctx: &Ctx, setup: &Setup, policy: F) {
 }
 
 /// One cell: the layer with both features, and each feature's probe.
-async fn cell(mut ctx: Ctx, store: Arc<dyn Store>, server: Option<support::RedisServer>) {
-    let setup = build(&ctx, store);
+/// The pairs refused when the layer is built, and the names the error must give.
+fn refused(a: F, b: F) -> Option<[&'static str; 2]> {
+    match (a, b) {
+        (F::MaxWait, F::InFlight) => Some(["max_wait", "in_flight"]),
+        _ => None,
+    }
+}
+
+/// One cell: the layer with both features, and each feature's probe; or, for a pair that
+/// is refused, the refusal. Its verdict.
+async fn cell(mut ctx: Ctx, store: Arc<dyn Store>, server: Option<support::RedisServer>) -> String {
+    let setup = match (build(&ctx, store), refused(ctx.a, ctx.b)) {
+        (Ok(setup), None) => setup,
+        (Err(error), Some(names)) => {
+            let message = error.to_string();
+            for name in names {
+                assert!(
+                    message.contains(name),
+                    "the refusal names {name}: {message}"
+                );
+            }
+            return format!("refused when built: {message}");
+        }
+        (Ok(_), Some(_)) => panic!("built, though the pair is refused"),
+        (Err(error), None) => panic!("refused: {error}"),
+    };
     let policy = ctx.policy();
     // A failure policy is seen with the store down.
     let _server = server.map(|mut server| {
@@ -603,13 +721,14 @@ async fn cell(mut ctx: Ctx, store: Arc<dyn Store>, server: Option<support::Redis
     }
     if ctx.dead && policy != Some(F::Local) {
         down(&ctx, &setup, policy.unwrap()).await;
-        return;
+        return "passes".to_owned();
     }
     for feature in [ctx.a, ctx.b] {
         if feature != F::Swap && !feature.is_policy() {
             probe(feature, &ctx, &setup).await;
         }
     }
+    "passes".to_owned()
 }
 
 async fn redis_store(url: &str, prefix: &str, ctx: &Ctx) -> RedisStore {
@@ -685,7 +804,7 @@ async fn matrix(backend: Backend) {
             eprintln!("cell {a:?} × {b:?} on {backend:?}");
             let outcome = tokio::spawn(cell(ctx, store, server)).await;
             let verdict = match outcome {
-                Ok(()) => "passes".to_owned(),
+                Ok(verdict) => verdict,
                 Err(error) => {
                     failed.push(format!("{a:?} × {b:?}"));
                     let message = error

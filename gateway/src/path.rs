@@ -45,6 +45,14 @@ pub(crate) fn normalize(raw: &str) -> Result<String, PathError> {
     if !raw.starts_with('/') {
         return Err(PathError::NotAbsolute);
     }
+    if is_normal(raw) {
+        return Ok(raw.to_owned());
+    }
+    normalize_fully(raw)
+}
+
+/// [`normalize`] without its shortcut for a path that is its own normal form.
+fn normalize_fully(raw: &str) -> Result<String, PathError> {
     let decoded = decode_unreserved(raw)?;
     let mut segments: Vec<&str> = Vec::new();
     let mut trailing_slash = false;
@@ -68,6 +76,28 @@ pub(crate) fn normalize(raw: &str) -> Result<String, PathError> {
         path.push('/');
     }
     Ok(path)
+}
+
+/// Whether `raw` (starting with `/`) is its own normal form, as most request paths are:
+/// nothing to decode (no `%`, `\\` or non-ASCII byte) and no empty, `.` or `..` segment
+/// but a last empty one (a trailing slash).
+fn is_normal(raw: &str) -> bool {
+    if raw
+        .bytes()
+        .any(|byte| byte == b'%' || byte == b'\\' || !byte.is_ascii())
+    {
+        return false;
+    }
+    let mut segments = raw[1..].split('/').peekable();
+    while let Some(segment) = segments.next() {
+        let last = segments.peek().is_none();
+        match segment {
+            "." | ".." => return false,
+            "" if !last => return false,
+            _ => {}
+        }
+    }
+    true
 }
 
 fn decode_unreserved(raw: &str) -> Result<String, PathError> {
@@ -191,6 +221,20 @@ mod tests {
         assert_eq!(normalize("/api%zz"), Err(PathError::BadEscape));
         assert_eq!(normalize("*"), Err(PathError::NotAbsolute));
         assert_eq!(normalize(""), Err(PathError::NotAbsolute));
+    }
+
+    proptest::proptest! {
+        /// The shortcut for a path already normal changes no answer: any path of slashes,
+        /// dots, escapes and letters normalises as without it.
+        #[test]
+        fn a_normal_path_is_kept_as_the_full_normalisation_would(
+            raw in "/[a./%2Ef_\\\\-]{0,12}"
+        ) {
+            proptest::prop_assert_eq!(normalize(&raw), normalize_fully(&raw));
+            if is_normal(&raw) {
+                proptest::prop_assert_eq!(normalize_fully(&raw), Ok(raw.clone()));
+            }
+        }
     }
 
     #[test]

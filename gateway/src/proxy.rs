@@ -1,4 +1,5 @@
-//! Forwarding a request to an upstream with hyper-util's client, bodies streamed both ways.
+//! Forwarding a request to an upstream (connections from [`crate::upstream`]), bodies
+//! streamed both ways.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -12,36 +13,27 @@ use axum::{
     http::{
         HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, Version,
         header::{self, CONNECTION},
-        uri::{Authority, Scheme},
+        uri::{Authority, PathAndQuery},
     },
 };
 use http_body_util::LengthLimitError;
-use hyper_util::{
-    client::legacy::{Client, connect::HttpConnector},
-    rt::TokioExecutor,
-};
 use ipnet::IpNet;
 use tollgate::key::ClientIp;
 
 use crate::{
     config::Upstream,
     traffic::{self, Failure},
+    upstream::{self, Pool},
 };
 
-/// The HTTP client every route shares (one connection pool).
-pub(crate) type HttpClient = Client<HttpConnector, Body>;
-
-/// How long connecting to an upstream may take before the request gets 502.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The HTTP client every route shares (a connection pool per upstream).
+pub(crate) type HttpClient = upstream::Client;
 
 /// Counts requests that got 502 or 504 because the upstream failed or timed out, per route.
 pub(crate) const UPSTREAM_ERRORS_TOTAL: &str = "tollgate_gateway_upstream_errors_total";
 
 pub(crate) fn client() -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).build(connector)
+    upstream::Client::new()
 }
 
 /// What every route's proxy shares: the client, whom to believe, how long to wait.
@@ -64,16 +56,29 @@ pub(crate) struct Proxy {
     /// The `ip` key's extractor: the client address `X-Real-IP` gets.
     client_ip: Arc<ClientIp>,
     upstream: Arc<Upstream>,
+    /// The upstream's connections.
+    pool: Arc<Pool>,
+    /// `Host` for a request that has none: the upstream's authority (without `:80`).
+    host: HeaderValue,
     route: Arc<str>,
 }
 
 impl Proxy {
     pub(crate) fn new(settings: Arc<Settings>, upstream: Upstream, route: &str) -> Self {
         let client_ip = ClientIp::new(settings.trusted_proxies.iter().copied());
+        let pool = settings.client.pool(&upstream.authority);
+        let host = match upstream.authority.port_u16() {
+            Some(80) => upstream.authority.host(),
+            _ => upstream.authority.as_str(),
+        };
+        // An authority is a valid header value.
+        let host = HeaderValue::from_str(host).unwrap_or(HeaderValue::from_static("localhost"));
         Self {
             client_ip: Arc::new(client_ip),
             settings,
             upstream: Arc::new(upstream),
+            pool,
+            host,
             route: route.into(),
         }
     }
@@ -107,18 +112,18 @@ impl Proxy {
             Some(peer) => self.set_forwarding_headers(&mut parts.headers, peer.ip()),
             None => remove_forwarding_headers(&mut parts.headers),
         }
-        // `Host` passes through unchanged (it is end-to-end); the client sets it from the
-        // upstream URI only when the request had none.
+        // `Host` passes through unchanged (it is end-to-end); it is set from the upstream
+        // URL only when the request had none (HTTP/1.0).
+        if !parts.headers.contains_key(header::HOST) {
+            parts.headers.insert(header::HOST, self.host.clone());
+        }
         let request = Request::from_parts(parts, body);
         let timeout = self.settings.upstream_timeout;
         // For the traffic metrics, when they are recorded.
         let started = self.settings.metered.then(std::time::Instant::now);
-        let error = match tokio::time::timeout(timeout, self.settings.client.request(request)).await
-        {
-            Ok(Ok(response)) => {
-                let (mut parts, body) = response.into_parts();
-                remove_hop_by_hop(&mut parts.headers);
-                let mut response = Response::from_parts(parts, Body::new(body));
+        let error = match tokio::time::timeout(timeout, self.pool.send(request)).await {
+            Ok(Ok(mut response)) => {
+                remove_hop_by_hop(response.headers_mut());
                 traffic::upstream_answered(&mut response, started);
                 return response;
             }
@@ -136,25 +141,26 @@ impl Proxy {
                 return traffic::upstream_failed(response, started, Failure::Timeout);
             }
         };
-        if in_the_chain::<LengthLimitError>(&error) {
+        let error: &(dyn std::error::Error + 'static) = &*error;
+        if in_the_chain::<LengthLimitError>(error) {
             // Not the upstream's fault: the client's body passed `max_body_bytes` while it
             // was streamed (a body announced too large never gets here).
             tracing::debug!(route = %self.route, "request body over server.max_body_bytes");
             return status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
         }
-        if in_the_chain::<axum::Error>(&error) {
+        if in_the_chain::<axum::Error>(error) {
             // Any client can send a broken body: no upstream alert, no warning.
-            tracing::debug!(route = %self.route, error = %ErrorChain(&error), "client's request body failed");
+            tracing::debug!(route = %self.route, error = %ErrorChain(error), "client's request body failed");
             return status(StatusCode::BAD_REQUEST, "bad request body\n");
         }
         tracing::warn!(
             route = %self.route,
             upstream = %self.upstream.authority,
-            error = %ErrorChain(&error),
+            error = %ErrorChain(error),
             "upstream request failed"
         );
         self.count_upstream_error();
-        let failure = if error.is_connect() {
+        let failure = if in_the_chain::<upstream::ConnectError>(error) {
             Failure::UpstreamUnreachable
         } else {
             Failure::UpstreamError
@@ -187,24 +193,33 @@ impl Proxy {
         if !from_trusted_proxy {
             remove_forwarding_headers(headers);
         }
-        append_to_list(headers, X_FORWARDED_FOR, &peer.to_string());
-        append_to_list(headers, FORWARDED, &forwarded_for(peer));
-        headers.insert(X_REAL_IP, ip_value(client));
+        let mut item = Item::new();
+        item.address(peer);
+        append_to_list(headers, X_FORWARDED_FOR, item.as_str());
+        item.forwarded_for(peer);
+        append_to_list(headers, FORWARDED, item.as_str());
+        item.address(client);
+        headers.insert(X_REAL_IP, item.value());
     }
 
+    /// The request's URI as the upstream gets it: origin-form (the path, behind the
+    /// upstream's base path, and the query), as HTTP/1.1 sends it to a server.
     fn upstream_uri(&self, uri: &Uri) -> Result<Uri, http::Error> {
-        let mut path_and_query = String::with_capacity(64);
-        path_and_query.push_str(&self.upstream.base_path);
+        let base = &self.upstream.base_path;
+        if base.is_empty() && uri.scheme().is_none() && uri.authority().is_none() {
+            // Already origin-form (the dispatcher made it so): nothing to build.
+            if let Some(path_and_query) = uri.path_and_query() {
+                return Ok(Uri::from(path_and_query.clone()));
+            }
+        }
+        let mut path_and_query = String::with_capacity(base.len() + uri.path().len() + 16);
+        path_and_query.push_str(base);
         path_and_query.push_str(uri.path());
         if let Some(query) = uri.query() {
             path_and_query.push('?');
             path_and_query.push_str(query);
         }
-        Uri::builder()
-            .scheme(Scheme::HTTP)
-            .authority(self.upstream.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
+        Ok(Uri::from(PathAndQuery::try_from(path_and_query)?))
     }
 }
 
@@ -248,23 +263,37 @@ const HOP_BY_HOP: [&str; 9] = [
 ];
 
 fn remove_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        // The forwarding headers are the gateway's own to set (`set_forwarding_headers`):
-        // a `Connection: X-Forwarded-For` would drop the list the `ip` key read, and the
-        // upstream would see the proxy where the limit counted the client.
-        if !FORWARDING.contains(&name) {
-            headers.remove(name);
+    // Most messages carry none but `Connection: keep-alive`: one look at each name, no
+    // allocation, and a removal only of what is there.
+    let mut named: Vec<HeaderName> = Vec::new();
+    for value in headers.get_all(CONNECTION) {
+        let Ok(value) = value.to_str() else { continue };
+        for name in value.split(',') {
+            let Ok(name) = HeaderName::from_bytes(name.trim().as_bytes()) else {
+                continue;
+            };
+            // The forwarding headers are the gateway's own to set
+            // (`set_forwarding_headers`): a `Connection: X-Forwarded-For` would drop the
+            // list the `ip` key read, and the upstream would see the proxy where the
+            // limit counted the client. The hop-by-hop ones go below anyway.
+            if !FORWARDING.contains(&name)
+                && !HOP_BY_HOP.contains(&name.as_str())
+                && headers.contains_key(&name)
+            {
+                named.push(name);
+            }
         }
     }
-    for name in HOP_BY_HOP {
+    for name in named {
         headers.remove(name);
+    }
+    if headers
+        .keys()
+        .any(|name| HOP_BY_HOP.contains(&name.as_str()))
+    {
+        for name in HOP_BY_HOP {
+            headers.remove(name);
+        }
     }
 }
 
@@ -305,37 +334,90 @@ fn remove_underscore_spellings(headers: &mut HeaderMap) {
 /// list, as every proxy does: upstreams read it from the right (see
 /// `tollgate::key::ClientIp`).
 fn append_to_list(headers: &mut HeaderMap, name: HeaderName, item: &str) {
-    let mut list = headers
-        .get_all(&name)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .map(str::trim)
-        .filter(|value| !value.is_empty())
-        .collect::<Vec<_>>()
-        .join(", ");
-    if !list.is_empty() {
-        list.push_str(", ");
+    let mut list = String::new();
+    for value in headers.get_all(&name) {
+        let Ok(value) = value.to_str() else { continue };
+        let value = value.trim();
+        if value.is_empty() {
+            continue;
+        }
+        if list.is_empty() {
+            list.reserve(value.len() + 2 + item.len());
+        } else {
+            list.push_str(", ");
+        }
+        list.push_str(value);
     }
+    if list.is_empty() {
+        // The usual case (no list from a trusted proxy): the item alone.
+        headers.insert(name, header_value(item));
+        return;
+    }
+    list.push_str(", ");
     list.push_str(item);
     // The parts were header values already and `item` is an address: always valid; fall
     // back to the item alone rather than forward a list that could not be extended.
-    let value = HeaderValue::try_from(list)
-        .or_else(|_| HeaderValue::try_from(item))
-        .unwrap_or(HeaderValue::from_static("unknown"));
+    let value = HeaderValue::try_from(list).unwrap_or_else(|_| header_value(item));
     headers.insert(name, value);
 }
 
-/// One RFC 7239 `Forwarded` element for `ip`: `for=192.0.2.7`, `for="[2001:db8::1]"`.
-fn forwarded_for(ip: IpAddr) -> String {
-    match ip {
-        IpAddr::V4(v4) => format!("for={v4}"),
-        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+/// `item` (an address, or a `Forwarded` element of one) as a header value.
+fn header_value(item: &str) -> HeaderValue {
+    HeaderValue::from_str(item).unwrap_or(HeaderValue::from_static("unknown"))
+}
+
+/// A forwarding header's item, written into a buffer on the stack: an address prints in
+/// at most 45 bytes (`ffff:...` with an IPv4 tail), `for="[...]"` around it in 54.
+struct Item {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Item {
+    fn new() -> Self {
+        Self {
+            buf: [0; 64],
+            len: 0,
+        }
+    }
+
+    /// `ip` as it prints: `192.0.2.7`, `2001:db8::1`.
+    fn address(&mut self, ip: IpAddr) {
+        self.write(format_args!("{ip}"));
+    }
+
+    /// One RFC 7239 `Forwarded` element for `ip`: `for=192.0.2.7`, `for="[2001:db8::1]"`.
+    fn forwarded_for(&mut self, ip: IpAddr) {
+        match ip {
+            IpAddr::V4(v4) => self.write(format_args!("for={v4}")),
+            IpAddr::V6(v6) => self.write(format_args!("for=\"[{v6}]\"")),
+        }
+    }
+
+    fn write(&mut self, args: std::fmt::Arguments<'_>) {
+        use std::io::Write as _;
+        let mut cursor = std::io::Cursor::new(&mut self.buf[..]);
+        // 64 bytes hold every address: cannot fail (an error would leave it shorter).
+        let _ = cursor.write_fmt(args);
+        self.len = cursor.position() as usize;
+    }
+
+    fn as_str(&self) -> &str {
+        // Written from `Display` of addresses and ASCII: UTF-8.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("unknown")
+    }
+
+    fn value(&self) -> HeaderValue {
+        header_value(self.as_str())
     }
 }
 
-fn ip_value(ip: IpAddr) -> HeaderValue {
-    // An address prints as digits, hex letters, `.` and `:`: always a valid value.
-    HeaderValue::try_from(ip.to_string()).unwrap_or(HeaderValue::from_static("unknown"))
+/// One RFC 7239 `Forwarded` element for `ip`: `for=192.0.2.7`, `for="[2001:db8::1]"`.
+#[cfg(test)]
+fn forwarded_for(ip: IpAddr) -> String {
+    let mut item = Item::new();
+    item.forwarded_for(ip);
+    item.as_str().to_owned()
 }
 
 /// Whether an error of type `E` caused `error`. The request body's own errors show so:

@@ -514,16 +514,20 @@ async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Respon
         return unmatched(&live, &mut request, response);
     };
     let tracker = metrics.map(|metrics| metrics.start(&mut request));
-    // Limits and upstream both see the normalised path, so they agree on the route.
-    let path_and_query = match request.uri().query() {
-        Some(query) => format!("{normalized}?{query}"),
-        None => normalized.clone(),
-    };
-    match path_and_query.parse::<PathAndQuery>() {
-        Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
-        Err(_) => {
-            let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
-            return respond(tracker, response);
+    // Limits and upstream both see the normalised path, so they agree on the route; a
+    // path already normal in origin form (most are) is kept as it is.
+    let uri = request.uri();
+    if uri.path() != normalized || uri.scheme().is_some() || uri.authority().is_some() {
+        let path_and_query = match uri.query() {
+            Some(query) => format!("{normalized}?{query}"),
+            None => normalized.clone(),
+        };
+        match path_and_query.parse::<PathAndQuery>() {
+            Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
+            Err(_) => {
+                let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
+                return respond(tracker, response);
+            }
         }
     }
     let response = match service.oneshot(request).await {

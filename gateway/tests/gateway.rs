@@ -19,7 +19,10 @@ use tollgate_test_support as support;
 
 use std::{
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -282,6 +285,66 @@ async fn upstream_statuses_pass_through_and_a_base_path_is_prepended() {
         seen.iter().all(|s| s.uri.path() == "/v2/things/7"),
         "{seen:?}"
     );
+}
+
+/// An upstream on raw TCP that answers every `GET` with `200 ok` on a kept-alive
+/// connection and closes each connection, without a word, after `close_after` answers
+/// (as an upstream's keep-alive timeout does). Counts the connections it accepted.
+async fn keep_alive_upstream(close_after: usize) -> (SocketAddr, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                for _ in 0..close_after {
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    head.clear();
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn upstream_connections_are_kept_alive_and_one_the_upstream_closed_is_replaced() {
+    let (addr, accepted) = keep_alive_upstream(5).await;
+    let upstream = format!("http://{addr}");
+    let gw = gateway(MEMORY, &route("/", Some(&upstream), None)).await;
+    let client = client();
+    // One request at a time: each takes the connection the one before gave back.
+    for _ in 0..5 {
+        let reply = get(&client, &url(&gw, "/x")).await;
+        assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "one kept-alive connection"
+    );
+    // The upstream has closed it after its fifth answer: the next request gets a new one.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..3 {
+        let reply = get(&client, &url(&gw, "/x")).await;
+        assert_eq!((reply.status, reply.text()), (StatusCode::OK, "ok"));
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    gw.stop().await.unwrap();
 }
 
 #[tokio::test]

@@ -34,3 +34,5 @@ mod server;
 #[allow(dead_code)]
 #[path = "../../src/traffic.rs"]
 mod traffic;
+#[path = "../../src/upstream.rs"]
+mod upstream;

@@ -1,0 +1,91 @@
+//! [`Aimd`]: additive increase, multiplicative decrease, from drops.
+
+use std::time::Duration;
+
+use super::window::Window;
+use crate::ConfigError;
+
+/// Additive increase, multiplicative decrease: a window with a dropped request multiplies
+/// the limit by [`backoff`](Self::with_backoff) (0.9); a window that used at least half of
+/// the limit and dropped nothing adds [`increase`](Self::with_increase) (1). See the
+/// [module docs](super).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Aimd {
+    backoff: f64,
+    increase: u32,
+    slow: Option<Duration>,
+}
+
+impl Default for Aimd {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Aimd {
+    /// Backoff 0.9, increase 1, no latency threshold.
+    pub fn new() -> Self {
+        Self {
+            backoff: 0.9,
+            increase: 1,
+            slow: None,
+        }
+    }
+
+    /// What a window with a drop multiplies the limit by. Refused outside `0.5..1.0`
+    /// (below halves too hard; 1 never backs off).
+    pub fn with_backoff(mut self, backoff: f64) -> Result<Self, ConfigError> {
+        if !(0.5..1.0).contains(&backoff) {
+            return Err(ConfigError::new(
+                "adaptive.backoff",
+                format!("must be in 0.5..1.0 (got {backoff})"),
+            ));
+        }
+        self.backoff = backoff;
+        Ok(self)
+    }
+
+    /// What a window without drops that used the limit adds to it. Refused when zero.
+    pub fn with_increase(mut self, increase: u32) -> Result<Self, ConfigError> {
+        if increase == 0 {
+            return Err(ConfigError::new(
+                "adaptive.increase",
+                "must be at least 1 (got 0)",
+            ));
+        }
+        self.increase = increase;
+        Ok(self)
+    }
+
+    /// A request slower than `slow` counts as dropped, so that AIMD also backs off when
+    /// latency grows. `None` (the default): only drops count.
+    pub fn with_slow(mut self, slow: Option<Duration>) -> Self {
+        self.slow = slow;
+        self
+    }
+
+    /// The backoff. See [`with_backoff`](Self::with_backoff).
+    pub fn backoff(&self) -> f64 {
+        self.backoff
+    }
+
+    /// The increase. See [`with_increase`](Self::with_increase).
+    pub fn increase(&self) -> u32 {
+        self.increase
+    }
+
+    /// The latency threshold. See [`with_slow`](Self::with_slow).
+    pub fn slow(&self) -> Option<Duration> {
+        self.slow
+    }
+
+    pub(super) fn next(&self, limit: f64, window: &Window) -> f64 {
+        if window.dropped > 0 {
+            limit * self.backoff
+        } else if window.used(limit) {
+            limit + f64::from(self.increase)
+        } else {
+            limit
+        }
+    }
+}

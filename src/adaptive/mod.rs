@@ -1,0 +1,266 @@
+//! Adaptive concurrency: an in-flight limit per process that follows the service's own
+//! latency and errors, and sheds the least critical requests first when it is reached.
+//!
+//! A fixed in-flight limit is too low on a good day or too high on a bad one. An
+//! [`AdaptiveLimit`] starts at [`initial`](AdaptiveLimit::initial) and moves between
+//! [`min`](AdaptiveLimit::min) and [`max`](AdaptiveLimit::max), once per *window* of
+//! completed requests (at least [`window`](AdaptiveLimit::with_window) long and
+//! [`min_samples`](AdaptiveLimit::with_window) requests), by one of two algorithms:
+//!
+//! - [`Aimd`]: additive increase, multiplicative decrease. A window with a dropped
+//!   request (a 5xx, a timeout, gRPC `UNAVAILABLE` / `DEADLINE_EXCEEDED`, or what your
+//!   predicate says) multiplies the limit by [`backoff`](Aimd::with_backoff) (0.9); a
+//!   window whose busiest moment used at least half of the limit adds
+//!   [`increase`](Aimd::with_increase) (1). It reacts to errors only, not to latency
+//!   (unless a request slower than [`slow`](Aimd::with_slow) counts as dropped).
+//! - [`Gradient`]: the ratio of a long-run latency to the window's (a gradient, as in
+//!   Netflix's Gradient2 and Envoy's adaptive concurrency). With `tolerance` 1.5, the
+//!   limit grows (by about its square root, smoothed) while the window's mean latency is
+//!   within 1.5x of the long-run one, and shrinks (at most halving) as it goes beyond.
+//!
+//! # How the baseline latency is learned, without a probe
+//!
+//! Envoy learns a minimum RTT by pinning the limit low for a moment, which sheds healthy
+//! traffic while it probes (the issue its users hit first). [`Gradient`] has no probe: its
+//! baseline is a slow moving average of the windows' mean latency, which
+//!
+//! - follows a window that is *not* queueing (mean within `tolerance` of the baseline)
+//!   with weight `1 / long_window` (600 windows by default: about a minute at 100 ms
+//!   windows under load), so a service that got slower for good is followed;
+//! - follows a window that *is* queueing a hundred times more slowly, so that a sustained
+//!   overload cannot raise the baseline and, with it, the limit (the creep Gradient2's
+//!   users report);
+//! - drops by 5% per window while a window's mean is under half of it, so that a baseline
+//!   learned during a slow period comes down once the service is fast again, and the limit
+//!   recovers after an overload ends.
+//!
+//! A window whose busiest moment used less than half of the limit says nothing about the
+//! limit (the traffic, not the service, kept it low): the limit does not grow then, so a
+//! quiet night does not leave a huge limit for the morning.
+//!
+//! # Priorities
+//!
+//! A request's [`Priority`] decides how much of the limit it may use: critical requests
+//! all of it, default requests all but [`critical_share`](Shares::critical_share) (10%), and
+//! sheddable ones all but that and [`default_share`](Shares::default_share) (another 10%). So
+//! when the service is saturated, sheddable requests are turned away first and a share of
+//! the capacity stays for critical traffic.
+//!
+//! [`Concurrency`] is the running state, one per process (or per key): it admits
+//! requests ([`Concurrency::try_acquire`]) and takes each finished one's latency and
+//! outcome ([`Permit::finish`]). Times are given by the caller (a monotonic
+//! [`Duration`] since any fixed start), so tests drive it with made-up times.
+
+mod aimd;
+mod concurrency;
+mod gradient;
+mod priority;
+mod window;
+
+use std::time::Duration;
+
+pub use aimd::Aimd;
+pub use concurrency::{Concurrency, Permit, Shed, Snapshot};
+pub use gradient::Gradient;
+pub use priority::{Priority, Shares};
+
+use crate::ConfigError;
+use window::Window;
+
+/// What became of a request, for the limit: its latency counts ([`Outcome::Success`]),
+/// it is a sign of overload ([`Outcome::Dropped`]: a 5xx, a timeout), or it says nothing
+/// about the service ([`Outcome::Ignore`]: the client hung up, a 4xx of its own making).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Served: its latency is a sample.
+    Success,
+    /// Failed in a way that overload causes: the limit backs off.
+    Dropped,
+    /// Neither: no sample (the request still stops counting as in flight).
+    Ignore,
+}
+
+/// The algorithm of an [`AdaptiveLimit`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// See [`Aimd`].
+    Aimd(Aimd),
+    /// See [`Gradient`].
+    Gradient(Gradient),
+}
+
+/// The settings of an adaptive in-flight limit: its algorithm, its bounds, its window and
+/// the shares of the limit kept for critical and default requests. See the
+/// [module docs](self).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::adaptive::{AdaptiveLimit, Gradient};
+///
+/// let limit = AdaptiveLimit::new(Gradient::new())
+///     .with_bounds(4, 20, 500)?
+///     .with_window(Duration::from_millis(100), 10)?;
+/// assert_eq!((limit.min(), limit.initial(), limit.max()), (4, 20, 500));
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptiveLimit {
+    algorithm: Algorithm,
+    min: u32,
+    initial: u32,
+    max: u32,
+    window: Duration,
+    min_samples: u32,
+    shares: Shares,
+}
+
+/// The bounds by default: at least 1, starting at 20, at most 1 000 requests in flight.
+pub const DEFAULT_BOUNDS: (u32, u32, u32) = (1, 20, 1000);
+
+/// How long a window lasts at least, by default.
+pub const DEFAULT_WINDOW: Duration = Duration::from_millis(100);
+
+/// How many completed requests a window has at least, by default.
+pub const DEFAULT_MIN_SAMPLES: u32 = 10;
+
+impl AdaptiveLimit {
+    /// An adaptive limit run by `algorithm` ([`Aimd`] or [`Gradient`]), with the
+    /// [default bounds](DEFAULT_BOUNDS), window and [shares](Shares).
+    pub fn new(algorithm: impl Into<Algorithm>) -> Self {
+        let (min, initial, max) = DEFAULT_BOUNDS;
+        Self {
+            algorithm: algorithm.into(),
+            min,
+            initial,
+            max,
+            window: DEFAULT_WINDOW,
+            min_samples: DEFAULT_MIN_SAMPLES,
+            shares: Shares::default(),
+        }
+    }
+
+    /// The limit starts at `initial` and stays within `min..=max`. Refused unless
+    /// `1 <= min <= initial <= max`.
+    pub fn with_bounds(mut self, min: u32, initial: u32, max: u32) -> Result<Self, ConfigError> {
+        if min == 0 {
+            return Err(ConfigError::new(
+                "adaptive.min",
+                "must be at least 1 (got 0)",
+            ));
+        }
+        if !(min <= initial && initial <= max) {
+            return Err(ConfigError::new(
+                "adaptive.initial",
+                format!("must be within min..=max (got {initial}, min {min}, max {max})"),
+            ));
+        }
+        (self.min, self.initial, self.max) = (min, initial, max);
+        Ok(self)
+    }
+
+    /// The limit changes at most once per window: a window closes when it lasted at least
+    /// `window` and holds at least `min_samples` completed requests. Refused when either is
+    /// zero.
+    pub fn with_window(mut self, window: Duration, min_samples: u32) -> Result<Self, ConfigError> {
+        if window.is_zero() {
+            return Err(ConfigError::new(
+                "adaptive.window",
+                "must be above zero (got 0)",
+            ));
+        }
+        if min_samples == 0 {
+            return Err(ConfigError::new(
+                "adaptive.min_samples",
+                "must be at least 1 (got 0)",
+            ));
+        }
+        (self.window, self.min_samples) = (window, min_samples);
+        Ok(self)
+    }
+
+    /// The shares of the limit kept for critical and default requests. See [`Shares`].
+    pub fn with_shares(mut self, shares: Shares) -> Self {
+        self.shares = shares;
+        self
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The lowest the limit goes.
+    pub fn min(&self) -> u32 {
+        self.min
+    }
+
+    /// The limit before the first window.
+    pub fn initial(&self) -> u32 {
+        self.initial
+    }
+
+    /// The highest the limit goes.
+    pub fn max(&self) -> u32 {
+        self.max
+    }
+
+    /// The shortest window. See [`with_window`](Self::with_window).
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// The fewest completed requests in a window. See [`with_window`](Self::with_window).
+    pub fn min_samples(&self) -> u32 {
+        self.min_samples
+    }
+
+    /// The shares kept for critical and default requests.
+    pub fn shares(&self) -> Shares {
+        self.shares
+    }
+}
+
+impl From<Aimd> for Algorithm {
+    fn from(aimd: Aimd) -> Self {
+        Self::Aimd(aimd)
+    }
+}
+
+impl From<Gradient> for Algorithm {
+    fn from(gradient: Gradient) -> Self {
+        Self::Gradient(gradient)
+    }
+}
+
+/// The running state of an algorithm.
+#[derive(Debug, Clone)]
+enum Estimate {
+    Aimd(Aimd),
+    Gradient(gradient::State),
+}
+
+impl Estimate {
+    fn new(algorithm: Algorithm) -> Self {
+        match algorithm {
+            Algorithm::Aimd(aimd) => Self::Aimd(aimd),
+            Algorithm::Gradient(gradient) => Self::Gradient(gradient::State::new(gradient)),
+        }
+    }
+
+    /// The next limit (unclamped) after a closed window.
+    fn next(&mut self, limit: f64, window: &Window) -> f64 {
+        match self {
+            Self::Aimd(aimd) => aimd.next(limit, window),
+            Self::Gradient(state) => state.next(limit, window),
+        }
+    }
+
+    /// The baseline latency, for algorithms that keep one.
+    fn baseline(&self) -> Option<Duration> {
+        match self {
+            Self::Aimd(_) => None,
+            Self::Gradient(state) => state.baseline(),
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! The completed requests of one window: what an algorithm decides from.
+
+use std::time::Duration;
+
+/// The samples of a window, from its start.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Window {
+    /// When the window started (the caller's monotonic time).
+    pub(crate) started: Duration,
+    /// Completed requests whose latency counts.
+    pub(crate) samples: u32,
+    /// The sum of their latencies, in microseconds.
+    pub(crate) latency_us: u64,
+    /// Requests that were dropped (a sign of overload).
+    pub(crate) dropped: u32,
+    /// The most requests in flight at once during the window.
+    pub(crate) busiest: u32,
+}
+
+impl Window {
+    pub(crate) fn new(started: Duration, in_flight: u32) -> Self {
+        Self {
+            started,
+            busiest: in_flight,
+            ..Self::default()
+        }
+    }
+
+    /// The mean latency of the window's samples, in microseconds (at least 1).
+    pub(crate) fn mean_us(&self) -> f64 {
+        if self.samples == 0 {
+            return 1.0;
+        }
+        (self.latency_us as f64 / f64::from(self.samples)).max(1.0)
+    }
+
+    /// Whether the window is over at `now`: long enough, and with enough requests.
+    pub(crate) fn is_over(&self, now: Duration, length: Duration, min_samples: u32) -> bool {
+        self.samples + self.dropped >= min_samples && now.saturating_sub(self.started) >= length
+    }
+
+    /// Whether the busiest moment used at least half of `limit`: else the traffic, not the
+    /// service, kept the limit from mattering, and it should not grow.
+    pub(crate) fn used(&self, limit: f64) -> bool {
+        f64::from(self.busiest) * 2.0 >= limit
+    }
+}
