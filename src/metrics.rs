@@ -10,6 +10,7 @@
 //! | [`tollgate_requests_total`](REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request: `allowed`, `denied`, `would_reject`, `store_error`, `key_missing` or `exempt` (passed uncounted, [`with_exempt`](crate::RateLimitLayer::with_exempt)) (an in-flight layer: `allowed` when a permit was taken, `denied` when none was left) |
 //! | [`tollgate_decision_seconds`](DECISION_SECONDS) | histogram | `route` | time from the store call to its answer (or its timeout) |
 //! | [`tollgate_plan_requests_total`](PLAN_REQUESTS_TOTAL) | counter | `route`, `plan`, `outcome` | one per request decided under a [plan](crate::plan) (also counted in the first) |
+//! | [`tollgate_delayed_requests_total`](DELAYED_REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request decided after waiting its turn ([`with_max_wait`](crate::RateLimitLayer::with_max_wait)), with the outcome it is counted as in the first (`allowed`, `denied` when its wait ran out, `store_error`) |
 //!
 //! A request the store could not decide counts as `store_error` whatever the
 //! [`FailurePolicy`](crate::FailurePolicy) then does with it; a request without a key counts
@@ -31,6 +32,13 @@ pub const REQUESTS_TOTAL: &str = "tollgate_requests_total";
 /// `tollgate_plan_requests_total{route, plan, outcome}` (as well as in
 /// [`REQUESTS_TOTAL`], which does not tell plans apart).
 pub const PLAN_REQUESTS_TOTAL: &str = "tollgate_plan_requests_total";
+
+/// The requests decided after waiting their turn
+/// ([`with_max_wait`](crate::RateLimitLayer::with_max_wait)), by the outcome they are
+/// counted as in [`REQUESTS_TOTAL`] (where they are counted too):
+/// `tollgate_delayed_requests_total{route, outcome}`. A request that waited and was then
+/// allowed is `allowed` there and here; one whose wait ran out is `denied` in both.
+pub const DELAYED_REQUESTS_TOTAL: &str = "tollgate_delayed_requests_total";
 
 /// The decision latency histogram, in seconds: `tollgate_decision_seconds{route}`.
 pub const DECISION_SECONDS: &str = "tollgate_decision_seconds";
@@ -56,6 +64,12 @@ pub fn describe() {
             PLAN_REQUESTS_TOTAL,
             ::metrics::Unit::Count,
             "Requests a rate-limit layer decided under a plan, by plan and outcome."
+        );
+        ::metrics::describe_counter!(
+            DELAYED_REQUESTS_TOTAL,
+            ::metrics::Unit::Count,
+            "Requests a rate-limit layer decided after they waited their turn (max_wait), by \
+             outcome (also counted in tollgate_requests_total)."
         );
     }
 }
@@ -212,6 +226,23 @@ impl LayerMetrics {
         });
         #[cfg(not(feature = "metrics"))]
         let _ = (outcome, timer);
+    }
+
+    /// Counts a request that waited its turn in [`DELAYED_REQUESTS_TOTAL`], with the
+    /// `outcome` it is (or was, when a local store answered after a store error) counted
+    /// as in [`REQUESTS_TOTAL`]. Registered when first used (a request that waited has
+    /// slept already), so a layer that never delays shows no such series.
+    #[inline]
+    pub(crate) fn delayed(&self, outcome: Outcome) {
+        #[cfg(feature = "metrics")]
+        ::metrics::counter!(
+            DELAYED_REQUESTS_TOTAL,
+            "route" => self.route.to_string(),
+            "outcome" => outcome.as_str(),
+        )
+        .increment(1);
+        #[cfg(not(feature = "metrics"))]
+        let _ = outcome;
     }
 
     /// Counts a request decided under the plan `plan` in [`PLAN_REQUESTS_TOTAL`] (its

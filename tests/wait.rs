@@ -332,3 +332,52 @@ async fn over_http_a_waiter_passes_and_a_hang_up_frees_its_place() {
     // The hang-up gave its units back too: this one took its turn at 2 s, not 4 s.
     assert!(b0.elapsed() < Duration::from_secs(3), "{:?}", b0.elapsed());
 }
+
+/// A request that waited its turn counts as delayed, with the outcome it is counted as
+/// (`allowed` once its window came); one denied at once (its `retry_after` beyond
+/// `max_wait`) does not.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_request_that_waited_counts_as_delayed() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let waits = service(Duration::from_secs(2), 16, 16);
+            let denies = service(Duration::from_millis(500), 16, 16);
+            for _ in 0..2 {
+                assert_eq!(send(&waits, "a").await.0, StatusCode::OK);
+                assert_eq!(send(&denies, "b").await.0, StatusCode::OK);
+            }
+            // Before the wait below rolls the window.
+            assert_eq!(send(&denies, "b").await.0, StatusCode::TOO_MANY_REQUESTS);
+            let (status, waited) = send(&waits, "a").await;
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(waited, Duration::from_secs(1));
+        });
+    });
+    let page = recorder.handle().render();
+    let count = |name: &str, outcome: &str| -> Option<f64> {
+        page.lines()
+            .filter(|line| line.starts_with(&format!("{name}{{")))
+            .find(|line| line.contains(&format!("outcome=\"{outcome}\"")))
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+    };
+    let delayed = tollgate::metrics::DELAYED_REQUESTS_TOTAL;
+    assert_eq!(count(delayed, "allowed"), Some(1.0), "{page}");
+    assert_eq!(count(delayed, "denied"), None, "{page}");
+    assert_eq!(
+        count("tollgate_requests_total", "allowed"),
+        Some(5.0),
+        "{page}"
+    );
+    assert_eq!(
+        count("tollgate_requests_total", "denied"),
+        Some(1.0),
+        "{page}"
+    );
+}

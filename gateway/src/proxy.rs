@@ -22,6 +22,7 @@ use tollgate::key::ClientIp;
 
 use crate::{
     config::Upstream,
+    traffic::{self, Failure},
     upstream::{self, Pool},
 };
 
@@ -43,6 +44,9 @@ pub(crate) struct Settings {
     pub(crate) trusted_proxies: Vec<IpNet>,
     /// How long the upstream may take to send its response head.
     pub(crate) upstream_timeout: Duration,
+    /// Whether the traffic metrics are recorded (`admin_listen` set): the upstream's
+    /// answers then carry when it was asked ([`traffic::Upstreamed`]).
+    pub(crate) metered: bool,
 }
 
 /// Forwards requests of one route to its upstream.
@@ -115,9 +119,12 @@ impl Proxy {
         }
         let request = Request::from_parts(parts, body);
         let timeout = self.settings.upstream_timeout;
+        // For the traffic metrics, when they are recorded.
+        let started = self.settings.metered.then(std::time::Instant::now);
         let error = match tokio::time::timeout(timeout, self.pool.send(request)).await {
             Ok(Ok(mut response)) => {
                 remove_hop_by_hop(response.headers_mut());
+                traffic::upstream_answered(&mut response, started);
                 return response;
             }
             Ok(Err(error)) => error,
@@ -130,7 +137,8 @@ impl Proxy {
                     "upstream sent no response head within server.upstream_timeout"
                 );
                 self.count_upstream_error();
-                return status(StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
+                let response = status(StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
+                return traffic::upstream_failed(response, started, Failure::Timeout);
             }
         };
         let error: &(dyn std::error::Error + 'static) = &*error;
@@ -152,7 +160,16 @@ impl Proxy {
             "upstream request failed"
         );
         self.count_upstream_error();
-        status(StatusCode::BAD_GATEWAY, "bad gateway\n")
+        let failure = if in_the_chain::<upstream::ConnectError>(error) {
+            Failure::UpstreamUnreachable
+        } else {
+            Failure::UpstreamError
+        };
+        traffic::upstream_failed(
+            status(StatusCode::BAD_GATEWAY, "bad gateway\n"),
+            started,
+            failure,
+        )
     }
 
     fn count_upstream_error(&self) {

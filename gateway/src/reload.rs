@@ -17,7 +17,12 @@
 //! config file of a few kilobytes twice a second costs nothing measurable, and comparing
 //! contents also ignores a touch that changed nothing.
 
-use std::{future::Future, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use tokio::sync::watch;
 
@@ -32,6 +37,38 @@ pub(crate) const RULES_VERSION: &str = "tollgate_gateway_rules_version";
 /// `tollgate_gateway_reloads_refused_total`: reloads refused because the new config was
 /// invalid.
 pub(crate) const RELOADS_REFUSED_TOTAL: &str = "tollgate_gateway_reloads_refused_total";
+
+/// Config reloads by `result`: `applied` or `refused`.
+pub(crate) const CONFIG_RELOADS_TOTAL: &str = "tollgate_gateway_config_reloads_total";
+/// When the config in force was loaded: at start, then at each applied reload.
+pub(crate) const CONFIG_LAST_RELOAD_SUCCESS: &str =
+    "tollgate_gateway_config_last_reload_success_timestamp_seconds";
+
+/// The config was loaded at start: the reload series start at zero.
+pub(crate) fn loaded() {
+    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "applied").increment(0);
+    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "refused").increment(0);
+    set_last_success();
+}
+
+/// A reload (of the file, or a rule set from Redis) was applied.
+pub(crate) fn applied() {
+    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "applied").increment(1);
+    set_last_success();
+}
+
+/// A reload was refused: the running config stays.
+pub(crate) fn refused() {
+    metrics::counter!(RELOADS_REFUSED_TOTAL).increment(1);
+    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => "refused").increment(1);
+}
+
+fn set_last_success() {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64());
+    metrics::gauge!(CONFIG_LAST_RELOAD_SUCCESS).set(now);
+}
 
 /// How often the config file is read to see whether it changed.
 pub(crate) const DEFAULT_POLL: Duration = Duration::from_millis(500);
@@ -64,7 +101,7 @@ impl Watcher {
         match config {
             Ok(config) => Ok(self.live.apply(config)),
             Err(error) => {
-                metrics::counter!(RELOADS_REFUSED_TOTAL).increment(1);
+                refused();
                 tracing::error!(
                     path = %self.path.display(),
                     field = error.field,

@@ -42,6 +42,7 @@ use crate::{
     config::{Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit, Upstream},
     path,
     proxy::{self, Proxy},
+    traffic::RouteMetrics,
 };
 
 /// One route's service: its rate-limit layers around the proxy (or the `ok` answer).
@@ -63,6 +64,9 @@ pub(crate) struct Lasting {
 #[derive(Debug)]
 pub(crate) struct Gateway {
     routes: Vec<Built>,
+    /// The traffic metrics of requests that match no route (`None`: not recorded, no
+    /// `admin_listen`).
+    unmatched: Option<Arc<RouteMetrics>>,
 }
 
 /// How a reload built the route table: running routes kept in place, and built anew.
@@ -89,6 +93,7 @@ impl Gateway {
             client: lasting.client.clone(),
             trusted_proxies: config.trusted_proxies.clone(),
             upstream_timeout: config.server.upstream_timeout,
+            metered: metered(config),
         });
         let mut count = Reuse::default();
         let mut routes: Vec<Built> = config
@@ -118,20 +123,31 @@ impl Gateway {
             .collect();
         // Longest prefix first; two different prefixes of one length never both match.
         routes.sort_by_key(|built| std::cmp::Reverse(built.path.len()));
-        (Self { routes }, count)
+        // The running table's, when there is one: the same series.
+        let unmatched = match previous {
+            Some(previous) => previous.unmatched.clone(),
+            None => metered(config).then(|| RouteMetrics::new(crate::traffic::UNMATCHED, None)),
+        };
+        (Self { routes, unmatched }, count)
+    }
+
+    /// The traffic metrics of requests that match no route, if they are recorded.
+    pub(crate) fn unmatched(&self) -> Option<&Arc<RouteMetrics>> {
+        self.unmatched.as_ref()
+    }
+
+    /// The service of the route `path` (normalised) belongs to, and its traffic
+    /// metrics if they are recorded.
+    pub(crate) fn routed(&self, path: &str) -> Option<(&RouteService, Option<&Arc<RouteMetrics>>)> {
+        self.routes
+            .iter()
+            .find(|built| path::matches_prefix(&built.path, path))
+            .map(|built| (&built.service, built.metrics.as_ref()))
     }
 
     /// Every route's rate-limit layers, for the admin endpoints.
     pub(crate) fn admin(&self) -> impl Iterator<Item = &admin::Entry> {
         self.routes.iter().flat_map(|built| built.admin.iter())
-    }
-
-    /// The service of the route `path` (normalised) belongs to.
-    pub(crate) fn route(&self, path: &str) -> Option<&RouteService> {
-        self.routes
-            .iter()
-            .find(|built| path::matches_prefix(&built.path, path))
-            .map(|built| &built.service)
     }
 }
 
@@ -149,6 +165,14 @@ struct Built {
     /// The rate-limit layers' rules, outermost first (as `shape.layers`).
     handles: Vec<RulesHandle>,
     admin: Vec<admin::Entry>,
+    /// The route's traffic metrics (`None`: not recorded).
+    metrics: Option<Arc<RouteMetrics>>,
+}
+
+/// Whether the traffic metrics are recorded: with `admin_listen`, which installs the
+/// recorder that serves them.
+fn metered(config: &Config) -> bool {
+    config.admin_listen.is_some()
 }
 
 impl std::fmt::Debug for Built {
@@ -257,6 +281,7 @@ impl Context<'_> {
             in_flight,
             handles: running.handles.clone(),
             admin: running.admin.clone(),
+            metrics: running.metrics.clone(),
         })
     }
 
@@ -297,6 +322,9 @@ impl Context<'_> {
             in_flight,
             handles,
             admin,
+            metrics: metered(self.config).then(|| {
+                RouteMetrics::new(&route.path, route.upstream.as_ref().map(|u| &u.authority))
+            }),
         }
     }
 

@@ -21,7 +21,6 @@ use tokio::sync::watch;
 
 use crate::{
     config::{self, Route},
-    reload::RELOADS_REFUSED_TOTAL,
     server::{Error, Live},
 };
 
@@ -119,7 +118,7 @@ impl Follower {
                 );
             }
             Err(error) => {
-                metrics::counter!(RELOADS_REFUSED_TOTAL).increment(1);
+                crate::reload::refused();
                 tracing::error!(
                     rules = version,
                     field = error.field,

@@ -37,6 +37,7 @@ use crate::{
     reload::{self, Watcher},
     routes::Lasting,
     serve::{ConnectionLimits, serve},
+    traffic,
 };
 
 /// Startup errors (a store that cannot be reached, an address in use, ...).
@@ -168,6 +169,7 @@ impl Live {
         self.gateway.store(Arc::new(gateway));
         let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::gauge!(reload::RULES_VERSION).set(version as f64);
+        reload::applied();
         tracing::info!(
             version,
             routes = new.routes.len(),
@@ -342,7 +344,18 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         metrics::Unit::Count,
         "Config reloads refused because the new file was invalid."
     );
+    metrics::describe_counter!(
+        reload::CONFIG_RELOADS_TOTAL,
+        metrics::Unit::Count,
+        "Config reloads (the file, or a rule set from Redis), by result: applied or refused."
+    );
+    metrics::describe_gauge!(
+        reload::CONFIG_LAST_RELOAD_SUCCESS,
+        metrics::Unit::Seconds,
+        "Unix time the config in force was loaded: at start, then at each applied reload."
+    );
     metrics::gauge!(reload::RULES_VERSION).set(1.0);
+    reload::loaded();
     let routes = config.routes.len();
     let live = Arc::new(Live {
         gateway: ArcSwap::from_pointee(gateway),
@@ -453,7 +466,7 @@ async fn first_rule_set(
             follow.routes = Some(routes);
         }
         Some((version, Err(error))) => {
-            metrics::counter!(reload::RELOADS_REFUSED_TOTAL).increment(1);
+            reload::refused();
             tracing::error!(rules = version, field = error.field, %error,
                 "rule set from redis refused; serving the file's routes");
             follow.seen = Some(version);
@@ -476,21 +489,31 @@ async fn stopped(mut signal: watch::Receiver<bool>) {
     let _ = signal.wait_for(|stop| *stop).await;
 }
 
-/// Answers every request: normalise the path, pick the route, let its service answer.
+/// Answers every request: normalise the path, pick the route, let its service answer;
+/// measured from here to the end of the response's body, when the traffic metrics are on.
 async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Response {
     let method = request.method().clone();
     let normalized = match path::normalize(request.uri().path()) {
         Ok(path) => path,
         Err(error) => {
             tracing::debug!(%method, uri = %request.uri(), %error, "bad request path");
-            return proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
+            let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
+            return unmatched(&live, &mut request, response);
         }
     };
     // One look at the route table: a reload during this request does not change it.
-    let Some(service) = live.gateway.load().route(&normalized).cloned() else {
-        tracing::debug!(%method, path = normalized, "no route");
-        return proxy::status(StatusCode::NOT_FOUND, "no route\n");
+    let routed = {
+        let gateway = live.gateway.load();
+        gateway
+            .routed(&normalized)
+            .map(|(service, metrics)| (service.clone(), metrics.cloned()))
     };
+    let Some((service, metrics)) = routed else {
+        tracing::debug!(%method, path = normalized, "no route");
+        let response = proxy::status(StatusCode::NOT_FOUND, "no route\n");
+        return unmatched(&live, &mut request, response);
+    };
+    let tracker = metrics.map(|metrics| metrics.start(&mut request));
     // Limits and upstream both see the normalised path, so they agree on the route; a
     // path already normal in origin form (most are) is kept as it is.
     let uri = request.uri();
@@ -501,7 +524,10 @@ async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Respon
         };
         match path_and_query.parse::<PathAndQuery>() {
             Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
-            Err(_) => return proxy::status(StatusCode::BAD_REQUEST, "bad request path\n"),
+            Err(_) => {
+                let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
+                return respond(tracker, response);
+            }
         }
     }
     let response = match service.oneshot(request).await {
@@ -509,7 +535,23 @@ async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Respon
         Err(never) => match never {},
     };
     tracing::debug!(%method, path = normalized, status = response.status().as_u16(), "answered");
-    response
+    respond(tracker, response)
+}
+
+/// `response`, measured by `tracker` if the traffic metrics are on.
+fn respond(tracker: Option<traffic::Tracker>, response: Response) -> Response {
+    match tracker {
+        Some(tracker) => tracker.respond(response),
+        None => response,
+    }
+}
+
+/// The gateway's `response` to a request that matches no route, counted under
+/// `traffic::UNMATCHED` if the traffic metrics are on.
+#[inline(never)]
+fn unmatched(live: &Live, request: &mut Request, response: Response) -> Response {
+    let metrics = live.gateway.load().unmatched().cloned();
+    respond(metrics.map(|metrics| metrics.start(request)), response)
 }
 
 /// The store, as the rate limits and as the in-flight limits use it, and its leases.
@@ -732,9 +774,26 @@ fn prometheus() -> Result<PrometheusHandle, Error> {
             Matcher::Full(tollgate::metrics::DECISION_SECONDS.to_owned()),
             DECISION_BUCKETS,
         )?
+        .set_buckets_for_metric(
+            Matcher::Full(traffic::SERVER_DURATION.to_owned()),
+            traffic::DURATION_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(traffic::CLIENT_DURATION.to_owned()),
+            traffic::DURATION_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(traffic::SERVER_REQUEST_BODY.to_owned()),
+            traffic::SIZE_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(traffic::SERVER_RESPONSE_BODY.to_owned()),
+            traffic::SIZE_BUCKETS,
+        )?
         .install_recorder()
         .map_err(|e| format!("admin_listen: cannot install the Prometheus recorder: {e}"))?;
     tollgate::metrics::describe();
+    traffic::describe();
     metrics::describe_counter!(
         proxy::UPSTREAM_ERRORS_TOTAL,
         metrics::Unit::Count,

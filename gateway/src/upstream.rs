@@ -357,7 +357,7 @@ impl Drop for UpstreamBody {
 
 /// The upstream could not be connected to.
 #[derive(Debug)]
-struct ConnectError(io::Error);
+pub(crate) struct ConnectError(io::Error);
 
 impl std::fmt::Display for ConnectError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

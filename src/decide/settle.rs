@@ -150,12 +150,29 @@ where
         local,
     };
     let failed = result.is_err();
+    if round != Round::First {
+        waited(shared, &result, local);
+    }
     let next = act(shared, rules, &asker, result, request, asked);
     if counts {
         charge(shared, rules, next, None, failed || local, asked)
     } else {
         next
     }
+}
+
+/// Counts a request answered after waiting its turn as delayed, with the outcome [`act`]
+/// counts it as (after a wait a denial is final); in the failure policy's `local` store,
+/// as the store error it was counted as before it waited.
+#[inline(never)]
+fn waited<R>(shared: &Shared<R>, result: &Result<Decision, StoreError>, local: bool) {
+    let recorded = match result {
+        _ if local => Recorded::StoreError,
+        Ok(decision) if decision.is_allowed() => Recorded::Allowed,
+        Ok(_) => Recorded::Denied,
+        Err(_) => Recorded::StoreError,
+    };
+    shared.metrics.delayed(recorded);
 }
 
 /// [`settle`] for rules with shadow limits: the answer about the shadow limits only

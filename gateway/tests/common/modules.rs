@@ -32,5 +32,7 @@ mod serve;
 #[path = "../../src/server.rs"]
 mod server;
 #[allow(dead_code)]
+#[path = "../../src/traffic.rs"]
+mod traffic;
 #[path = "../../src/upstream.rs"]
 mod upstream;
