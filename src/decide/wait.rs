@@ -454,6 +454,8 @@ impl Ticket {
     /// before its time); a denied request asks again with the cap, taking a permit
     /// when allowed, and waits again only while the limits deny it (never when the cap
     /// does: the cap's denials are final).
+    // The store's ready answer stays unboxed, as `Guarded::check_in_flight_now`'s.
+    #[allow(clippy::result_large_err)]
     pub(crate) fn wait_in_flight(
         self,
         limits: Arc<[Limit]>,
