@@ -780,3 +780,57 @@ mod redis {
         assert_eq!(count, held[1].len() as u64);
     }
 }
+
+/// A Redis Cluster: the permit and the limits share the key's hash tag, so one script call
+/// on the key's master takes the permit and reserves.
+#[cfg(feature = "cluster")]
+mod cluster {
+    use super::*;
+    use support::cluster::RedisCluster;
+    use tollgate::store::{RedisStore, RedisTarget};
+
+    async fn store(cluster: &RedisCluster) -> Arc<dyn Store> {
+        Arc::new(
+            RedisStore::connect(RedisTarget::cluster(&cluster.urls()))
+                .await
+                .unwrap()
+                .with_clock(ManualClock::new(NOW_MS)),
+        )
+    }
+
+    #[tokio::test]
+    async fn cluster_in_flight_with_max_wait() {
+        let cluster = RedisCluster::start();
+        reserves_with_its_permit_in_one_call(store(&cluster).await).await;
+        a_full_cap_answers_at_once(store(&cluster).await).await;
+    }
+
+    #[tokio::test]
+    async fn cluster_waiting_requests_hold_their_permits() {
+        let cluster = RedisCluster::start();
+        waiting_requests_hold_their_permits(store(&cluster).await).await;
+    }
+}
+
+/// Redis behind Sentinel: the same script on the master.
+#[cfg(feature = "sentinel")]
+mod sentinel {
+    use super::*;
+    use support::sentinel::{MASTER_NAME, SentinelSetup};
+    use tollgate::store::{RedisStore, SentinelConfig};
+
+    #[tokio::test]
+    async fn sentinel_in_flight_with_max_wait() {
+        let setup = SentinelSetup::start();
+        let connect = || async {
+            let store =
+                RedisStore::connect(SentinelConfig::new(&setup.sentinel_urls(), MASTER_NAME))
+                    .await
+                    .unwrap()
+                    .with_clock(ManualClock::new(NOW_MS));
+            Arc::new(store) as Arc<dyn Store>
+        };
+        reserves_with_its_permit_in_one_call(connect().await).await;
+        waiting_requests_hold_their_permits(connect().await).await;
+    }
+}
