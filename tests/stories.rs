@@ -1,5 +1,6 @@
 //! The stories of issue 25, end to end through axum, on the memory store and on real
-//! Redis: a login endpoint behind a trusted proxy, and a public API whose plans and limits
+//! Redis: an LLM-style API in one layer (story 1; through tonic in `tests/story_grpc.rs`),
+//! a login endpoint behind a trusted proxy, and a public API whose plans and limits
 //! change at run time while requests run.
 
 #![cfg(feature = "redis")]
