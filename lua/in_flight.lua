@@ -7,7 +7,8 @@
 -- of the request being decided is the algorithm's `id`, set by main.lua from the
 -- permits section. A commit adds the id, ending W ms from now; an adjustment (refund or
 -- top-up: the request's release, beside its rate limits' adjustment) removes it. Never
--- reserved or leased. Mirrors src/algorithm/in_flight.rs.
+-- leased; a reservation of the rate limits beside it takes the permit now. Mirrors
+-- src/algorithm/in_flight.rs.
 local function define_in_flight()
   local f = {}
 
@@ -80,11 +81,14 @@ local function define_in_flight()
   end
   f.top_up = function(s, now, L, W, B, units) f.refund(s, now, L, W, B, units, 0) end
 
+  -- Never reserved itself (main.lua's reservation() asks only that it has room); a
+  -- reservation of the group's rate limits takes the permit now, as a commit.
   function f.can_reserve(s, now)
     return false
   end
 
   function f.reserve(s, now, L, W, B, cost, wait)
+    f.commit(s, now, L, W, B, cost)
   end
 
   return f

@@ -40,8 +40,9 @@
 -- when there are none, and the lease sections as "0 0"), the number of requests P that
 -- take or give back an in-flight permit, and for each: request index (1-based), permit
 -- id. Such a request's group ends with its in-flight limit (code 6): a request takes
--- the permit when all its limits allow it, an adjustment gives it back. Without this
--- section nothing changes.
+-- the permit when all its limits allow it (or reserve it, when the cap has room: the
+-- permit is then taken now, held while the request waits), an adjustment gives it back.
+-- Without this section nothing changes.
 --
 -- Returns (empty when there are no requests), in this order:
 -- 1. for each limit of each request in order: allowed (0/1), remaining (minus the time
@@ -143,8 +144,9 @@ if #ARGV > a + 2 * ARGV[a] then
     end
     -- The bucket algorithms' reservations, defined now (as adjustments are, below).
     reservations = true
+    -- (The in-flight limit, code 6, defines its own at once: it keeps the permit id.)
     for code, defined in pairs(algorithms) do
-      if code >= 4 then
+      if code == 4 or code == 5 then
         local full = definitions[code]()
         defined.can_reserve, defined.reserve = full.can_reserve, full.reserve
       end
@@ -152,18 +154,25 @@ if #ARGV > a + 2 * ARGV[a] then
     -- The wait request `cost` of `group` may reserve (see the header), 0 when it may not:
     -- `held` and `retries` are its limits' states and waits. Made only by a call with
     -- reservations (a function at the top would be made by every call).
+    -- An in-flight limit (code 6) in the group is not reserved: it must have room now
+    -- (a full cap reserves nothing), and a reservation takes its permit now.
     reservation = function(group, held, retries, now, cost, max)
       local w = 0
       for i = 1, #group do
         local limit = group[i]
-        if limit.code < 4 or limit.D > 0 or cost > limit.B then return 0 end
-        if retries[i] > w then w = retries[i] end
+        if limit.code == 6 then
+          if retries[i] > 0 then return 0 end
+        else
+          if limit.code < 4 or limit.D > 0 or cost > limit.B then return 0 end
+          if retries[i] > w then w = retries[i] end
+        end
       end
       if w == 0 or w > max then return 0 end
       for i = 1, #group do
         local limit = group[i]
         -- At most 2^51 units ahead (MAX_RESERVED in src/algorithm/mod.rs): all stays exact.
-        if w * limit.L > 2251799813685248 or not limit.alg.can_reserve(held[i], now) then
+        if limit.code ~= 6 and (w * limit.L > 2251799813685248
+            or not limit.alg.can_reserve(held[i], now)) then
           return 0
         end
       end

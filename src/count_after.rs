@@ -618,6 +618,11 @@ impl Held {
         }
     }
 
+    /// The permit, no longer given back when this is dropped: the caller holds it now.
+    pub(crate) fn into_permit(mut self) -> Option<Permit> {
+        self.permit.take()
+    }
+
     /// Gives the permit back, with `adjustment` of `limits` (those of the permit's that
     /// count after the response) in the same store call. Around the circuit breaker: a
     /// permit is given back even while requests skip the store (if the store fails, its

@@ -339,9 +339,13 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
     ///
     /// It replaces an [`InFlightLayer`](crate::in_flight::InFlightLayer) stacked beside this
     /// layer: one store call per request instead of two, and the layer's key, name,
-    /// metrics, failure policy, breaker and [`RulesHandle`](crate::rules::RulesHandle) apply to it. It does not
-    /// combine with [`max_wait`](Self::with_max_wait) yet: the layer is refused when built
-    /// ([`validate`](Self::validate)), and so are such rules at run time.
+    /// metrics, failure policy, breaker and [`RulesHandle`](crate::rules::RulesHandle) apply to it.
+    ///
+    /// With [`max_wait`](Self::with_max_wait), a request that may wait takes its permit
+    /// and reserves its units in the same store call, and holds the permit while it
+    /// waits (waiting requests count toward the cap); dropped while it waits, it gives
+    /// the permit back. A request the cap denies is answered 429 at once: in-flight
+    /// denials never wait. See [`Rules::with_in_flight`](crate::rules::Rules::with_in_flight).
     pub fn with_in_flight(mut self, in_flight: InFlightLimit) -> Self {
         let settings = self.settings.changed();
         settings.rules = settings.rules.clone().with_in_flight(Some(in_flight));
@@ -455,7 +459,6 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
     /// of its `Debug`) and the feature it cannot serve.
     pub fn validate(&self) -> Result<(), crate::ConfigError> {
         let settings = &self.settings;
-        settings.rules.conflict()?;
         crate::rules::needs(&settings.rules, &*settings.store)?;
         let capabilities = settings.store.capabilities();
         if settings.counts_after && !capabilities.contains(crate::store::Capability::Adjust) {

@@ -782,28 +782,3 @@ where
         handle.await.unwrap();
     }
 }
-
-/// An in-flight limit and `max_wait` do not combine yet (a request that waited would be
-/// asked again without its permit): a layer with both is refused when built, naming both,
-/// in either builder order, and a rules change to both is refused, the rules in force kept.
-#[test]
-fn in_flight_with_max_wait_is_refused() {
-    let wait = Some(std::time::Duration::from_secs(1));
-    let base = || RateLimitLayer::new(Limit::per_minute(10).unwrap());
-    for layer in [
-        base().with_in_flight(cap(2)).with_max_wait(wait),
-        base().with_max_wait(wait).with_in_flight(cap(2)),
-    ] {
-        let error = layer.validate().unwrap_err();
-        assert_eq!(error.field(), "in_flight");
-        let message = error.to_string();
-        assert!(message.contains("max_wait"), "{message}");
-    }
-    let layer = base().with_in_flight(cap(2));
-    layer.validate().unwrap();
-    let handle = layer.rules_handle();
-    let before = handle.version();
-    assert_eq!(handle.set(handle.rules().with_max_wait(wait)), before);
-    assert_eq!(handle.rules().max_wait(), None);
-    assert!(handle.rules().in_flight().is_some());
-}

@@ -1,6 +1,7 @@
 //! The store calls of rules with an [in-flight limit](crate::InFlightLimit): the limits
 //! and the cap in one call ([`Store::check_in_flight`](crate::store::Store::check_in_flight)),
-//! and the shadow limits, if any, in a call of their own beside it.
+//! and the shadow limits, if any, in a call of their own beside it; after a wait in
+//! line, the limits and the cap again (or the reservation's answer with its permit).
 
 use std::{
     future::Future,
@@ -54,6 +55,16 @@ impl Calls {
             admitted,
             shadowed,
         }))
+    }
+
+    /// The call of a request that waited its turn: the limits and the cap alone.
+    pub(crate) fn waited(admit: Check<Admitted>) -> Self {
+        Self {
+            admit: Some(admit),
+            shadow: None,
+            admitted: None,
+            shadowed: None,
+        }
     }
 
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Answers> {

@@ -40,15 +40,18 @@ where
     match answer {
         Answer::One(result) => settle_one(shared, rules, result, request, asked, round, counts),
         Answer::Shadowed(answers) => shadowed(shared, rules, answers, request, asked, counts),
-        Answer::InFlight(answers) => in_flight(shared, rules, *answers, request, asked, counts),
+        Answer::InFlight(answers) => {
+            in_flight(shared, rules, *answers, request, asked, round, counts)
+        }
     }
 }
 
 /// [`settle`] for rules with an in-flight limit: as [`settle_one`] (and [`shadowed`] for
 /// their shadow limits), and the permit taken rides on the call to the inner service,
-/// which gives it back once the response is over. A store error under
-/// [`FailurePolicy::Local`] asks the local store for the limits and a permit alike.
-/// Never waits: see [`Rules::with_in_flight`](crate::rules::Rules::with_in_flight).
+/// which gives it back once the response is over, or on the ticket of a reservation,
+/// held while it waits. A store error under [`FailurePolicy::Local`] asks the local
+/// store for the limits and a permit alike. A denial by the cap is final: only a denial
+/// by the limits may wait its turn (and asks again with the cap).
 #[inline(never)]
 fn in_flight<ReqB, ResB, R>(
     shared: &Shared<R>,
@@ -56,6 +59,7 @@ fn in_flight<ReqB, ResB, R>(
     answers: InFlightAnswers,
     request: &Request<ReqB>,
     asked: &Asked,
+    round: Round,
     counts: bool,
 ) -> Next<ResB>
 where
@@ -67,17 +71,30 @@ where
         None => (None, Recorded::Allowed),
     };
     let policy = rules.rules.on_store_error();
+    let first = round == Round::First;
     let (result, permit, local) = match admitted {
         Ok(admitted) => {
             let (decision, permit) = admitted.into_parts();
-            (Ok(decision), permit, false)
+            (Ok(decision), permit, round == Round::WaitedLocal)
         }
         Err(error) => match (&rules.local, rules.rules.in_flight()) {
-            (Some(local), Some(cap)) if matches!(policy, FailurePolicy::Local(_)) => {
+            (Some(local), Some(cap))
+                if matches!(policy, FailurePolicy::Local(_)) && round != Round::WaitedLocal =>
+            {
                 record(shared, rules, Recorded::StoreError, asked);
                 policy.log_failure(&error, &asked.key, &shared.name);
-                // The memory store answers at once.
-                match local.check_in_flight_now(&asked.key, rules.limits(), asked.cost, cap) {
+                // The memory store answers at once, and reserves.
+                let reserve_ms = match &rules.waiting {
+                    Some(waiting) if first && waiting.has_room(&asked.key) => waiting.max_wait_ms(),
+                    _ => 0,
+                };
+                match local.check_in_flight_now(
+                    &asked.key,
+                    rules.limits(),
+                    asked.cost,
+                    cap,
+                    reserve_ms,
+                ) {
                     Ok(Ok(admitted)) => {
                         let (decision, permit) = admitted.into_parts();
                         (Ok(decision), permit, true)
@@ -86,9 +103,13 @@ where
                     Err(_) => (Err(StoreError::circuit_open()), None, true),
                 }
             }
-            _ => (Err(error), None, false),
+            _ => (Err(error), None, round == Round::WaitedLocal),
         },
     };
+    // The cap's denial ends the decision with one limit more than the rules have.
+    let cap_full = permit.is_none()
+        && matches!(&result, Ok(decision) if !decision.is_allowed()
+            && decision.limits().len() > rules.limits().len());
     let store = rules.store_for(local);
     // A permit beside a denial (never from the shipped stores) goes back at once.
     let permit = permit.map(|permit| {
@@ -102,7 +123,7 @@ where
     let asker = Asker {
         store,
         allowed,
-        may_wait: false,
+        may_wait: first && !cap_full,
         local,
     };
     let failed = result.is_err();
@@ -124,6 +145,8 @@ where
             });
             Next::Call(decision, Some(Box::new(charged.holding(permit))))
         }
+        // A reservation holds its permit while it waits.
+        (Next::Wait(ticket), Some(permit)) => Next::Wait(Box::new(ticket.holding(permit))),
         (next, _) => next,
     }
 }

@@ -80,8 +80,10 @@ impl<R> Shared<R> {
 
 impl<R> Shared<R> {
     /// [`decide`](Self::decide) for rules with an in-flight limit: the enforced limits
-    /// and the cap in one store call (never reserving), the shadow limits, if any, in a
-    /// call of their own beside it. Out of line: layers without one pay a branch.
+    /// and the cap in one store call (reserving the limits and taking the permit at
+    /// once when the rules let requests wait, the line has room and the store can
+    /// reserve, as [`ask`] does), the shadow limits, if any, in a call of their own
+    /// beside it. Out of line: layers without one pay a branch.
     #[inline(never)]
     fn decide_in_flight<ReqB, ResB>(
         &self,
@@ -94,10 +96,13 @@ impl<R> Shared<R> {
     where
         R: OnRejection<ReqB, ResB>,
     {
-        let admit =
-            rules
-                .store
-                .check_in_flight_now(&asked.key, rules.limits(), asked.cost, in_flight);
+        let admit = rules.store.check_in_flight_now(
+            &asked.key,
+            rules.limits(),
+            asked.cost,
+            in_flight,
+            reserve_ms(rules, &asked.key),
+        );
         let shadow = rules
             .shadow()
             .map(|shadow| rules.store.check_now(&asked.key, shadow, asked.cost));
@@ -136,10 +141,31 @@ fn ask(
     }
 }
 
+/// How far ahead a request of `key` may reserve under `rules`: their `max_wait` when the
+/// line has room and the store can reserve, else 0 (a plain check).
+#[inline]
+pub(crate) fn reserve_ms(rules: &Active, key: &Key) -> u64 {
+    match &rules.waiting {
+        Some(waiting) if rules.reserves && waiting.has_room(key) => waiting.max_wait_ms(),
+        _ => 0,
+    }
+}
+
 impl Asking {
     /// The wait of a request that `ticket` gave a place in line, then the store's fresh
-    /// answer (or the reservation's), as a call to wait for.
+    /// answer (or the reservation's), as a call to wait for. Under an in-flight limit,
+    /// asked again with the cap (the answer is then the cap's and the limits' together,
+    /// with the permit taken when allowed), and a reservation's answer carries the
+    /// permit it held while it waited.
     pub(crate) fn wait(ticket: Ticket, rules: &Active, asked: &Asked) -> Self {
-        Self::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost))
+        match rules.rules.in_flight() {
+            Some(cap) => Self::InFlight(Box::new(Calls::waited(ticket.wait_in_flight(
+                rules.limits().clone(),
+                asked.key.clone(),
+                asked.cost,
+                *cap,
+            )))),
+            None => Self::One(ticket.wait(rules.limits().clone(), asked.key.clone(), asked.cost)),
+        }
     }
 }

@@ -41,9 +41,10 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 
 use crate::{
-    Adjustment, Decision, Limit, LimitDecision,
+    Adjustment, Decision, InFlightLimit, Limit, LimitDecision, StoreError,
+    count_after::Held,
     key::Key,
-    store::{Check, Guarded},
+    store::{Admitted, Check, Guarded},
 };
 
 /// A layer's line of waiting requests, under the bounds of one version of its rules.
@@ -155,6 +156,7 @@ impl Waiting {
             kind: Kind::Retry(retry_ms),
             store: store.clone(),
             local,
+            held: None,
         })
     }
 
@@ -177,6 +179,7 @@ impl Waiting {
                 kind: Kind::Reserved(decision),
                 store: store.clone(),
                 local,
+                held: None,
             }),
             None => Err(decision),
         }
@@ -255,15 +258,8 @@ pub(crate) fn release(
     cost: u32,
     decision: &Decision,
 ) {
-    let Some(charged_at_ms) = decision.decided_at_ms() else {
+    let Some(refund) = refund_of(cost, decision) else {
         return;
-    };
-    if cost == 0 {
-        return;
-    }
-    let refund = Adjustment::Refund {
-        units: cost,
-        charged_at_ms,
     };
     if let Err(check) = store.adjust_now(key, limits, refund)
         && let Ok(runtime) = tokio::runtime::Handle::try_current()
@@ -332,6 +328,9 @@ pub(crate) struct Ticket {
     store: Guarded,
     /// That store is the failure policy's local one.
     local: bool,
+    /// The in-flight permit a reservation took with its units: held while it waits,
+    /// given back if it is dropped before its time (with its units, in one call).
+    held: Option<Held>,
 }
 
 enum Kind {
@@ -352,21 +351,43 @@ struct Reservation {
     decision: Decision,
     /// Still before its time.
     armed: bool,
+    /// Its in-flight permit: given back when dropped before its time, with the units
+    /// when they go back too (one store call).
+    held: Option<Held>,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         let last = self.place.leave_reserved();
-        if self.armed && last {
-            release(
+        let refund = self.armed && last;
+        match self.held.take() {
+            Some(held) => {
+                let refund = refund
+                    .then(|| refund_of(self.cost, &self.decision))
+                    .flatten()
+                    .map(|adjustment| (adjustment, self.limits.clone()));
+                held.release(refund);
+            }
+            None if refund => release(
                 &self.store,
                 &self.limits,
                 &self.key,
                 self.cost,
                 &self.decision,
-            );
+            ),
+            None => {}
         }
     }
+}
+
+/// The refund of `cost` units that `decision` charged; `None` when there is nothing to
+/// give back or the store did not say when it decided.
+fn refund_of(cost: u32, decision: &Decision) -> Option<Adjustment> {
+    let charged_at_ms = decision.decided_at_ms()?;
+    (cost > 0).then_some(Adjustment::Refund {
+        units: cost,
+        charged_at_ms,
+    })
 }
 
 impl Ticket {
@@ -402,6 +423,7 @@ impl Ticket {
                         cost,
                         decision,
                         armed: true,
+                        held: None,
                     };
                     tokio::time::sleep(wait).await;
                     // Its time has come: the units are this request's to spend.
@@ -413,31 +435,123 @@ impl Ticket {
         let max_wait = Duration::from_millis(place.waiting.max_wait_ms);
         Check::pending(async move {
             let _place = place;
-            let start = tokio::time::Instant::now();
-            let deadline = start.checked_add(max_wait);
-            let mut sleep = Duration::from_millis(retry_ms);
-            loop {
-                tokio::time::sleep(sleep).await;
-                let result = match store.check_now(&key, &limits, cost) {
-                    Ok(result) => result,
-                    Err(check) => check.await,
-                };
-                if let Ok(decision) = &result
-                    && !decision.is_allowed()
-                {
-                    let retry = decision.retry_after();
-                    let again = tokio::time::Instant::now().checked_add(retry);
-                    if matches!((again, deadline), (Some(again), Some(deadline)) if again <= deadline)
-                        && !retry.is_zero()
-                    {
-                        sleep = retry;
-                        continue;
-                    }
-                }
-                return result;
-            }
+            retry(retry_ms, max_wait, denied, || {
+                store.check_now(&key, &limits, cost)
+            })
+            .await
         })
     }
+
+    /// The same ticket holding `held`, the in-flight permit its reservation took.
+    pub(crate) fn holding(mut self, held: Held) -> Self {
+        self.held = Some(held);
+        self
+    }
+
+    /// [`wait`](Self::wait) under an in-flight limit `cap`: a reservation answers its
+    /// decision with the permit it [held](Self::holding) while it waited (given back,
+    /// with its units when they are the key's latest reserved ones, if it is dropped
+    /// before its time); a denied request asks again with the cap, taking a permit
+    /// when allowed, and waits again only while the limits deny it (never when the cap
+    /// does: the cap's denials are final).
+    // The store's ready answer stays unboxed, as `Guarded::check_in_flight_now`'s.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn wait_in_flight(
+        self,
+        limits: Arc<[Limit]>,
+        key: Key,
+        cost: u32,
+        cap: InFlightLimit,
+    ) -> Check<Admitted> {
+        let Self {
+            place,
+            kind,
+            store,
+            held,
+            ..
+        } = self;
+        let retry_ms = match kind {
+            Kind::Retry(retry_ms) => retry_ms,
+            Kind::Reserved(decision) => {
+                let wait = decision.wait();
+                return Check::pending(async move {
+                    let mut reservation = Reservation {
+                        place,
+                        store,
+                        limits,
+                        key,
+                        cost,
+                        decision,
+                        armed: true,
+                        held,
+                    };
+                    tokio::time::sleep(wait).await;
+                    reservation.armed = false;
+                    let decision = reservation.decision.clone().with_wait(0);
+                    let permit = reservation.held.take().and_then(Held::into_permit);
+                    Ok(Admitted::new(decision, permit))
+                });
+            }
+        };
+        let max_wait = Duration::from_millis(place.waiting.max_wait_ms);
+        let count = limits.len();
+        Check::pending(async move {
+            let _place = place;
+            retry(
+                retry_ms,
+                max_wait,
+                // The cap's denial (one limit more than `limits`) is final: no retry.
+                |admitted: &Admitted| {
+                    let decision = admitted.decision();
+                    if decision.limits().len() > count {
+                        None
+                    } else {
+                        denied(decision)
+                    }
+                },
+                || store.check_in_flight_now(&key, &limits, cost, &cap, 0),
+            )
+            .await
+        })
+    }
+}
+
+/// Sleeps `retry_ms`, asks, and while the answer is a denial that may wait again
+/// (`again` reads its `retry_after`; `None`: allowed, or a denial that is final) ending
+/// within `max_wait` of the start, sleeps that and asks again.
+async fn retry<T>(
+    retry_ms: u64,
+    max_wait: Duration,
+    again: impl Fn(&T) -> Option<Duration>,
+    ask: impl Fn() -> Result<Result<T, StoreError>, Check<T>>,
+) -> Result<T, StoreError> {
+    let start = tokio::time::Instant::now();
+    let deadline = start.checked_add(max_wait);
+    let mut sleep = Duration::from_millis(retry_ms);
+    loop {
+        tokio::time::sleep(sleep).await;
+        let result = match ask() {
+            Ok(result) => result,
+            Err(check) => check.await,
+        };
+        if let Ok(answer) = &result
+            && let Some(retry) = again(answer)
+        {
+            let next = tokio::time::Instant::now().checked_add(retry);
+            if matches!((next, deadline), (Some(next), Some(deadline)) if next <= deadline)
+                && !retry.is_zero()
+            {
+                sleep = retry;
+                continue;
+            }
+        }
+        return result;
+    }
+}
+
+/// The `retry_after` of a denial that may wait again (see [`retry`]).
+fn denied(decision: &Decision) -> Option<Duration> {
+    (!decision.is_allowed()).then(|| decision.retry_after())
 }
 
 #[cfg(test)]

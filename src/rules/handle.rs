@@ -45,16 +45,13 @@ impl RulesHandle {
     /// Applies `rules` to every request that arrives from now on; requests in flight
     /// finish under the rules they started with. Returns the new version.
     ///
-    /// Rules a layer would refuse when built (an in-flight limit with `max_wait`, or on a
-    /// store that cannot count requests in flight, see
+    /// Rules a layer would refuse when built (an in-flight limit on a store that cannot
+    /// count requests in flight, see
     /// [`RateLimitLayer::validate`](crate::RateLimitLayer::validate)) are refused here
     /// too: the rules in force stay, the refusal is logged at `error`, and the version
     /// returned is theirs, unchanged.
     pub fn set(&self, rules: Rules) -> u64 {
-        let refused = rules
-            .conflict()
-            .and_then(|()| super::needs(&rules, &*self.cell.lasting.store));
-        if let Err(error) = refused {
+        if let Err(error) = super::needs(&rules, &*self.cell.lasting.store) {
             tracing::error!(%error, "rate limit rules refused");
             return self.version();
         }

@@ -198,26 +198,21 @@ impl Rules {
     ///
     /// The cap is enforced in [shadow mode](Self::with_shadow) too (shadow limits are
     /// about rates); shadow limits are decided in a call of their own beside it, as
-    /// without one. It does not combine with
-    /// [`max_wait`](Self::with_max_wait) yet (a request that waited would be asked again
-    /// without its permit): a layer with both is refused when built, and
-    /// [`RulesHandle::set`](crate::rules::RulesHandle::set) refuses such rules.
+    /// without one.
+    ///
+    /// With [`max_wait`](Self::with_max_wait): a request the cap has room for that the
+    /// limits would allow within `max_wait` takes its permit and reserves its units in
+    /// one store call, all-or-nothing, and **holds its permit while it waits**, so the
+    /// cap bounds the requests that wait as well as those that run. The permit comes
+    /// back when its response ends, or at once when the waiting request is dropped (its
+    /// client hung up; its units then go back in the same call when they are the key's
+    /// latest reserved ones). **A denial by the cap never waits**: it is answered 429
+    /// at once, with nothing reserved. A request that waits its turn and asks again (a
+    /// store that cannot reserve, limits that cannot be reserved, a full line) asks with
+    /// the cap too, and takes its permit only then.
     pub fn with_in_flight(mut self, in_flight: Option<InFlightLimit>) -> Self {
         self.in_flight = in_flight;
         self
-    }
-
-    /// The settings of these rules that cannot work together: an in-flight limit with
-    /// `max_wait` (a request that waited would be asked again without its permit).
-    pub(crate) fn conflict(&self) -> Result<(), ConfigError> {
-        if self.in_flight.is_some() && self.max_wait.is_some() {
-            return Err(ConfigError::new(
-                "in_flight",
-                "cannot be combined with max_wait: a request over an in-flight limit or a \
-                 rate limit is answered at once; remove one of in_flight and max_wait",
-            ));
-        }
-        Ok(())
     }
 
     /// The in-flight limit. See [`with_in_flight`](Self::with_in_flight).

@@ -166,10 +166,11 @@ impl Guarded {
         )
     }
 
-    /// [`Store::check_in_flight`] under the timeout and breaker. With the circuit open:
-    /// the failure policy (quota held already cannot take a permit). A call dropped
-    /// after the store took its permit (a timeout) gives the permit back (the store's
-    /// future does so when dropped).
+    /// [`Store::check_in_flight`] under the timeout and breaker (reserving within
+    /// `max_wait_ms` when above 0). With the circuit open: the failure policy (quota
+    /// held already cannot take a permit). A call dropped after the store took its
+    /// permit (a timeout) gives the permit back (the store's future does so when
+    /// dropped).
     // The ready answer stays unboxed, as `check_now`'s: the memory store's path.
     #[allow(clippy::result_large_err)]
     pub(crate) fn check_in_flight_now(
@@ -178,10 +179,11 @@ impl Guarded {
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        max_wait_ms: u64,
     ) -> Result<Result<Admitted, StoreError>, Check<Admitted>> {
         self.call(
             || Err(StoreError::circuit_open()),
-            |store| store.check_in_flight(key, limits, cost, in_flight),
+            |store| store.check_in_flight(key, limits, cost, in_flight, max_wait_ms),
         )
     }
 

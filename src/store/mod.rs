@@ -163,17 +163,29 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// empty), in one atomic step, all-or-nothing: the request is allowed only when
     /// every limit has room and fewer than `in_flight.max()` permits of `key` are held;
     /// then its units are spent and a permit is taken (in [`Admitted`]). A request the
-    /// cap denies spends nothing; its decision ends with the cap's denial. See
-    /// [`InFlightLimit`]. The memory and Redis stores implement
-    /// it; the default fails with [`StoreErrorKind::Unsupported`].
+    /// cap denies spends nothing; its decision ends with the cap's denial (one
+    /// [`LimitDecision`](crate::LimitDecision) more than `limits`). See
+    /// [`InFlightLimit`].
+    ///
+    /// With `max_wait_ms` above 0 (asked only of a store with [`Capability::Reserve`]),
+    /// the limits are [reserved](Self::reserve) as `reserve` would, in the same step: a
+    /// request the cap has room for that does not fit now but would within
+    /// `max_wait_ms` is allowed *with a wait* ([`Decision::wait`]), its units counted
+    /// for the moment it may run **and its permit taken now** (it is held while the
+    /// request waits). A cap with no room reserves nothing; a wait beyond
+    /// `max_wait_ms` takes nothing. 0: never reserves.
+    ///
+    /// The memory and Redis stores implement it; the default fails with
+    /// [`StoreErrorKind::Unsupported`].
     fn check_in_flight(
         &self,
         key: &Key,
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        max_wait_ms: u64,
     ) -> Check<Admitted> {
-        let _ = (key, limits, cost, in_flight);
+        let _ = (key, limits, cost, in_flight, max_wait_ms);
         Check::ready(Err(StoreError::unsupported("in-flight limits")))
     }
 
@@ -250,8 +262,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        max_wait_ms: u64,
     ) -> Check<Admitted> {
-        (**self).check_in_flight(key, limits, cost, in_flight)
+        (**self).check_in_flight(key, limits, cost, in_flight, max_wait_ms)
     }
 
     fn release_in_flight(

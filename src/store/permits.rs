@@ -291,15 +291,18 @@ impl MemoryStore {
 
 impl MemoryStore {
     /// [`Store::check_in_flight`](super::Store::check_in_flight), answered now: `limits`
-    /// decided under the lock of the permits. A request the cap denies is decided
-    /// nothing: its decision is the limits' as a [peek](super::Store::peek) reads them,
-    /// with the cap's denial last.
+    /// decided (reserved within `max_wait_ms`, when above 0, as
+    /// [`reserve_now`](Self::reserve_now) does) under the lock of the permits. A request
+    /// the cap denies is decided nothing: its decision is the limits' as a
+    /// [peek](super::Store::peek) reads them, with the cap's denial last. A reservation
+    /// takes its permit now.
     pub fn check_in_flight_now(
         &self,
         key: &Key,
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        max_wait_ms: u64,
     ) -> Admitted {
         let full = || {
             let peeked = if limits.is_empty() {
@@ -312,6 +315,8 @@ impl MemoryStore {
         let decide = || {
             if limits.is_empty() {
                 Decision::new(Vec::new()).decided_at(self.now_ms())
+            } else if max_wait_ms > 0 {
+                self.reserve_now(key, limits, cost, max_wait_ms)
             } else {
                 self.decide(key, limits, cost)
             }

@@ -289,8 +289,15 @@ impl Store for MemoryStore {
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        max_wait_ms: u64,
     ) -> Check<Admitted> {
-        Check::ready(Ok(self.check_in_flight_now(key, limits, cost, in_flight)))
+        Check::ready(Ok(self.check_in_flight_now(
+            key,
+            limits,
+            cost,
+            in_flight,
+            max_wait_ms,
+        )))
     }
 
     fn release_in_flight(

@@ -400,8 +400,15 @@ impl Store for RedisStore {
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        max_wait_ms: u64,
     ) -> Check<Admitted> {
-        self.check_in_flight_call(key, limits, cost, in_flight)
+        // Limits that never reserve are checked as usual (no reservation section sent).
+        let reserve_ms = if crate::algorithm::reservable(limits) {
+            max_wait_ms
+        } else {
+            0
+        };
+        self.check_in_flight_call(key, limits, cost, in_flight, reserve_ms)
     }
 
     fn release_in_flight(

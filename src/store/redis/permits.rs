@@ -298,11 +298,12 @@ impl RedisStore {
         limits: &[Limit],
         cost: u32,
         in_flight: &InFlightLimit,
+        reserve_ms: u64,
     ) -> Check<Admitted> {
         let id = next_id();
         let member = id_arg(id);
         let max = in_flight.max();
-        let encoded = Encoded::in_flight(
+        let mut encoded = Encoded::in_flight(
             &self.prefix,
             key,
             limits,
@@ -312,6 +313,7 @@ impl RedisStore {
             (max, in_flight.permit_ttl_ms()),
             member.clone(),
         );
+        encoded.reserve_ms = reserve_ms;
         let call = match self.send(encoded) {
             Ok(call) => call,
             Err(error) => return Check::ready(Err(error)),
