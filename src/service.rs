@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use crate::{
     Decision, MissingKey, RequestCost,
-    count_after::{Charged, Recount, UpFront},
+    count_after::{Recount, UpFront},
     decide::{Asked, Asking, Next, Shared, wait::Round},
     future::{Pending, ResponseFuture, inform},
     key::{KeyError, KeyExtractor},
@@ -151,8 +151,16 @@ where
         match shared.decide(rules, &request, &asked, M::AFTER) {
             // Decided already: the memory store, a block-cache hit, an open circuit.
             Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
-            Next::Call(decision, charged) => {
-                allowed(inner, rules, recount, request, decision, charged)
+            Next::Call(Some(decision), charged) if rules.headers.writes_when_allowed() => {
+                let future = call_inner(inner, request, Some(&decision), rules);
+                let rules = Some(rules.clone());
+                ResponseFuture::calling(future, Some(decision), rules, charged, recount.clone())
+            }
+            // Nothing to write: the response needs neither the decision nor the rules.
+            // (Borrowed: a decision moved out of `next` costs a copy.)
+            Next::Call(ref decision, charged) => {
+                let future = call_inner(inner, request, decision.as_ref(), rules);
+                ResponseFuture::calling(future, None, None, charged, recount.clone())
             }
             Next::Wait(ticket) => {
                 let round = ticket.round();
@@ -173,37 +181,23 @@ where
     }
 }
 
-/// An allowed request: the inner service's future, whose response gets the fields of
-/// `decision` when `rules` write them for allowed requests.
+/// The inner service's future for an allowed request, told what was decided when the
+/// rules say so.
 #[inline(always)]
-fn allowed<S, ReqB, ResB, R, M>(
+fn call_inner<S, ReqB>(
     inner: &mut S,
-    rules: &Arc<Active>,
-    recount: &M,
     request: Request<ReqB>,
-    decision: Option<Decision>,
-    charged: Option<Box<Charged>>,
-) -> ResponseFuture<S, ReqB, R, M>
+    decision: Option<&Decision>,
+    rules: &Active,
+) -> S::Future
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
-    M: Clone,
+    S: Service<Request<ReqB>>,
 {
-    let future = match &decision {
+    match decision {
         Some(decision) if rules.rules.request_info() => {
             call_informed(inner, request, decision, rules)
         }
         _ => inner.call(request),
-    };
-    match decision {
-        Some(decision) if rules.headers.writes_when_allowed() => ResponseFuture::calling(
-            future,
-            Some(decision),
-            Some(rules.clone()),
-            charged,
-            recount.clone(),
-        ),
-        // Nothing to write: the response needs neither the decision nor the rules.
-        _ => ResponseFuture::calling(future, None, None, charged, recount.clone()),
     }
 }
 
@@ -279,8 +273,16 @@ impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
         match shared.decide(rules, &request, &asked, M::AFTER) {
             // Decided already: the memory store, a block-cache hit, an open circuit.
             Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
-            Next::Call(decision, charged) => {
-                allowed(inner, rules, recount, request, decision, charged)
+            Next::Call(Some(decision), charged) if rules.headers.writes_when_allowed() => {
+                let future = call_inner(inner, request, Some(&decision), rules);
+                let rules = Some(rules.clone());
+                ResponseFuture::calling(future, Some(decision), rules, charged, recount.clone())
+            }
+            // Nothing to write: the response needs neither the decision nor the rules.
+            // (Borrowed: a decision moved out of `next` costs a copy.)
+            Next::Call(ref decision, charged) => {
+                let future = call_inner(inner, request, decision.as_ref(), rules);
+                ResponseFuture::calling(future, None, None, charged, recount.clone())
             }
             Next::Wait(ticket) => {
                 let round = ticket.round();

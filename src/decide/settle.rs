@@ -149,13 +149,13 @@ where
         may_wait: round == Round::First,
         local,
     };
+    if !counts {
+        // Returned as `act` made it: a `Next` moved through a branch costs a copy.
+        return act(shared, rules, &asker, result, request, asked);
+    }
     let failed = result.is_err();
     let next = act(shared, rules, &asker, result, request, asked);
-    if counts {
-        charge(shared, rules, next, None, failed || local, asked)
-    } else {
-        next
-    }
+    charge(shared, rules, next, None, failed || local, asked)
 }
 
 /// [`settle`] for rules with shadow limits: the answer about the shadow limits only
