@@ -10,7 +10,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::{
-    MissingKey, RequestCost,
+    Decision, MissingKey, RequestCost,
     count_after::{Recount, UpFront},
     decide::{Asked, Asking, Next, Shared, wait::Round},
     future::{Pending, ResponseFuture, inform},
@@ -145,62 +145,83 @@ where
             rules,
             ..
         } = self;
-        start(inner, shared, rules, recount, request, asked)
+        // The match here, not in a function given the request: there, the request dropped
+        // with a denial kept a copy of every request (one `memcpy`, ~60 instructions a
+        // request, benches/instructions.rs).
+        match shared.decide(rules, &request, &asked, M::AFTER) {
+            // Decided already: the memory store, a block-cache hit, an open circuit.
+            Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
+            Next::Call(Some(decision), charged) if rules.headers.writes_when_allowed() => {
+                let future = call_inner(inner, request, Some(&decision), rules);
+                let rules = Some(rules.clone());
+                ResponseFuture::calling(future, Some(decision), rules, charged, recount.clone())
+            }
+            // Nothing to write: the response needs neither the decision nor the rules.
+            // (Borrowed: a decision moved out of `next` costs a copy.)
+            Next::Call(ref decision, charged) => {
+                let future = call_inner(inner, request, decision.as_ref(), rules);
+                ResponseFuture::calling(future, None, None, charged, recount.clone())
+            }
+            Next::Wait(ticket) => {
+                let round = ticket.round();
+                let asking = Asking::wait(*ticket, rules, &asked);
+                waits(asking, round, inner, shared, rules, recount, request, asked)
+            }
+            Next::Ask(asking) => waits(
+                asking,
+                Round::First,
+                inner,
+                shared,
+                rules,
+                recount,
+                request,
+                asked,
+            ),
+        }
     }
 }
 
-/// A request with its key, decided under `rules` (the layer's, or its plan's): the
-/// store call, then the answer now or the future that waits for it. The one path every
-/// request of a [`RateLimit`] takes, whatever the layer combines.
+/// The inner service's future for an allowed request, told what was decided when the
+/// rules say so.
 #[inline(always)]
-fn start<S, ReqB, ResB, R, M>(
+fn call_inner<S, ReqB>(
+    inner: &mut S,
+    request: Request<ReqB>,
+    decision: Option<&Decision>,
+    rules: &Active,
+) -> S::Future
+where
+    S: Service<Request<ReqB>>,
+{
+    match decision {
+        Some(decision) if rules.rules.request_info() => {
+            call_informed(inner, request, decision, rules)
+        }
+        _ => inner.call(request),
+    }
+}
+
+/// A request that waits for `asking`: the store's answer, or its turn in line. Out of
+/// line, and given the request in its own arm: rare, and a request moved towards it in
+/// every arm costs every request a copy.
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+fn waits<S, ReqB, R, M>(
+    asking: Asking,
+    round: Round,
     inner: &mut S,
     shared: &Arc<Shared<R>>,
     rules: &Arc<Active>,
     recount: &M,
-    mut request: Request<ReqB>,
+    request: Request<ReqB>,
     asked: Asked,
 ) -> ResponseFuture<S, ReqB, R, M>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
-    R: OnRejection<ReqB, ResB>,
-    M: Recount<ResB>,
+    S: Service<Request<ReqB>> + Clone,
+    M: Clone,
 {
-    match shared.decide(rules, &request, &asked, M::AFTER) {
-        // Decided already: the memory store, a block-cache hit, an open circuit.
-        Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
-        Next::Call(Some(decision), charged) => {
-            if rules.rules.request_info() {
-                inform(&mut request, &decision, rules);
-            }
-            // Nothing to write: the response needs neither the decision nor the rules.
-            if rules.headers.writes_when_allowed() {
-                let future = inner.call(request);
-                ResponseFuture::calling(
-                    future,
-                    Some(decision),
-                    Some(rules.clone()),
-                    charged,
-                    recount.clone(),
-                )
-            } else {
-                ResponseFuture::calling(inner.call(request), None, None, charged, recount.clone())
-            }
-        }
-        Next::Call(None, charged) => {
-            ResponseFuture::calling(inner.call(request), None, None, charged, recount.clone())
-        }
-        Next::Wait(ticket) => {
-            let round = ticket.round();
-            let asking = Asking::wait(*ticket, rules, &asked);
-            let pending = Pending::new(take_ready(inner), request, asked, round);
-            ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
-        }
-        Next::Ask(asking) => {
-            let pending = Pending::new(take_ready(inner), request, asked, Round::First);
-            ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
-        }
-    }
+    let pending = Pending::new(take_ready(inner), request, asked, round);
+    ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
 }
 
 impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
@@ -248,14 +269,37 @@ impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
                 return ResponseFuture::resolving(resolving, pending, &self.shared, layer, recount);
             }
         };
-        start(
-            &mut self.inner,
-            &self.shared,
-            rules,
-            &self.recount,
-            request,
-            asked,
-        )
+        let (inner, shared, recount) = (&mut self.inner, &self.shared, &self.recount);
+        match shared.decide(rules, &request, &asked, M::AFTER) {
+            // Decided already: the memory store, a block-cache hit, an open circuit.
+            Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
+            Next::Call(Some(decision), charged) if rules.headers.writes_when_allowed() => {
+                let future = call_inner(inner, request, Some(&decision), rules);
+                let rules = Some(rules.clone());
+                ResponseFuture::calling(future, Some(decision), rules, charged, recount.clone())
+            }
+            // Nothing to write: the response needs neither the decision nor the rules.
+            // (Borrowed: a decision moved out of `next` costs a copy.)
+            Next::Call(ref decision, charged) => {
+                let future = call_inner(inner, request, decision.as_ref(), rules);
+                ResponseFuture::calling(future, None, None, charged, recount.clone())
+            }
+            Next::Wait(ticket) => {
+                let round = ticket.round();
+                let asking = Asking::wait(*ticket, rules, &asked);
+                waits(asking, round, inner, shared, rules, recount, request, asked)
+            }
+            Next::Ask(asking) => waits(
+                asking,
+                Round::First,
+                inner,
+                shared,
+                rules,
+                recount,
+                request,
+                asked,
+            ),
+        }
     }
 
     /// [`call`](Service::call) for a request without a key: the missing-key policy. Out
@@ -284,6 +328,26 @@ impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
             }
         }
     }
+}
+
+/// Calls the inner service with a request that carries its [`RateLimitInfo`]
+/// (`request_info`). Out of line: changing the request in `call` cost every request a
+/// copy of it (one `memcpy` of the request, ~60 instructions, measured by
+/// benches/instructions.rs).
+///
+/// [`RateLimitInfo`]: crate::RateLimitInfo
+#[inline(never)]
+fn call_informed<S, ReqB>(
+    inner: &mut S,
+    mut request: Request<ReqB>,
+    decision: &Decision,
+    rules: &Active,
+) -> S::Future
+where
+    S: Service<Request<ReqB>>,
+{
+    inform(&mut request, decision, rules);
+    inner.call(request)
 }
 
 /// The service that was polled ready, for a request that waits for the store; its clone

@@ -172,16 +172,16 @@ where
         may_wait: round == Round::First,
         local,
     };
+    if !counts {
+        // Returned as `act` made it: a `Next` moved through a branch costs a copy.
+        return act(shared, rules, &asker, result, request, asked);
+    }
     let failed = result.is_err();
     if round != Round::First {
         waited(shared, &result, local);
     }
     let next = act(shared, rules, &asker, result, request, asked);
-    if counts {
-        charge(shared, rules, next, None, failed || local, asked)
-    } else {
-        next
-    }
+    charge(shared, rules, next, None, failed || local, asked)
 }
 
 /// Counts a request answered after waiting its turn as delayed, with the outcome [`act`]
