@@ -1051,7 +1051,7 @@ async fn in_flight_calls_go_to_their_own_function_on_every_master() {
         // Three decisions per key at once: two permits at most.
         let checks: Vec<_> = keys
             .iter()
-            .flat_map(|key| (0..3).map(|_| store.check_in_flight(key, &limits, 1, &cap)))
+            .flat_map(|key| (0..3).map(|_| store.check_in_flight(key, &limits, 1, &cap, 0)))
             .collect();
         let mut permits = Vec::new();
         for (i, admitted) in futures_util::future::join_all(checks)
