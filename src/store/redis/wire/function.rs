@@ -13,7 +13,7 @@
 //! their own. A server without functions (before 7.0, or an ACL user without `+fcall` or
 //! `+function`) gets `EVALSHA` instead, from then on for that connection.
 //!
-//! Over 600 lines with its tests (about 410 without): they hold every `FCALL` form to
+//! Over 600 lines with its tests (about 420 without): they hold every `FCALL` form to
 //! its `EVALSHA` fallback through this file's private names, and stay beside them.
 
 use std::sync::{
