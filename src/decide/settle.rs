@@ -172,14 +172,14 @@ where
         may_wait: round == Round::First,
         local,
     };
+    if round != Round::First {
+        waited(shared, &result, local);
+    }
     if !counts {
         // Returned as `act` made it: a `Next` moved through a branch costs a copy.
         return act(shared, rules, &asker, result, request, asked);
     }
     let failed = result.is_err();
-    if round != Round::First {
-        waited(shared, &result, local);
-    }
     let next = act(shared, rules, &asker, result, request, asked);
     charge(shared, rules, next, None, failed || local, asked)
 }
