@@ -356,6 +356,36 @@ struct Reservation {
     held: Option<Held>,
 }
 
+impl Reservation {
+    fn new(
+        place: Place,
+        store: Guarded,
+        limits: Arc<[Limit]>,
+        key: Key,
+        cost: u32,
+        decision: Decision,
+    ) -> Self {
+        Self {
+            place,
+            store,
+            limits,
+            key,
+            cost,
+            decision,
+            armed: true,
+            held: None,
+        }
+    }
+
+    /// Sleeps until the reservation's time: then its units (and its permit, if it held
+    /// one) are the request's to spend. Its decision, allowed now, and the permit.
+    async fn until_due(mut self) -> (Decision, Option<Held>) {
+        tokio::time::sleep(self.decision.wait()).await;
+        self.armed = false;
+        (self.decision.clone().with_wait(0), self.held.take())
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         let last = self.place.leave_reserved();
@@ -413,23 +443,8 @@ impl Ticket {
         let retry_ms = match kind {
             Kind::Retry(retry_ms) => retry_ms,
             Kind::Reserved(decision) => {
-                let wait = decision.wait();
-                return Check::pending(async move {
-                    let mut reservation = Reservation {
-                        place,
-                        store,
-                        limits,
-                        key,
-                        cost,
-                        decision,
-                        armed: true,
-                        held: None,
-                    };
-                    tokio::time::sleep(wait).await;
-                    // Its time has come: the units are this request's to spend.
-                    reservation.armed = false;
-                    Ok(reservation.decision.clone().with_wait(0))
-                });
+                let reservation = Reservation::new(place, store, limits, key, cost, decision);
+                return Check::pending(async move { Ok(reservation.until_due().await.0) });
             }
         };
         let max_wait = Duration::from_millis(place.waiting.max_wait_ms);
@@ -473,23 +488,11 @@ impl Ticket {
         let retry_ms = match kind {
             Kind::Retry(retry_ms) => retry_ms,
             Kind::Reserved(decision) => {
-                let wait = decision.wait();
+                let mut reservation = Reservation::new(place, store, limits, key, cost, decision);
+                reservation.held = held;
                 return Check::pending(async move {
-                    let mut reservation = Reservation {
-                        place,
-                        store,
-                        limits,
-                        key,
-                        cost,
-                        decision,
-                        armed: true,
-                        held,
-                    };
-                    tokio::time::sleep(wait).await;
-                    reservation.armed = false;
-                    let decision = reservation.decision.clone().with_wait(0);
-                    let permit = reservation.held.take().and_then(Held::into_permit);
-                    Ok(Admitted::new(decision, permit))
+                    let (decision, held) = reservation.until_due().await;
+                    Ok(Admitted::new(decision, held.and_then(Held::into_permit)))
                 });
             }
         };
