@@ -15,6 +15,7 @@ use tower_service::Service;
 
 use crate::{
     Decision, RateLimitInfo,
+    adaptive::Tracked,
     count_after::{Charged, Recount, UpFront},
     decide::{Asked, Asking, Next, Shared, settle, wait::Round},
     metrics::Outcome,
@@ -75,17 +76,50 @@ pub(crate) struct Pending<S, ReqB> {
     request: Request<ReqB>,
     asked: Asked,
     round: Round,
+    /// The adaptive permit, held while the request waits (its latency counts from the
+    /// call to the inner service).
+    tracked: Option<Box<Tracked>>,
 }
 
 impl<S, ReqB> Pending<S, ReqB> {
-    pub(crate) fn new(service: S, request: Request<ReqB>, asked: Asked, round: Round) -> Self {
+    pub(crate) fn new(
+        service: S,
+        request: Request<ReqB>,
+        asked: Asked,
+        round: Round,
+        tracked: Option<Box<Tracked>>,
+    ) -> Self {
         Self {
             service,
             request,
             asked,
             round,
+            tracked,
         }
     }
+}
+
+/// `charged`, holding the adaptive permit `tracked` of the request `asked` about, if it
+/// has one: the request reaches the inner service now.
+pub(crate) fn attach(
+    charged: Option<Box<Charged>>,
+    tracked: Option<Box<Tracked>>,
+    name: &Arc<str>,
+    asked: &Asked,
+) -> Option<Box<Charged>> {
+    let Some(mut tracked) = tracked else {
+        return charged;
+    };
+    tracked.called();
+    let charged = charged.unwrap_or_else(|| {
+        Box::new(Charged::new(
+            name.clone(),
+            asked.key.clone(),
+            asked.cost,
+            [None, None],
+        ))
+    });
+    Some(charged.tracking(tracked))
 }
 
 impl<S, ReqB, R, M> ResponseFuture<S, ReqB, R, M>
@@ -174,8 +208,10 @@ where
         mut request,
         asked,
         round,
+        tracked,
     } = pending;
     match next {
+        // A denial gives the adaptive permit back, without a sample.
         Next::Answer(response) => State::Ready {
             response: Some(response),
         },
@@ -190,20 +226,20 @@ where
             },
             rules: decision.as_ref().map(|_| rules.clone()),
             decision,
-            charged,
+            charged: attach(charged, tracked, &shared.name, &asked),
         },
         Next::Wait(ticket) => {
             let round = ticket.round();
             State::Asking {
                 asking: Asking::wait(*ticket, rules, &asked),
-                pending: Some(Pending::new(service, request, asked, round)),
+                pending: Some(Pending::new(service, request, asked, round, tracked)),
                 shared: shared.clone(),
                 rules: rules.clone(),
             }
         }
         Next::Ask(asking) => State::Asking {
             asking,
-            pending: Some(Pending::new(service, request, asked, round)),
+            pending: Some(Pending::new(service, request, asked, round, tracked)),
             shared: shared.clone(),
             rules: rules.clone(),
         },
@@ -288,11 +324,12 @@ where
                         Chosen::Unlimited(plan) => {
                             shared.metrics.request(Outcome::Allowed);
                             shared.metrics.plan(plan, Outcome::Allowed);
+                            let tracked = pending.tracked.take();
                             State::Calling {
+                                charged: attach(None, tracked, &shared.name, &pending.asked),
                                 future: pending.service.call(pending.request),
                                 decision: None,
                                 rules: None,
-                                charged: None,
                             }
                         }
                     }
@@ -303,12 +340,27 @@ where
                     rules,
                     charged,
                 } => {
-                    // An error keeps the charge: `charged` is dropped unsettled.
-                    let mut response = ready!(future.poll(cx))?;
+                    // An error keeps the charge: `charged` is dropped unsettled (and its
+                    // adaptive permit counts a drop).
+                    let mut response = match ready!(future.poll(cx)) {
+                        Ok(response) => response,
+                        Err(error) => {
+                            if let Some(charged) = charged {
+                                charged.failed();
+                            }
+                            return Poll::Ready(Err(error));
+                        }
+                    };
                     if let (Some(decision), Some(rules)) = (decision.take(), rules.as_ref()) {
                         rules.headers.write(response.headers_mut(), &decision);
                     }
-                    let charged = charged.take().map(|charged| *charged);
+                    let charged = match charged.take() {
+                        Some(mut charged) => {
+                            response = charged.head(response);
+                            Some(*charged)
+                        }
+                        None => None,
+                    };
                     return Poll::Ready(Ok(this.recount.finish(response, charged)));
                 }
                 StateProj::Ready { response } => {

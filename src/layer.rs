@@ -14,6 +14,7 @@ use http::{HeaderMap, Response};
 use crate::rules::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, DEFAULT_TIMEOUT};
 use crate::{
     CircuitBreaker, FailurePolicy, InFlightLimit, Limit, MissingKey,
+    adaptive::{Adaptive, AdaptiveHandle, Stage},
     count_after::{CountWhen, LateCost, TrailerCost, UpFront},
     decide::Shared,
     headers::HeaderStyle,
@@ -63,6 +64,9 @@ struct Settings {
     /// limits count the units of requests in flight as pending, and block only for kept
     /// units ([`Limit::pending_until_settled`]).
     counts_after: bool,
+    adaptive: Option<Adaptive>,
+    /// The adaptive stage's running state, made on first use and shared as `cell` is.
+    stage: Arc<OnceLock<Arc<Stage>>>,
 }
 
 impl Settings {
@@ -76,6 +80,15 @@ impl Settings {
         })
     }
 
+    /// The adaptive stage of the layer as it is now, made on first use.
+    fn stage(&self) -> Option<&Arc<Stage>> {
+        let adaptive = self.adaptive.as_ref()?;
+        Some(
+            self.stage
+                .get_or_init(|| Arc::new(Stage::new(adaptive.clone(), &self.name))),
+        )
+    }
+
     /// A builder call: the layer is a new one, with rules of its own.
     fn changed(&mut self) -> &mut Self {
         if let Some(cell) = self.cell.get() {
@@ -83,6 +96,7 @@ impl Settings {
             self.rules = cell.active.load().rules.clone();
         }
         self.cell = Arc::default();
+        self.stage = Arc::default();
         self
     }
 }
@@ -157,6 +171,8 @@ impl RateLimitLayer {
                 name: Arc::from(DEFAULT_NAME),
                 cell: Arc::default(),
                 counts_after: false,
+                adaptive: None,
+                stage: Arc::default(),
             },
         }
     }
@@ -378,6 +394,26 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
         self
     }
 
+    /// Adds the [adaptive](crate::adaptive#the-stage-of-a-layer) stage: an in-flight
+    /// limit that follows the service's latency and errors and sheds the least critical
+    /// requests first, taken before the store call (a shed request costs no store call
+    /// and no units). One limit for the layer, its clones and the services they make
+    /// (or one per key, [`Adaptive::with_per_key`]); a [`RulesHandle`] swap keeps it.
+    /// Composes with every other option. Read it with
+    /// [`adaptive_handle`](Self::adaptive_handle).
+    pub fn with_adaptive(mut self, adaptive: Adaptive) -> Self {
+        self.settings.changed().adaptive = Some(adaptive);
+        self
+    }
+
+    /// A look at the running [adaptive](Self::with_adaptive) stage (`None` without one),
+    /// for metrics and admin pages. Take it once the layer is configured, as a
+    /// [`rules_handle`](Self::rules_handle).
+    pub fn adaptive_handle(&self) -> Option<AdaptiveHandle> {
+        let stage = self.settings.stage()?.clone();
+        Some(AdaptiveHandle { stage })
+    }
+
     /// Builds the answers to rejected requests with `rejection`. See
     /// [`OnRejection`](crate::OnRejection).
     pub fn with_on_rejection<R2>(self, rejection: R2) -> RateLimitLayer<K, C, R2, M, E> {
@@ -546,6 +582,7 @@ impl<S, K, C: Clone, R: Clone, M: Clone, E: Clone> Layer<S> for RateLimitLayer<K
             rejection: self.rejection.clone(),
             name: settings.name.clone(),
             metrics: crate::metrics::LayerMetrics::new(&settings.name),
+            adaptive: settings.stage().cloned(),
         };
         RateLimit::new(
             inner,

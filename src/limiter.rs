@@ -116,6 +116,8 @@ impl<K> Limiter<K> {
             rejection: Verdicts,
             metrics: LayerMetrics::new(&name),
             name,
+            // Decisions outside HTTP have no response to learn from.
+            adaptive: None,
         });
         Self { key, cell, shared }
     }

@@ -11,6 +11,11 @@
 //! | [`tollgate_decision_seconds`](DECISION_SECONDS) | histogram | `route` | time from the store call to its answer (or its timeout) |
 //! | [`tollgate_plan_requests_total`](PLAN_REQUESTS_TOTAL) | counter | `route`, `plan`, `outcome` | one per request decided under a [plan](crate::plan) (also counted in the first) |
 //! | [`tollgate_delayed_requests_total`](DELAYED_REQUESTS_TOTAL) | counter | `route`, `outcome` | one per request decided after waiting its turn ([`with_max_wait`](crate::RateLimitLayer::with_max_wait)), with the outcome it is counted as in the first (`allowed`, `denied` when its wait ran out, `store_error`) |
+//! | [`tollgate_adaptive_limit`](ADAPTIVE_LIMIT) | gauge | `route` | the [adaptive](crate::adaptive) limit (one per layer; per key: none, see the handle) |
+//! | [`tollgate_adaptive_in_flight`](ADAPTIVE_IN_FLIGHT) | gauge | `route` | requests holding an adaptive permit (per key: over all keys) |
+//! | [`tollgate_adaptive_samples_total`](ADAPTIVE_SAMPLES_TOTAL) | counter | `route` | finished requests the adaptive limit learned from |
+//! | [`tollgate_adaptive_min_rtt_seconds`](ADAPTIVE_MIN_RTT_SECONDS) | gauge | `route` | the [`Gradient`](crate::adaptive::Gradient) baseline latency (one per layer) |
+//! | [`tollgate_adaptive_shed_total`](ADAPTIVE_SHED_TOTAL) | counter | `route`, `priority`, `shadow` | requests shed (`shadow="true"`: would have been) |
 //!
 //! A request the store could not decide counts as `store_error` whatever the
 //! [`FailurePolicy`](crate::FailurePolicy) then does with it; a request without a key counts
@@ -42,6 +47,26 @@ pub const DELAYED_REQUESTS_TOTAL: &str = "tollgate_delayed_requests_total";
 
 /// The decision latency histogram, in seconds: `tollgate_decision_seconds{route}`.
 pub const DECISION_SECONDS: &str = "tollgate_decision_seconds";
+
+/// The [adaptive](crate::adaptive) limit now: `tollgate_adaptive_limit{route}` (a layer
+/// with one limit; per key, see [`AdaptiveHandle`](crate::adaptive::AdaptiveHandle)).
+pub const ADAPTIVE_LIMIT: &str = "tollgate_adaptive_limit";
+
+/// The requests holding an [adaptive](crate::adaptive) permit:
+/// `tollgate_adaptive_in_flight{route}` (per key: over all keys).
+pub const ADAPTIVE_IN_FLIGHT: &str = "tollgate_adaptive_in_flight";
+
+/// The finished requests the [adaptive](crate::adaptive) limit learned from (served or
+/// dropped; not the ones whose client hung up): `tollgate_adaptive_samples_total{route}`.
+pub const ADAPTIVE_SAMPLES_TOTAL: &str = "tollgate_adaptive_samples_total";
+
+/// The [`Gradient`](crate::adaptive::Gradient) baseline latency, in seconds:
+/// `tollgate_adaptive_min_rtt_seconds{route}` (a layer with one limit).
+pub const ADAPTIVE_MIN_RTT_SECONDS: &str = "tollgate_adaptive_min_rtt_seconds";
+
+/// The requests the [adaptive](crate::adaptive) limit shed, or would have in shadow
+/// mode: `tollgate_adaptive_shed_total{route, priority, shadow}` (never a key label).
+pub const ADAPTIVE_SHED_TOTAL: &str = "tollgate_adaptive_shed_total";
 
 /// Registers the descriptions (`# HELP`) and units of the metrics with the installed
 /// recorder. Optional; call it once after installing the recorder. Does nothing without the

@@ -4,7 +4,9 @@ use std::any::Any;
 
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header::CONTENT_TYPE};
 
-use crate::{Decision, StoreError, headers::ceil_secs, key::KeyError};
+use crate::{
+    Decision, StoreError, StoreErrorKind, adaptive::Shedding, headers::ceil_secs, key::KeyError,
+};
 
 /// Builds the responses for requests the inner service never sees: rate-limited ones,
 /// ones without a key, and ones the store could not decide under the deny policy.
@@ -20,6 +22,20 @@ pub trait OnRejection<ReqB, ResB>: Send + Sync + 'static {
     fn key_missing(&self, request: &Request<ReqB>, error: &KeyError) -> Response<ResB>;
     /// The answer when the store failed and the failure policy is to deny.
     fn store_failed(&self, request: &Request<ReqB>, error: &StoreError) -> Response<ResB>;
+
+    /// The answer to a request the [adaptive](crate::adaptive) stage shed. The layer
+    /// adds `Retry-After` (the hint, in whole seconds rounded up) after this returns,
+    /// unless the answer has one.
+    ///
+    /// By default, the answer to a store failure ([`store_failed`](Self::store_failed)
+    /// with a [`StoreErrorKind::Overloaded`] error): a hook of your own that builds no
+    /// other answer says "unavailable, retry later" as it does then.
+    /// [`DefaultRejection`] and closures answer with
+    /// [`shedding.status`](Shedding::status) (503 or 429), gRPC `UNAVAILABLE`.
+    fn shed(&self, request: &Request<ReqB>, shedding: &Shedding) -> Response<ResB> {
+        let error = StoreError::new(StoreErrorKind::Overloaded, shedding.shed);
+        self.store_failed(request, &error)
+    }
 }
 
 /// The default answers, in HTTP or gRPC depending on the request's `content-type`:
@@ -297,6 +313,17 @@ impl<ReqB, ResB: Default + 'static> OnRejection<ReqB, ResB> for DefaultRejection
             .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         response
     }
+
+    fn shed(&self, request: &Request<ReqB>, shedding: &Shedding) -> Response<ResB> {
+        if !is_grpc(request) {
+            return http_answer(shedding.status);
+        }
+        // UNAVAILABLE: retryable, with the hint as `retry-after` (added by the layer).
+        let mut response = grpc_answer(14, &crate::adaptive::shed_message(shedding));
+        let hint_ms = u64::try_from(shedding.retry_after.as_millis()).unwrap_or(u64::MAX);
+        self.add_pushback(response.headers_mut(), hint_ms);
+        response
+    }
 }
 
 impl<F, ReqB, ResB> OnRejection<ReqB, ResB> for F
@@ -314,6 +341,10 @@ where
 
     fn store_failed(&self, request: &Request<ReqB>, error: &StoreError) -> Response<ResB> {
         DefaultRejection::new().store_failed(request, error)
+    }
+
+    fn shed(&self, request: &Request<ReqB>, shedding: &Shedding) -> Response<ResB> {
+        DefaultRejection::new().shed(request, shedding)
     }
 }
 

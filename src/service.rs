@@ -11,9 +11,10 @@ use tower_service::Service;
 
 use crate::{
     Decision, MissingKey, RequestCost,
+    adaptive::Tracked,
     count_after::{Recount, UpFront},
     decide::{Asked, Asking, Next, Shared, wait::Round},
-    future::{Pending, ResponseFuture, inform},
+    future::{Pending, ResponseFuture, attach, inform},
     key::{KeyError, KeyExtractor},
     metrics,
     policy::{Exempt, NoExemption},
@@ -135,8 +136,12 @@ where
             cost: self.cost.cost(&request),
             timer: metrics::Timer::start(),
         };
+        // One branch for layers without the adaptive stage.
+        if self.shared.adaptive.is_some() {
+            return self.adapted(request, asked);
+        }
         if self.rules.has_plans() {
-            return self.planned(request, asked);
+            return self.planned(request, asked, None);
         }
         let Self {
             inner,
@@ -165,7 +170,9 @@ where
             Next::Wait(ticket) => {
                 let round = ticket.round();
                 let asking = Asking::wait(*ticket, rules, &asked);
-                waits(asking, round, inner, shared, rules, recount, request, asked)
+                waits(
+                    asking, round, inner, shared, rules, recount, request, asked, None,
+                )
             }
             Next::Ask(asking) => waits(
                 asking,
@@ -176,8 +183,63 @@ where
                 recount,
                 request,
                 asked,
+                None,
             ),
         }
+    }
+}
+
+/// Decides a request of a layer with plans or the adaptive stage under `rules`, and
+/// calls the inner service or answers: what [`call`](Service::call) does inline for the
+/// plain layer, with the request's adaptive permit `tracked` riding on the call.
+#[allow(clippy::too_many_arguments)]
+fn dispatch<S, ReqB, ResB, R, M>(
+    inner: &mut S,
+    shared: &Arc<Shared<R>>,
+    rules: &Arc<Active>,
+    recount: &M,
+    request: Request<ReqB>,
+    asked: Asked,
+    tracked: Option<Box<Tracked>>,
+) -> ResponseFuture<S, ReqB, R, M>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    R: OnRejection<ReqB, ResB>,
+    M: Recount<ResB>,
+{
+    match shared.decide(rules, &request, &asked, M::AFTER) {
+        // Decided already: the memory store, a block-cache hit, an open circuit. A
+        // denial gives the adaptive permit back, without a sample.
+        Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
+        Next::Call(Some(decision), charged) if rules.headers.writes_when_allowed() => {
+            let charged = attach(charged, tracked, &shared.name, &asked);
+            let future = call_inner(inner, request, Some(&decision), rules);
+            let rules = Some(rules.clone());
+            ResponseFuture::calling(future, Some(decision), rules, charged, recount.clone())
+        }
+        Next::Call(ref decision, charged) => {
+            let charged = attach(charged, tracked, &shared.name, &asked);
+            let future = call_inner(inner, request, decision.as_ref(), rules);
+            ResponseFuture::calling(future, None, None, charged, recount.clone())
+        }
+        Next::Wait(ticket) => {
+            let round = ticket.round();
+            let asking = Asking::wait(*ticket, rules, &asked);
+            waits(
+                asking, round, inner, shared, rules, recount, request, asked, tracked,
+            )
+        }
+        Next::Ask(asking) => waits(
+            asking,
+            Round::First,
+            inner,
+            shared,
+            rules,
+            recount,
+            request,
+            asked,
+            tracked,
+        ),
     }
 }
 
@@ -215,12 +277,13 @@ fn waits<S, ReqB, R, M>(
     recount: &M,
     request: Request<ReqB>,
     asked: Asked,
+    tracked: Option<Box<Tracked>>,
 ) -> ResponseFuture<S, ReqB, R, M>
 where
     S: Service<Request<ReqB>> + Clone,
     M: Clone,
 {
-    let pending = Pending::new(take_ready(inner), request, asked, round);
+    let pending = Pending::new(take_ready(inner), request, asked, round, tracked);
     ResponseFuture::asking(asking, pending, shared, rules, recount.clone())
 }
 
@@ -238,6 +301,46 @@ impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
         ResponseFuture::calling(future, None, None, None, self.recount.clone())
     }
 
+    /// [`call`](Service::call) for a layer with the [adaptive](crate::adaptive) stage:
+    /// takes the request's permit before the store call (a shed request costs no store
+    /// call and no units), then decides it as without. Out of line, so that layers
+    /// without it pay one branch for it.
+    #[inline(never)]
+    fn adapted<ReqB, ResB>(
+        &mut self,
+        request: Request<ReqB>,
+        asked: Asked,
+    ) -> ResponseFuture<S, ReqB, R, M>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+        R: OnRejection<ReqB, ResB>,
+        M: Recount<ResB>,
+    {
+        let Some(stage) = self.shared.adaptive.clone() else {
+            return self.planned(request, asked, None);
+        };
+        let tracked = match stage.admit(&request, &asked.key) {
+            Ok(tracked) => tracked,
+            Err(shedding) => {
+                let mut response = self.shared.rejection.shed(&request, &shedding);
+                if !response.headers().contains_key(http::header::RETRY_AFTER) {
+                    let ms = u64::try_from(shedding.retry_after.as_millis()).unwrap_or(u64::MAX);
+                    let secs = crate::headers::ceil_secs(ms).max(1);
+                    response
+                        .headers_mut()
+                        .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+                }
+                return ResponseFuture::ready(response, self.recount.clone());
+            }
+        };
+        if self.rules.has_plans() {
+            return self.planned(request, asked, tracked);
+        }
+        let rules = self.rules.clone();
+        let (inner, shared, recount) = (&mut self.inner, &self.shared, &self.recount);
+        dispatch(inner, shared, &rules, recount, request, asked, tracked)
+    }
+
     /// [`call`](Service::call) for a layer with [plans](crate::plan): decides the request
     /// under its plan's rules. Out of line, so that layers without plans pay one branch
     /// for them.
@@ -246,6 +349,7 @@ impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
         &mut self,
         request: Request<ReqB>,
         asked: Asked,
+        tracked: Option<Box<Tracked>>,
     ) -> ResponseFuture<S, ReqB, R, M>
     where
         S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
@@ -259,47 +363,24 @@ impl<S, K, C, R, M, E> RateLimit<S, K, C, R, M, E> {
             Ok(Chosen::Unlimited(plan)) => {
                 self.shared.metrics.request(metrics::Outcome::Allowed);
                 self.shared.metrics.plan(plan, metrics::Outcome::Allowed);
+                let charged = attach(None, tracked, &self.shared.name, &asked);
                 let future = self.inner.call(request);
-                return ResponseFuture::calling(future, None, None, None, self.recount.clone());
+                return ResponseFuture::calling(future, None, None, charged, self.recount.clone());
             }
             Err(resolving) => {
-                let pending =
-                    Pending::new(take_ready(&mut self.inner), request, asked, Round::First);
+                let pending = Pending::new(
+                    take_ready(&mut self.inner),
+                    request,
+                    asked,
+                    Round::First,
+                    tracked,
+                );
                 let recount = self.recount.clone();
                 return ResponseFuture::resolving(resolving, pending, &self.shared, layer, recount);
             }
         };
         let (inner, shared, recount) = (&mut self.inner, &self.shared, &self.recount);
-        match shared.decide(rules, &request, &asked, M::AFTER) {
-            // Decided already: the memory store, a block-cache hit, an open circuit.
-            Next::Answer(response) => ResponseFuture::ready(response, recount.clone()),
-            Next::Call(Some(decision), charged) if rules.headers.writes_when_allowed() => {
-                let future = call_inner(inner, request, Some(&decision), rules);
-                let rules = Some(rules.clone());
-                ResponseFuture::calling(future, Some(decision), rules, charged, recount.clone())
-            }
-            // Nothing to write: the response needs neither the decision nor the rules.
-            // (Borrowed: a decision moved out of `next` costs a copy.)
-            Next::Call(ref decision, charged) => {
-                let future = call_inner(inner, request, decision.as_ref(), rules);
-                ResponseFuture::calling(future, None, None, charged, recount.clone())
-            }
-            Next::Wait(ticket) => {
-                let round = ticket.round();
-                let asking = Asking::wait(*ticket, rules, &asked);
-                waits(asking, round, inner, shared, rules, recount, request, asked)
-            }
-            Next::Ask(asking) => waits(
-                asking,
-                Round::First,
-                inner,
-                shared,
-                rules,
-                recount,
-                request,
-                asked,
-            ),
-        }
+        dispatch(inner, shared, rules, recount, request, asked, tracked)
     }
 
     /// [`call`](Service::call) for a request without a key: the missing-key policy. Out

@@ -234,6 +234,13 @@ impl Permit {
         self.done = true;
         self.inner.release(self.started, now, outcome);
     }
+
+    /// Counts the request's latency from `now` instead of its admission: it starts being
+    /// served now (after a store call, or a wait in line, that says nothing about the
+    /// service). It stays in flight all along.
+    pub fn restart(&mut self, now: Duration) {
+        self.started = now;
+    }
 }
 
 impl Drop for Permit {

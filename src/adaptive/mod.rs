@@ -50,11 +50,103 @@
 //! requests ([`Concurrency::try_acquire`]) and takes each finished one's latency and
 //! outcome ([`Permit::finish`]). Times are given by the caller (a monotonic
 //! [`Duration`] since any fixed start), so tests drive it with made-up times.
+//!
+//! # The stage of a layer
+//!
+//! [`RateLimitLayer::with_adaptive`](crate::RateLimitLayer::with_adaptive) runs an
+//! [`Adaptive`] stage in the layer's pipeline:
+//!
+//! ```text
+//! request ─► (exempt? passes) ─► key ─► adaptive permit ─► plan ─► store call ─► inner service
+//!                                          │ shed: 503 + Retry-After (no store call, no units)
+//! ```
+//!
+//! - **Before the store call.** The permit is taken in process, right after the key is
+//!   extracted: a shed request costs no store round trip and spends no rate-limit units.
+//!   A request the limits then deny (or the failure policy refuses) gives its permit back
+//!   without a sample. Exempt requests, and requests without a key that the
+//!   [missing-key policy](crate::MissingKey) lets through, skip the stage as they skip
+//!   every other.
+//! - **Waiting.** A request that waits its turn
+//!   ([`with_max_wait`](crate::RateLimitLayer::with_max_wait)) holds its permit while it
+//!   waits (it is work the service has accepted), but its latency counts from the call to
+//!   the inner service: a wait in line, or a slow store, says nothing about the service.
+//! - **In flight until the body ends.** The permit is given back when the response body
+//!   ends, fails or is dropped (or the response future is dropped, or the inner service
+//!   fails), as an [in-flight limit](crate::InFlightLimit)'s permit is, in the same body
+//!   wrapper. The **latency sample** is the time from the call to the response head (a
+//!   stream's length is the client's business, not a sign of overload); it is recorded
+//!   when the body ends, with the outcome the head and trailers gave.
+//! - **Priority**: [`Adaptive::with_priority`]'s closure, else a [`Priority`] in the
+//!   request's extensions (set by your own layer, which knows the caller), else the
+//!   [header](Adaptive::with_priority_header) (which any client can send), else
+//!   [`Priority::Default`].
+//! - **Shed answers** come from the layer's [`OnRejection::shed`](crate::OnRejection::shed):
+//!   by default 503 (or 429, [`Adaptive::with_shed_status`]) with `Retry-After` (1 s,
+//!   [`Adaptive::with_retry_after`]); a gRPC call gets HTTP 200 trailers-only
+//!   `grpc-status: 14` UNAVAILABLE (retryable) with `retry-after` metadata and a
+//!   `grpc-message` naming the priority. Shed requests are not counted in
+//!   `tollgate_requests_total` (they never reached the limits), but in
+//!   `tollgate_adaptive_shed_total`.
+//! - **Shadow mode** ([`Adaptive::with_shadow`]): the limit runs and learns from the
+//!   requests it admits; one it would shed passes without a permit and is counted with
+//!   `shadow="true"`.
+//! - **One limit for the layer** (its clones and every service they make: each process
+//!   measures its own upstream), or **one per key** ([`Adaptive::with_per_key`], bounded;
+//!   an evicted key's requests in flight still give their permits back). A
+//!   [`RulesHandle`](crate::rules::RulesHandle) swap keeps the stage's state; a builder
+//!   call after services were made makes a new layer, with a new state (as for the
+//!   rules).
+//! - **Composes** with every other option of the layer (plans, shadow limits,
+//!   `count_when` and late costs, `max_wait`, lockouts, in-flight limits, leases, rules
+//!   swaps, every failure policy): it is decided before them, in process, whatever the
+//!   store does. With a store that is down, requests are still shed by it.
+//! - **Time** is read from Tokio's clock ([`tokio::time::Instant`]), so tests pause and
+//!   advance it.
+//! - **Visibility**: [`RateLimitLayer::adaptive_handle`](crate::RateLimitLayer::adaptive_handle)
+//!   gives an [`AdaptiveHandle`] whose [`snapshot`](AdaptiveHandle::snapshot) is the
+//!   state now; with the `metrics` feature, the gauges and counters listed in
+//!   [`metrics`](crate::metrics).
+//!
+//! ## What a response means for the limit
+//!
+//! By default: a 5xx status, or a `grpc-status` of 14 UNAVAILABLE or 4 DEADLINE_EXCEEDED
+//! (in the headers of a trailers-only answer, or in the trailers at the body's end), is
+//! [`Outcome::Dropped`]; so is an inner service error or a body that fails. A response
+//! future or body dropped before the end (the client hung up) gives no sample. Anything
+//! else is [`Outcome::Success`]. [`Adaptive::with_outcome`] replaces the reading of the
+//! head (trailers are then not read).
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{Router, routing::get};
+//! use http::HeaderName;
+//! use tollgate::{Limit, RateLimitLayer, key::GlobalKey};
+//! use tollgate::adaptive::{Adaptive, AdaptiveLimit, Gradient};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let adaptive = Adaptive::new(
+//!     AdaptiveLimit::new(Gradient::new()).with_bounds(4, 20, 500)?,
+//! )
+//! .with_priority_header(HeaderName::from_static("x-priority"))
+//! .with_retry_after(Duration::from_secs(2))?;
+//! let layer = RateLimitLayer::new(Limit::per_second(1000)?)
+//!     .with_key(GlobalKey)
+//!     .with_adaptive(adaptive);
+//! let handle = layer.adaptive_handle().expect("the layer has the stage");
+//! let app: Router = Router::new().route("/", get(|| async { "ok" })).layer(layer);
+//! assert_eq!(handle.snapshot().limit, 20);
+//! # let _ = app;
+//! # Ok(()) }
+//! ```
 
 mod aimd;
 mod concurrency;
 mod gradient;
 mod priority;
+mod running;
+mod stage;
+mod telemetry;
 mod window;
 
 use std::time::Duration;
@@ -63,6 +155,9 @@ pub use aimd::Aimd;
 pub use concurrency::{Concurrency, Permit, Shed, Snapshot};
 pub use gradient::Gradient;
 pub use priority::{Priority, Shares};
+pub use running::AdaptiveHandle;
+pub(crate) use running::{Stage, Tracked, shed_message};
+pub use stage::{Adaptive, DEFAULT_RETRY_AFTER, Shedding};
 
 use crate::ConfigError;
 use window::Window;

@@ -79,15 +79,38 @@ impl<B: Body> Body for RateLimitBody<B> {
         let frame = ready!(this.inner.as_mut().poll_frame(cx));
         // The end, or an error (the body is over): the request is no longer in flight,
         // and its charge settles (dropped, with the units decided at the response).
-        if this.held.is_some() && (!matches!(frame, Some(Ok(_))) || this.inner.is_end_stream()) {
-            this.held.take();
+        if let Some(held) = this.held.as_mut() {
+            match &frame {
+                Some(Ok(frame)) => {
+                    if let Some(trailers) = frame.trailers_ref() {
+                        held.trailers(trailers);
+                    }
+                    if this.inner.is_end_stream() {
+                        held.ended();
+                        this.held.take();
+                    }
+                }
+                Some(Err(_)) => {
+                    held.failed();
+                    this.held.take();
+                }
+                None => {
+                    held.ended();
+                    this.held.take();
+                }
+            }
         }
         Poll::Ready(frame)
     }
 
     #[inline]
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        let end = self.inner.is_end_stream();
+        // A server drops a body that says it is over without reading it: its end.
+        if end && let Some(held) = &self.held {
+            held.saw_end();
+        }
+        end
     }
 
     #[inline]
@@ -146,21 +169,26 @@ where
         match &frame {
             Some(Ok(frame)) => {
                 if let Some(trailers) = frame.trailers_ref()
-                    && let Some((charged, read)) = this.pending.take()
+                    && let Some((mut charged, read)) = this.pending.take()
                 {
+                    charged.trailers(trailers);
+                    charged.ended();
                     let cost = charged.cost;
                     charged.settle(read(Some(trailers)).unwrap_or(cost));
                 }
             }
             None => {
-                if let Some((charged, read)) = this.pending.take() {
+                if let Some((mut charged, read)) = this.pending.take() {
+                    charged.ended();
                     let cost = charged.cost;
                     charged.settle(read(None).unwrap_or(cost));
                 }
             }
             // A body that failed keeps the charge.
             Some(Err(_)) => {
-                this.pending.take();
+                if let Some((mut charged, _)) = this.pending.take() {
+                    charged.failed();
+                }
             }
         }
         Poll::Ready(frame)

@@ -3,8 +3,11 @@
 
 use std::{fmt, sync::Arc};
 
+use http::{HeaderMap, Response};
+
 use crate::{
     Adjustment, Decision, Limit, StoreError,
+    adaptive::Tracked,
     key::Key,
     store::{Check, Guarded, Permit},
 };
@@ -27,6 +30,8 @@ pub struct Charged {
     /// What the request costs in the end, once known, while its permit is held (until
     /// the body ends): settled when dropped.
     units: Option<u32>,
+    /// The request's adaptive permit, until the response ends.
+    adaptive: Option<Box<Tracked>>,
 }
 
 impl Drop for Charged {
@@ -57,6 +62,54 @@ impl Charged {
             charges,
             permit: None,
             units: None,
+            adaptive: None,
+        }
+    }
+
+    /// The same charge holding the request's adaptive permit too.
+    pub(crate) fn tracking(mut self: Box<Self>, tracked: Box<Tracked>) -> Box<Self> {
+        self.adaptive = Some(tracked);
+        self
+    }
+
+    /// The response head is there: the adaptive sample's latency ends, and its outcome
+    /// is what the head says.
+    #[inline]
+    pub(crate) fn head<B>(&mut self, response: Response<B>) -> Response<B> {
+        match &mut self.adaptive {
+            Some(tracked) => tracked.head(response),
+            None => response,
+        }
+    }
+
+    /// The response's trailers, for the adaptive outcome.
+    #[inline]
+    pub(crate) fn trailers(&mut self, trailers: &HeaderMap) {
+        if let Some(tracked) = &mut self.adaptive {
+            tracked.trailers(trailers);
+        }
+    }
+
+    /// The response is over: the adaptive sample is taken.
+    #[inline]
+    pub(crate) fn ended(&mut self) {
+        if let Some(tracked) = self.adaptive.take() {
+            tracked.ended();
+        }
+    }
+
+    /// The inner service or the body failed: the adaptive limit counts a drop.
+    pub(crate) fn failed(&mut self) {
+        if let Some(tracked) = self.adaptive.take() {
+            tracked.failed();
+        }
+    }
+
+    /// The body says it is over (it may be dropped without being read to its end).
+    #[inline]
+    pub(crate) fn saw_end(&self) {
+        if let Some(tracked) = &self.adaptive {
+            tracked.saw_end();
         }
     }
 
@@ -81,7 +134,7 @@ impl Charged {
     /// `units` when the body is over (the permit's release and the adjustment go in one
     /// store call).
     pub(super) fn settle_or_hold(self, units: u32) -> Option<Self> {
-        if self.permit.is_some() {
+        if self.permit.is_some() || self.adaptive.is_some() {
             return Some(self.decided(units));
         }
         self.settle(units);

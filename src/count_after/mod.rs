@@ -238,7 +238,8 @@ where
         // A trailers-only gRPC answer (an error status, most often) carries its trailers
         // in its headers: they are read now.
         let charged = match charged {
-            Some(charged) if response.headers().contains_key("grpc-status") => {
+            Some(mut charged) if response.headers().contains_key("grpc-status") => {
+                charged.ended();
                 let cost = charged.cost;
                 charged.settle((self.0)(Some(response.headers())).unwrap_or(cost));
                 None

@@ -23,6 +23,7 @@ use self::{
 };
 use crate::{
     Decision, StoreError,
+    adaptive::Stage,
     count_after::Charged,
     key::Key,
     metrics::{LayerMetrics, Timer},
@@ -38,6 +39,8 @@ pub(crate) struct Shared<R> {
     /// The layer's name: the `route` label of its metrics.
     pub(crate) name: Arc<str>,
     pub(crate) metrics: LayerMetrics,
+    /// The adaptive stage, if the layer has one: taken before the store call.
+    pub(crate) adaptive: Option<Arc<Stage>>,
 }
 
 /// How the store was asked about a request: what [`settle`] needs besides its answer.
