@@ -394,21 +394,17 @@ impl<K, C, R, M, E> RateLimitLayer<K, C, R, M, E> {
         self
     }
 
-    /// Adds the [adaptive](crate::adaptive#the-stage-of-a-layer) stage: an in-flight
-    /// limit that follows the service's latency and errors and sheds the least critical
-    /// requests first, taken before the store call (a shed request costs no store call
-    /// and no units). One limit for the layer, its clones and the services they make
-    /// (or one per key, [`Adaptive::with_per_key`]); a [`RulesHandle`] swap keeps it.
-    /// Composes with every other option. Read it with
-    /// [`adaptive_handle`](Self::adaptive_handle).
+    /// Adds the [adaptive stage](crate::adaptive#the-stage-of-a-layer): an in-flight limit
+    /// that follows latency and errors and sheds the least critical first, before the
+    /// store call (a shed request costs no store call, no units). One for the layer and
+    /// its clones (or per key); a [`RulesHandle`] swap keeps it. Composes with every option.
     pub fn with_adaptive(mut self, adaptive: Adaptive) -> Self {
         self.settings.changed().adaptive = Some(adaptive);
         self
     }
 
-    /// A look at the running [adaptive](Self::with_adaptive) stage (`None` without one),
-    /// for metrics and admin pages. Take it once the layer is configured, as a
-    /// [`rules_handle`](Self::rules_handle).
+    /// The running [adaptive](Self::with_adaptive) stage (`None` without one), for metrics
+    /// and admin pages; take it once the layer is configured.
     pub fn adaptive_handle(&self) -> Option<AdaptiveHandle> {
         let stage = self.settings.stage()?.clone();
         Some(AdaptiveHandle { stage })

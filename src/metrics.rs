@@ -90,6 +90,31 @@ pub fn describe() {
             ::metrics::Unit::Count,
             "Requests a rate-limit layer decided under a plan, by plan and outcome."
         );
+        ::metrics::describe_gauge!(
+            ADAPTIVE_LIMIT,
+            ::metrics::Unit::Count,
+            "The adaptive in-flight limit of a layer (one limit per layer)."
+        );
+        ::metrics::describe_gauge!(
+            ADAPTIVE_IN_FLIGHT,
+            ::metrics::Unit::Count,
+            "Requests holding an adaptive permit (per key: over all keys)."
+        );
+        ::metrics::describe_counter!(
+            ADAPTIVE_SAMPLES_TOTAL,
+            ::metrics::Unit::Count,
+            "Finished requests the adaptive limit learned from (served or dropped)."
+        );
+        ::metrics::describe_gauge!(
+            ADAPTIVE_MIN_RTT_SECONDS,
+            ::metrics::Unit::Seconds,
+            "The gradient algorithm's baseline latency (one limit per layer)."
+        );
+        ::metrics::describe_counter!(
+            ADAPTIVE_SHED_TOTAL,
+            ::metrics::Unit::Count,
+            "Requests the adaptive limit shed (shadow=\"true\": would have shed), by priority."
+        );
         ::metrics::describe_counter!(
             DELAYED_REQUESTS_TOTAL,
             ::metrics::Unit::Count,

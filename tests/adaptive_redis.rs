@@ -34,7 +34,11 @@ fn gated(gate: Arc<Semaphore>) -> Handler {
 }
 
 fn fixed(n: u32) -> Adaptive {
-    Adaptive::new(AdaptiveLimit::new(Aimd::new()).with_bounds(n, n, n).unwrap())
+    Adaptive::new(
+        AdaptiveLimit::new(Aimd::new())
+            .with_bounds(n, n, n)
+            .unwrap(),
+    )
 }
 
 fn request() -> Request<Body> {
@@ -123,7 +127,8 @@ async fn with_redis_killed_every_failure_policy_still_sheds() {
         assert_eq!(
             status(&mut service).await,
             StatusCode::SERVICE_UNAVAILABLE,
-            "{}: shed while Redis is down", policy.as_str()
+            "{}: shed while Redis is down",
+            policy.as_str()
         );
         gate.add_permits(1);
         let first = held.await.unwrap();

@@ -127,7 +127,7 @@ impl StageMetrics {
     pub(crate) fn shed(&self, priority: Priority, shadow: bool) {
         #[cfg(feature = "metrics")]
         self.with_handles(|handles| {
-            handles.shed[priority as usize][usize::from(shadow)].increment(1)
+            handles.shed[priority as usize][usize::from(shadow)].increment(1);
         });
         #[cfg(not(feature = "metrics"))]
         let _ = (priority, shadow);
