@@ -5,7 +5,7 @@
 //! `max_wait`, an in-flight limit, plans and a rules swap. Time is Tokio's, paused where
 //! latency matters: no sleeps.
 
-use std::time::Duration;
+use std::{convert::Infallible, time::Duration};
 
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode, header::RETRY_AFTER};
@@ -572,4 +572,41 @@ async fn clones_of_the_layer_and_their_services_share_one_limit() {
     let _held = call(&mut one, request(&[])).await;
     let answer = call(&mut two, request(&[])).await.await.unwrap();
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grpc_status_in_the_trailers_at_the_body_end_is_a_drop() {
+    use http_body_util::StreamBody;
+    let limit = AdaptiveLimit::new(Aimd::new())
+        .with_bounds(1, 10, 20)
+        .unwrap()
+        .with_window(Duration::from_millis(10), 1)
+        .unwrap();
+    for (status, expected) in [("14", 9), ("0", 10)] {
+        let layer = layer(Adaptive::new(limit));
+        let handle = handle(&layer);
+        let streaming = BoxCloneSyncService::new(service_fn(move |_: Request<Body>| async move {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", status.parse().unwrap());
+            let frames = [
+                Ok::<_, Infallible>(http_body::Frame::data(bytes::Bytes::from("m"))),
+                Ok(http_body::Frame::trailers(trailers)),
+            ];
+            let body = Body::new(StreamBody::new(futures_util::stream::iter(frames)));
+            Ok::<_, String>(Response::new(body))
+        }));
+        let mut service = layer.layer(streaming);
+        for _ in 0..2 {
+            let response = call(&mut service, request(&[])).await.await.unwrap();
+            assert_eq!(in_flight(&handle), 1, "held until the trailers");
+            response.into_body().collect().await.unwrap();
+            tokio::time::advance(Duration::from_millis(20)).await;
+        }
+        let now = handle.snapshot();
+        assert_eq!(
+            (now.limit, now.in_flight),
+            (expected, 0),
+            "grpc-status {status}"
+        );
+    }
 }
