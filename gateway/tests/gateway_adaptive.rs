@@ -91,10 +91,13 @@ impl Upstream {
 /// What a client got: the status, `Retry-After` and the body.
 type Answer = (u16, Option<String>, Bytes);
 
-async fn get(client: &HttpClient, url: String, priority: Option<&str>) -> Answer {
+/// Headers of a request: (name, value).
+type Headers = &'static [(&'static str, &'static str)];
+
+async fn get(client: &HttpClient, url: String, headers: Headers) -> Answer {
     let mut request = http::Request::get(url);
-    if let Some(priority) = priority {
-        request = request.header("x-priority", priority);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     let response = tokio::time::timeout(
         TIMEOUT,
@@ -118,7 +121,7 @@ async fn get(client: &HttpClient, url: String, priority: Option<&str>) -> Answer
 async fn get_admitted(client: &HttpClient, url: String) -> Answer {
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     loop {
-        let answer = get(client, url.clone(), None).await;
+        let answer = get(client, url.clone(), &[]).await;
         if answer.0 != 503 {
             return answer;
         }
@@ -128,17 +131,13 @@ async fn get_admitted(client: &HttpClient, url: String) -> Answer {
 }
 
 /// A request sent in the background (it is held at the upstream).
-fn spawn_get(
-    client: &HttpClient,
-    url: String,
-    priority: Option<&'static str>,
-) -> JoinHandle<Answer> {
+fn spawn_get(client: &HttpClient, url: String, headers: Headers) -> JoinHandle<Answer> {
     let client = client.clone();
-    tokio::spawn(async move { get(&client, url, priority).await })
+    tokio::spawn(async move { get(&client, url, headers).await })
 }
 
 async fn scrape(client: &HttpClient, admin: SocketAddr) -> (Scrape, String) {
-    let (status, _, body) = get(client, format!("http://{admin}/metrics"), None).await;
+    let (status, _, body) = get(client, format!("http://{admin}/metrics"), &[]).await;
     assert_eq!(status, 200);
     let text = String::from_utf8(body.to_vec()).unwrap();
     let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap();
@@ -200,8 +199,16 @@ async fn beyond_the_limit_the_least_critical_are_shed_first_and_metrics_show_it(
     let mut up = Upstream::start().await;
     let adaptive = "min = 1\ninitial = 4\nmax = 4\ncritical_share = 0.25\n\
                     default_share = 0.25\npriority_header = \"x-priority\"";
+    // `/b` has limits under two kinds of key: the adaptive limit is the `ip` layer's.
+    let two_keys = format!(
+        "\n[[routes]]\npath = \"/b\"\nupstream = \"http://{}\"\n[[routes.limits]]\n\
+         key = \"global\"\nalgorithm = \"fixed_window\"\nlimit = 1000\nwindow = \"1h\"\n\
+         [[routes.limits]]\nkey = \"ip\"\nalgorithm = \"fixed_window\"\nlimit = 1000\n\
+         window = \"1h\"\n[routes.adaptive]\nmax = 3\n",
+        up.addr
+    );
     let text = format!(
-        "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}",
+        "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{two_keys}",
         route("/a", up.addr, 1_000_000, adaptive)
     );
     let gw = server::start(Config::parse(&text).unwrap()).await.unwrap();
@@ -215,21 +222,29 @@ async fn beyond_the_limit_the_least_critical_are_shed_first_and_metrics_show_it(
     };
     // Two sheddable requests in flight; the third is shed.
     for _ in 0..2 {
-        held.push(spawn_get(&client, url.clone(), Some("sheddable")));
+        held.push(spawn_get(
+            &client,
+            url.clone(),
+            &[("x-priority", "sheddable")],
+        ));
         up.arrival("/a").await;
     }
-    shed(get(&client, url.clone(), Some("sheddable")).await);
+    shed(get(&client, url.clone(), &[("x-priority", "sheddable")]).await);
     // A default one gets the third place, not a fourth.
-    held.push(spawn_get(&client, url.clone(), None));
+    held.push(spawn_get(&client, url.clone(), &[]));
     up.arrival("/a").await;
-    shed(get(&client, url.clone(), Some("default")).await);
-    shed(get(&client, url.clone(), Some("sheddable")).await);
+    shed(get(&client, url.clone(), &[("x-priority", "default")]).await);
+    shed(get(&client, url.clone(), &[("x-priority", "sheddable")]).await);
     // A critical one the last; then every priority is shed.
-    held.push(spawn_get(&client, url.clone(), Some("critical")));
+    held.push(spawn_get(
+        &client,
+        url.clone(),
+        &[("x-priority", "critical")],
+    ));
     up.arrival("/a").await;
-    shed(get(&client, url.clone(), Some("critical")).await);
+    shed(get(&client, url.clone(), &[("x-priority", "critical")]).await);
     // An unknown value is the default priority.
-    shed(get(&client, url.clone(), Some("urgent")).await);
+    shed(get(&client, url.clone(), &[("x-priority", "urgent")]).await);
     up.none_arrived();
 
     let (page, text) = scrape(&client, admin).await;
@@ -242,11 +257,8 @@ async fn beyond_the_limit_the_least_critical_are_shed_first_and_metrics_show_it(
         )
         .unwrap_or(0.0)
     };
-    assert_eq!(
-        value(&page, "tollgate_adaptive_limit", &route),
-        Some(4.0),
-        "{text}"
-    );
+    // The library sets `tollgate_adaptive_limit` with each sample (it reads 0 until the
+    // first): it is checked once the requests have ended, below.
     assert_eq!(
         value(&page, "tollgate_adaptive_in_flight", &route),
         Some(4.0),
@@ -304,6 +316,35 @@ async fn beyond_the_limit_the_least_critical_are_shed_first_and_metrics_show_it(
         "{text}"
     );
     assert_eq!(shed_total("sheddable", "false"), 2.0);
+
+    // The route with two layers: its series carry the outer (`ip`) layer's name.
+    up.hold.add_permits(1);
+    assert_eq!(
+        get(&client, format!("http://{}/b", gw.addr()), &[]).await.0,
+        200
+    );
+    up.arrival("/b").await;
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    loop {
+        let (page, text) = scrape(&client, admin).await;
+        let b = |route| {
+            value(
+                &page,
+                "tollgate_adaptive_samples_total",
+                &[("route", route)],
+            )
+        };
+        if b("/b ip") == Some(1.0) {
+            assert_eq!(b("/b global"), None, "{text}");
+            assert_eq!(
+                value(&page, "tollgate_adaptive_limit", &[("route", "/b ip")]),
+                Some(3.0)
+            );
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no sample:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A shed request gets 503 with `Retry-After` (the configured hint, whole seconds), or
@@ -312,8 +353,14 @@ async fn beyond_the_limit_the_least_critical_are_shed_first_and_metrics_show_it(
 async fn shed_answers_and_shadow_mode() {
     let mut up = Upstream::start().await;
     let one = "min = 1\ninitial = 1\nmax = 1";
+    let per_key = format!(
+        "\n[[routes]]\npath = \"/k\"\nupstream = \"http://{}\"\n[[routes.limits]]\n\
+         key = \"header:x-k\"\nalgorithm = \"fixed_window\"\nlimit = 1000\nwindow = \"1h\"\n\
+         [routes.adaptive]\n{one}\nper_key = 10\n",
+        up.addr
+    );
     let text = format!(
-        "listen = \"127.0.0.1:0\"\n{}{}{}",
+        "listen = \"127.0.0.1:0\"\n{per_key}{}{}{}",
         route("/s503", up.addr, 2, one),
         route(
             "/s429",
@@ -333,9 +380,9 @@ async fn shed_answers_and_shadow_mode() {
     let client = client();
 
     // 503 + Retry-After: 1; the shed one spent none of the limit of 2.
-    let held = spawn_get(&client, format!("{base}/s503"), None);
+    let held = spawn_get(&client, format!("{base}/s503"), &[]);
     up.arrival("/s503").await;
-    let (status, retry_after, _) = get(&client, format!("{base}/s503"), None).await;
+    let (status, retry_after, _) = get(&client, format!("{base}/s503"), &[]).await;
     assert_eq!((status, retry_after.as_deref()), (503, Some("1")));
     up.none_arrived();
     up.hold.add_permits(1);
@@ -348,24 +395,35 @@ async fn shed_answers_and_shadow_mode() {
     assert_eq!(status, 429, "the rate limit, spent by two requests");
 
     // 429 + Retry-After: 2 (1.5 s rounded up).
-    let held = spawn_get(&client, format!("{base}/s429"), None);
+    let held = spawn_get(&client, format!("{base}/s429"), &[]);
     up.arrival("/s429").await;
-    let (status, retry_after, _) = get(&client, format!("{base}/s429"), None).await;
+    let (status, retry_after, _) = get(&client, format!("{base}/s429"), &[]).await;
     assert_eq!((status, retry_after.as_deref()), (429, Some("2")));
     up.none_arrived();
     up.hold.add_permits(1);
     assert_eq!(held.await.unwrap().0, 200);
 
     // Shadow: the second request reaches the upstream too.
-    let first = spawn_get(&client, format!("{base}/shadow"), None);
+    let first = spawn_get(&client, format!("{base}/shadow"), &[]);
     up.arrival("/shadow").await;
-    let second = spawn_get(&client, format!("{base}/shadow"), None);
+    let second = spawn_get(&client, format!("{base}/shadow"), &[]);
     up.arrival("/shadow").await;
     up.hold.add_permits(2);
     for task in [first, second] {
         let (status, retry_after, _) = task.await.unwrap();
         assert_eq!((status, retry_after), (200, None));
     }
+
+    // `per_key`: a limit of 1 for each `x-k` (the layer's key).
+    let a: Headers = &[("x-k", "a")];
+    let held = spawn_get(&client, format!("{base}/k"), a);
+    up.arrival("/k").await;
+    let other = spawn_get(&client, format!("{base}/k"), &[("x-k", "b")]);
+    up.arrival("/k").await;
+    assert_eq!(get(&client, format!("{base}/k"), a).await.0, 503);
+    up.none_arrived();
+    up.hold.add_permits(2);
+    assert_eq!((held.await.unwrap().0, other.await.unwrap().0), (200, 200));
 }
 
 /// A reload may not add, change or remove a running route's `[routes.adaptive]`: refused
@@ -412,7 +470,7 @@ async fn a_reload_cannot_change_the_adaptive_section() {
     };
     let (before, _) = scrape(&client, admin).await;
 
-    let held = spawn_get(&client, url.clone(), None);
+    let held = spawn_get(&client, url.clone(), &[]);
     up.arrival("/r").await;
     let adaptive_of_plain = format!(
         "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{}",
@@ -436,14 +494,14 @@ async fn a_reload_cannot_change_the_adaptive_section() {
         assert_eq!(gw.version(), 1);
     }
     // Still the old limit of 1, with the held request in it.
-    assert_eq!(get(&client, url.clone(), None).await.0, 503);
+    assert_eq!(get(&client, url.clone(), &[]).await.0, 503);
 
     // Another rate limit, and a new route with an adaptive section of its own: applied,
     // and the running adaptive limit still counts the held request.
     let added = route("/new", up.addr, 10, "max = 5");
     std::fs::write(&file, text(2000, 1, &added)).unwrap();
     assert_eq!(watcher.reload(), Ok(2));
-    assert_eq!(get(&client, url.clone(), None).await.0, 503);
+    assert_eq!(get(&client, url.clone(), &[]).await.0, 503);
     up.none_arrived();
     up.hold.add_permits(1);
     assert_eq!(held.await.unwrap().0, 200);
