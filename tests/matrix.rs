@@ -8,7 +8,9 @@
 //! lockout, not the window; leases: counts stay exact with quota held by the node; a rules
 //! swap while 8 tasks send requests: the new limits hold; an in-flight limit: a third
 //! request of a key is denied while two are held in the handler, and the permits come
-//! back; failure policies: what a request
+//! back; the adaptive stage: with its limit held by requests in the handler, the next
+//! request is shed 503 before the store call, spending nothing, and admitted again once
+//! they end; failure policies: what a request
 //! gets while the store is down, and with the local fallback every other probe passes on
 //! the fallback). A cell builds one layer with both features and runs both probes, each
 //! aware of the other (under plans a probe counts against its plan's limit, under
@@ -39,6 +41,7 @@ use http::{HeaderName, Request, Response, StatusCode};
 use tokio::sync::Semaphore;
 use tollgate::{
     ConfigError, FailurePolicy, InFlightLimit, Limit, Limiter, RateLimitLayer,
+    adaptive::{Adaptive, AdaptiveHandle, AdaptiveLimit, Aimd},
     clock::ManualClock,
     key::{HeaderKey, Key, KeyExtractor},
     plan::{Plan, PlanLookup, Plans},
@@ -52,6 +55,8 @@ const LOCKOUT: Duration = Duration::from_secs(2 * 3600);
 const MAX_WAIT: Duration = Duration::from_millis(150);
 /// The in-flight limit's cap.
 const IN_FLIGHT: u32 = 2;
+/// The adaptive limit (fixed: its bounds are all this).
+const ADAPTIVE: u32 = 3;
 const NOW_MS: u64 = 1_700_000_000_000;
 
 /// The features of the matrix.
@@ -67,12 +72,13 @@ enum F {
     Leases,
     InFlight,
     Swap,
+    Adaptive,
     Allow,
     Deny,
     Local,
 }
 
-const FEATURES: [F; 13] = [
+const FEATURES: [F; 14] = [
     F::PlanHeader,
     F::PlanLookup,
     F::Shadow,
@@ -83,6 +89,7 @@ const FEATURES: [F; 13] = [
     F::Leases,
     F::InFlight,
     F::Swap,
+    F::Adaptive,
     F::Allow,
     F::Deny,
     F::Local,
@@ -314,9 +321,15 @@ struct Setup {
     gate: Gate,
     rules: RulesHandle,
     limiter: Limiter<HeaderKey>,
+    adaptive: Option<AdaptiveHandle>,
 }
 
-fn finish<L, RB>(layer: L, rules: RulesHandle, limiter: Limiter<HeaderKey>) -> Setup
+fn finish<L, RB>(
+    layer: L,
+    rules: RulesHandle,
+    limiter: Limiter<HeaderKey>,
+    adaptive: Option<AdaptiveHandle>,
+) -> Setup
 where
     L: Layer<Svc>,
     L::Service: Service<Request<Body>, Response = Response<RB>, Error = Infallible>
@@ -338,6 +351,7 @@ where
         gate,
         rules,
         limiter,
+        adaptive,
     }
 }
 
@@ -359,6 +373,12 @@ fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Result<Setup, ConfigError> {
     if ctx.has(F::InFlight) {
         layer = layer.with_in_flight(InFlightLimit::new(IN_FLIGHT).unwrap());
     }
+    if ctx.has(F::Adaptive) {
+        let limit = AdaptiveLimit::new(Aimd::new())
+            .with_bounds(ADAPTIVE, ADAPTIVE, ADAPTIVE)
+            .unwrap();
+        layer = layer.with_adaptive(Adaptive::new(limit));
+    }
     match ctx.policy() {
         Some(F::Allow) => layer = layer.with_on_store_error(FailurePolicy::Allow),
         Some(F::Deny) => layer = layer.with_on_store_error(FailurePolicy::Deny),
@@ -370,7 +390,8 @@ fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Result<Setup, ConfigError> {
             layer.with_count_when(|r: &Response<Body>| r.status() == StatusCode::UNAUTHORIZED);
         layer.validate()?;
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
-        Ok(finish(layer, rules, limiter))
+        let adaptive = layer.adaptive_handle();
+        Ok(finish(layer, rules, limiter, adaptive))
     } else if ctx.has(F::LateCost) {
         let layer = layer.with_late_cost(|r: &Response<Body>| {
             r.headers()
@@ -379,11 +400,13 @@ fn build(ctx: &Ctx, store: Arc<dyn Store>) -> Result<Setup, ConfigError> {
         });
         layer.validate()?;
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
-        Ok(finish(layer, rules, limiter))
+        let adaptive = layer.adaptive_handle();
+        Ok(finish(layer, rules, limiter, adaptive))
     } else {
         layer.validate()?;
         let (rules, limiter) = (layer.rules_handle(), layer.limiter());
-        Ok(finish(layer, rules, limiter))
+        let adaptive = layer.adaptive_handle();
+        Ok(finish(layer, rules, limiter, adaptive))
     }
 }
 
@@ -609,6 +632,33 @@ async fn probe(feature: F, ctx: &Ctx, setup: &Setup) {
                 ctx.probe_q() + ctx.extra() - IN_FLIGHT - 1,
             )
             .await;
+        }
+        F::Adaptive => {
+            // Requests of three keys held in the handler fill the limit: the next one is
+            // shed before the store call, and spends nothing.
+            let held: Vec<_> = ["a", "b", "c"]
+                .into_iter()
+                .map(|k| {
+                    let service = setup.service.clone();
+                    let mut headers = uncounted(ctx, &format!("{name}-{k}-pro"));
+                    headers.push(("x-hold", "1".to_owned()));
+                    tokio::spawn(async move { send(&service, &headers).await.status() })
+                })
+                .collect();
+            setup.gate.entered(ADAPTIVE as usize).await;
+            let handle = setup.adaptive.as_ref().unwrap();
+            assert_eq!(handle.snapshot().in_flight, ADAPTIVE);
+            let key = format!("{name}-pro");
+            let shed = send(&setup.service, &counted(ctx, &key, 1)).await;
+            assert_eq!(shed.status(), StatusCode::SERVICE_UNAVAILABLE, "shed");
+            assert_eq!(retry_after(&shed), 1);
+            setup.gate.open.add_permits(ADAPTIVE as usize);
+            for request in held {
+                assert_eq!(request.await.unwrap(), StatusCode::OK, "a held request");
+            }
+            assert_eq!(handle.snapshot().in_flight, 0, "the permits came back");
+            // The shed request spent nothing: the key's whole limit is left.
+            exhaust(ctx, setup, &key).await;
         }
         F::Swap | F::Allow | F::Deny | F::Local => unreachable!("not a probe of its own"),
     }
