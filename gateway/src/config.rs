@@ -18,6 +18,10 @@ use crate::path;
 #[path = "leases.rs"]
 pub(crate) mod leases;
 
+/// `[routes.adaptive]` (next to this file, as `leases`).
+#[path = "adaptive.rs"]
+pub(crate) mod adaptive;
+
 /// The config used without `--config`: a demo that shows a 429 after five quick `curl`s.
 pub(crate) const DEMO: &str = r#"
 listen = "127.0.0.1:8080"
@@ -213,6 +217,8 @@ pub(crate) struct Route {
     /// At most this many requests in flight per key (the key of the route's first
     /// limit, else of its plans, else the client IP): `max_in_flight`.
     pub(crate) max_in_flight: Option<u32>,
+    /// An adaptive in-flight limit that sheds by priority: `[routes.adaptive]`.
+    pub(crate) adaptive: Option<adaptive::AdaptiveConfig>,
 }
 
 /// A route's plans: each request is limited by the plan its `plan_header` names, or by
@@ -391,6 +397,8 @@ struct RawRoute {
     default_plan: Option<String>,
     #[serde(default)]
     plans: Vec<RawPlan>,
+    /// An adaptive in-flight limit.
+    adaptive: Option<adaptive::RawAdaptive>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1040,6 +1048,25 @@ impl RawRoute {
                 "must be at least 1 (0 would deny every request)",
             ));
         }
+        let adaptive = self
+            .adaptive
+            .map(|adaptive| adaptive.validate(&at))
+            .transpose()?;
+        // The adaptive limit is a stage of the route's outermost rate-limit layer, and a
+        // layer has at least one rate limit.
+        let limited = !limits.is_empty()
+            || plans
+                .as_ref()
+                .is_some_and(|p| p.plans.iter().any(|plan| plan.limits.is_some()));
+        if adaptive.is_some() && !limited {
+            return Err(ConfigError::new(
+                format!("{at}.adaptive"),
+                format!(
+                    "needs a rate limit on the route: {at}.limits (or a plan with limits); \
+                     the adaptive limit is a stage of the route's rate-limit layer"
+                ),
+            ));
+        }
         Ok(Route {
             path,
             upstream,
@@ -1049,6 +1076,7 @@ impl RawRoute {
             delay,
             count_after,
             max_in_flight: self.max_in_flight,
+            adaptive,
         })
     }
 }

@@ -35,7 +35,7 @@ use crate::{
 /// more per applied reload).
 pub(crate) const RULES_VERSION: &str = "tollgate_gateway_rules_version";
 /// `tollgate_gateway_reloads_refused_total`: reloads refused because the new config was
-/// invalid.
+/// invalid, or changed what a reload cannot (a route's `[routes.adaptive]`).
 pub(crate) const RELOADS_REFUSED_TOTAL: &str = "tollgate_gateway_reloads_refused_total";
 
 /// Config reloads by `result`: `applied` or `refused`.
@@ -97,9 +97,10 @@ impl Watcher {
                 field: String::new(),
                 message: format!("cannot read {}: {e}", self.path.display()),
             })
-            .and_then(|text| Config::parse(&text));
+            .and_then(|text| Config::parse(&text))
+            .and_then(|config| self.live.apply(config));
         match config {
-            Ok(config) => Ok(self.live.apply(config)),
+            Ok(version) => Ok(version),
             Err(error) => {
                 refused();
                 tracing::error!(

@@ -19,8 +19,13 @@
 //!   which the in-flight limit uses too): the in-flight limit is built anew around the
 //!   running rate-limit layers. The permits live in the store, which a reload keeps, so a
 //!   request in flight still counts.
+//! - **`[routes.adaptive]`** is a stage of the route's outermost layer, whose state
+//!   (the learned limit, the requests in flight under it) lives in the layer: kept with
+//!   the layers. A reload may not add, change or remove it on a running route (refused
+//!   before this module sees it, `server::Live::apply`).
 //! - **Anything else** (a route added, a kind of key added or removed, an upstream
-//!   changed...): the route is built anew. Budgets live in the store and stay as each
+//!   changed...): the route is built anew, its adaptive limit too (starting again at
+//!   `initial`, without the requests still in flight under the old one). Budgets live in the store and stay as each
 //!   limit's `on_change` says; the new route's breakers start closed and its waiting line
 //!   empty (requests already waiting finish in the old one).
 
@@ -39,7 +44,10 @@ use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 
 use crate::{
     admin,
-    config::{Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit, Upstream},
+    config::{
+        Config, CountAfter, HeaderKeys, KeySpec, OnError, Route, RouteLimit, Upstream,
+        adaptive::AdaptiveConfig,
+    },
     path,
     proxy::{self, Proxy},
     traffic::RouteMetrics,
@@ -196,6 +204,8 @@ struct Shape {
     trusted_proxies: Vec<IpNet>,
     /// The `header:<name>` keys' extractor.
     header_keys: HeaderKeys,
+    /// The outermost layer's adaptive stage: its state lives in the layer.
+    adaptive: Option<AdaptiveConfig>,
 }
 
 /// What a route's in-flight limit is made of.
@@ -233,6 +243,7 @@ impl Context<'_> {
             upstream: self.route.upstream.clone(),
             trusted_proxies: self.config.trusted_proxies.clone(),
             header_keys: self.config.store.header_keys.clone(),
+            adaptive: self.route.adaptive.clone(),
         }
     }
 
@@ -360,6 +371,17 @@ impl Context<'_> {
             .collect();
         if let Some(plans) = self.plan_layer() {
             layers.push(plans);
+        }
+        // The adaptive limit is the outermost layer's first stage: a request it sheds
+        // spends no rate budget and costs no store call.
+        if let Some(adaptive) = &route.adaptive
+            && !layers.is_empty()
+        {
+            let stage = adaptive
+                .library()
+                .expect("[routes.adaptive] validated with the config");
+            let (key, plans, outer) = layers.remove(0);
+            layers.insert(0, (key, plans, outer.with_adaptive(stage)));
         }
         layers
     }

@@ -108,9 +108,8 @@ impl Follower {
             return;
         }
         self.seen = Some(version);
-        match routes {
-            Ok(routes) => {
-                let local = self.live.apply_routes(routes);
+        match routes.and_then(|routes| self.live.apply_routes(routes)) {
+            Ok(local) => {
                 tracing::info!(
                     rules = version,
                     version = local,

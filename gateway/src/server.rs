@@ -32,7 +32,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 pub(crate) use crate::routes::Gateway;
 use crate::{
     admin,
-    config::{Backend, Config, Route, SentinelBackend, StoreConfig},
+    config::{Backend, Config, ConfigError, Route, SentinelBackend, StoreConfig},
     path, proxy,
     reload::{self, Watcher},
     routes::Lasting,
@@ -98,23 +98,33 @@ impl Live {
 
     /// Applies the routes of a validated rule set from Redis. Returns the new version.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn apply_routes(&self, routes: Vec<Route>) -> u64 {
-        *self.redis_routes.lock().unwrap_or_else(|e| e.into_inner()) = Some(routes);
-        let running = self
+    pub(crate) fn apply_routes(&self, routes: Vec<Route>) -> Result<u64, ConfigError> {
+        let mut new = self
             .config
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        self.apply(running)
+        new.routes = routes.clone();
+        let version = self.apply_routes_of(new)?;
+        // Kept only once applied: a refused rule set leaves the last good one in force.
+        *self.redis_routes.lock().unwrap_or_else(|e| e.into_inner()) = Some(routes);
+        Ok(version)
     }
 
     /// Applies a validated config to the next requests, keeping (with a warning) what
-    /// only a restart changes. Returns the new version.
-    pub(crate) fn apply(&self, mut new: Config) -> u64 {
+    /// only a restart changes. Returns the new version, or why it is refused (a change
+    /// that a reload cannot make: the running config stays).
+    pub(crate) fn apply(&self, mut new: Config) -> Result<u64, ConfigError> {
         if let Some(routes) = &*self.redis_routes.lock().unwrap_or_else(|e| e.into_inner()) {
             new.routes = routes.clone();
         }
+        self.apply_routes_of(new)
+    }
+
+    /// [`apply`](Self::apply) with `new`'s routes as they are.
+    fn apply_routes_of(&self, mut new: Config) -> Result<u64, ConfigError> {
         let mut running = self.config.lock().unwrap_or_else(|e| e.into_inner());
+        adaptive_unchanged(&running.routes, &new.routes)?;
         let restart = |field: &str| {
             tracing::warn!(
                 field,
@@ -178,8 +188,37 @@ impl Live {
             "config reloaded"
         );
         *running = new;
-        version
+        Ok(version)
     }
+}
+
+/// A reload cannot change a running route's `[routes.adaptive]` (added, removed or
+/// changed): the adaptive limit's state is the layer's, which a [`RulesHandle`] swap
+/// keeps as it is. Refused naming the section; a route whose `path` is new may have one.
+///
+/// [`RulesHandle`]: tollgate::rules::RulesHandle
+fn adaptive_unchanged(running: &[Route], new: &[Route]) -> Result<(), ConfigError> {
+    for (index, route) in new.iter().enumerate() {
+        let Some(old) = running.iter().find(|old| old.path == route.path) else {
+            continue;
+        };
+        if old.adaptive != route.adaptive {
+            let what = match (&old.adaptive, &route.adaptive) {
+                (None, _) => "added",
+                (_, None) => "removed",
+                _ => "changed",
+            };
+            return Err(ConfigError::new(
+                format!("routes[{index}].adaptive"),
+                format!(
+                    "{what} on the running route {:?}: the adaptive limit cannot change on a \
+                     reload (restart the gateway to change it)",
+                    route.path
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A started gateway. Dropping it shuts the servers down gracefully in the background.

@@ -824,7 +824,7 @@ async fn memory_max_in_flight_counts_across_a_reload() {
     assert_eq!(held.status(), StatusCode::OK);
     assert_eq!(start().await.status(), StatusCode::TOO_MANY_REQUESTS);
 
-    assert_eq!(gw.live().apply(Config::parse(&text(2000)).unwrap()), 2);
+    assert_eq!(gw.live().apply(Config::parse(&text(2000)).unwrap()), Ok(2));
     assert_eq!(
         start().await.status(),
         StatusCode::TOO_MANY_REQUESTS,

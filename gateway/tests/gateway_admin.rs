@@ -511,7 +511,8 @@ async fn exposing_configs_are_warned_about() {
     assert!(!logs.text().contains("removed admin_token_env"));
     guarded
         .live()
-        .apply(parse("admin_listen = \"127.0.0.1:0\""));
+        .apply(parse("admin_listen = \"127.0.0.1:0\""))
+        .unwrap();
     let text = logs.text();
     assert!(
         text.contains("config reload removed admin_token_env"),

@@ -190,7 +190,7 @@ async fn plans_pick_the_limits(store: &str, path: &str) {
     // A reload that adds a plan: it applies to the next request, and the other plans
     // keep their budgets.
     let more = format!("{routes}\n[[routes.plans]]\nname = \"platinum\"\nunlimited = true\n");
-    gateway.live().apply(config(store, &more));
+    gateway.live().apply(config(store, &more)).unwrap();
     assert_eq!(status("k2", Some("platinum")).await, StatusCode::OK);
     assert_eq!(status("k2", Some("platinum")).await, StatusCode::OK);
     assert_eq!(status("k2", None).await, StatusCode::TOO_MANY_REQUESTS);

@@ -678,7 +678,8 @@ window = "1s"
     // The reload: another limit on /held, another delay on /slow.
     let version = gateway
         .live()
-        .apply(Config::parse(&text(2000, "6s")).unwrap());
+        .apply(Config::parse(&text(2000, "6s")).unwrap())
+        .unwrap();
     assert_eq!(version, 2);
     assert_eq!(
         held_request().await.status(),
@@ -758,7 +759,7 @@ window = "1h"
         gateway
             .live()
             .apply(Config::parse(&text(200, "1h")).unwrap()),
-        2
+        Ok(2)
     );
     assert_eq!(
         status(&client, &gateway, "/api", "a").await,
@@ -770,7 +771,7 @@ window = "1h"
         gateway
             .live()
             .apply(Config::parse(&text(200, "2h")).unwrap()),
-        3
+        Ok(3)
     );
     assert_eq!(status(&client, &gateway, "/api", "a").await, StatusCode::OK);
     gateway.stop().await.unwrap();
