@@ -257,8 +257,11 @@ async fn beyond_the_limit_the_least_critical_are_shed_first_and_metrics_show_it(
         )
         .unwrap_or(0.0)
     };
-    // The library sets `tollgate_adaptive_limit` with each sample (it reads 0 until the
-    // first): it is checked once the requests have ended, below.
+    assert_eq!(
+        value(&page, "tollgate_adaptive_limit", &route),
+        Some(4.0),
+        "{text}"
+    );
     assert_eq!(
         value(&page, "tollgate_adaptive_in_flight", &route),
         Some(4.0),

@@ -83,7 +83,7 @@ impl Stage {
         };
         match concurrency.try_acquire(priority, self.now()) {
             Ok(permit) => {
-                self.metrics.acquired();
+                self.metrics.acquired(&concurrency);
                 Ok(Some(Box::new(Tracked {
                     permit: Some(permit),
                     concurrency,

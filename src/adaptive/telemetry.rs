@@ -93,11 +93,19 @@ impl StageMetrics {
         });
     }
 
-    /// A request took a permit.
+    /// A request took a permit of `concurrency`: with one limit for the layer, the limit
+    /// gauge is set here too, so that it reads right before the first sample.
     #[inline]
-    pub(crate) fn acquired(&self) {
+    pub(crate) fn acquired(&self, concurrency: &Concurrency) {
         #[cfg(feature = "metrics")]
-        self.with_handles(|handles| handles.in_flight.increment(1.0));
+        self.with_handles(|handles| {
+            handles.in_flight.increment(1.0);
+            if self.one {
+                handles.limit.set(f64::from(concurrency.snapshot().limit));
+            }
+        });
+        #[cfg(not(feature = "metrics"))]
+        let _ = concurrency;
     }
 
     /// A request gave its permit back, with a sample the limit `concurrency` learned
