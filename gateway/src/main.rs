@@ -30,6 +30,10 @@ use std::{path::PathBuf, process::ExitCode};
 
 use tracing_subscriber::EnvFilter;
 
+/// The binary's allocator (see Cargo.toml).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const USAGE: &str = "\
 usage: gateway [--config PATH]
        gateway --config PATH --publish-rules RULES

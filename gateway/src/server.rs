@@ -1,9 +1,12 @@
 //! Building the gateway from a validated config, serving it, and stopping it gracefully.
 
 use std::{
+    borrow::Cow,
+    convert::Infallible,
     future::Future,
     io,
     net::SocketAddr,
+    pin::Pin,
     path::PathBuf,
     sync::{
         Arc, Mutex,
@@ -15,11 +18,19 @@ use std::{
 use arc_swap::ArcSwap;
 use axum::{
     Router,
-    extract::{Request, State},
-    http::{StatusCode, Uri, uri::PathAndQuery},
+    body::Body,
+    extract::ConnectInfo,
+    http::{
+        HeaderValue, Method, Request, StatusCode, Uri,
+        header::{CONTENT_LENGTH, TRANSFER_ENCODING},
+        uri::PathAndQuery,
+    },
     response::Response,
     routing::get,
 };
+use http_body::Body as _;
+use http_body_util::Limited;
+use hyper::body::Incoming;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tollgate::{
@@ -27,7 +38,6 @@ use tollgate::{
     store::{MemoryStore, Permits, Store},
 };
 use tower::ServiceExt;
-use tower_http::limit::RequestBodyLimitLayer;
 
 pub(crate) use crate::routes::Gateway;
 use crate::{
@@ -36,7 +46,7 @@ use crate::{
     path, proxy,
     reload::{self, Watcher},
     routes::Lasting,
-    serve::{ConnectionLimits, serve},
+    serve::{self, ConnectionLimits, Workers, serve},
     traffic,
 };
 
@@ -332,9 +342,6 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         shutdown_timeout: config.server.shutdown_timeout,
         write_idle_timeout: config.server.write_idle_timeout,
     };
-    // The body limit comes first: a body announced too large is refused before a route
-    // or a limit is looked at; one that grows too large while streamed fails the proxy's
-    // upstream request, which answers 413 too.
     metrics::describe_gauge!(
         reload::RULES_VERSION,
         "The version of the config in force: 1 at start, one more per applied reload."
@@ -364,15 +371,22 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         version: AtomicU64::new(1),
         redis_routes: Mutex::new(follow.as_ref().and_then(|f| f.routes.clone())),
     });
-    let app = Router::new()
-        .fallback(dispatch)
-        .with_state(live.clone())
-        .layer(RequestBodyLimitLayer::new(config.server.max_body_bytes));
+    let front = {
+        let live = live.clone();
+        let max_body_bytes = config.server.max_body_bytes;
+        move |peer| Front {
+            live: live.clone(),
+            peer,
+            max_body_bytes,
+        }
+    };
+    let workers = Workers::per_core()?;
     let mut tasks = vec![tokio::spawn(serve(
         listener,
-        app,
+        front,
         limits,
         stopped(signal.clone()),
+        Some(workers),
     ))];
     if let Some(follow) = follow {
         tasks.push(follow.spawn(live.clone(), signal.clone()));
@@ -383,9 +397,10 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
             .merge(admin::router(live.clone()));
         tasks.push(tokio::spawn(serve(
             listener,
-            admin_app,
+            serve::router(admin_app),
             limits,
             stopped(signal),
+            None,
         )));
     }
     tracing::info!(%addr, ?admin_addr, routes, "gateway started");
@@ -489,16 +504,86 @@ async fn stopped(mut signal: watch::Receiver<bool>) {
     let _ = signal.wait_for(|stop| *stop).await;
 }
 
+/// The main listener's service, one per connection, in place of an axum `Router`: a
+/// proxied request is routed by the config's longest prefix anyway, so the router's
+/// matching, its boxed handler and its layers were work per request for nothing.
+struct Front {
+    live: Arc<Live>,
+    peer: SocketAddr,
+    /// `server.max_body_bytes`.
+    max_body_bytes: usize,
+}
+
+/// The future of a [`Front`] answer.
+type FrontFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+impl hyper::service::Service<Request<Incoming>> for Front {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = FrontFuture;
+
+    fn call(&self, request: Request<Incoming>) -> FrontFuture {
+        // The body limit comes first (as tower-http's `RequestBodyLimit`): a body
+        // announced too large is refused before a route or a limit is looked at; one
+        // that grows too large while streamed fails the proxy's upstream request, which
+        // answers 413 too.
+        let announced = request
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|value| value.to_str().ok()?.parse::<usize>().ok());
+        let method = request.method().clone();
+        let limit = match announced {
+            Some(length) if length > self.max_body_bytes => {
+                let response = proxy::status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
+                return Box::pin(std::future::ready(Ok(finish(&method, response))));
+            }
+            Some(length) => length.min(self.max_body_bytes),
+            None => self.max_body_bytes,
+        };
+        let mut request = request.map(|body| Body::new(Limited::new(body, limit)));
+        // The `ip` key and the forwarding headers read the peer from here.
+        request.extensions_mut().insert(ConnectInfo(self.peer));
+        let live = self.live.clone();
+        Box::pin(async move { Ok(finish(&method, dispatch(&live, request).await)) })
+    }
+}
+
+/// What axum's router did to every answer: a `Content-Length` from an exact body size
+/// when there is none, no body for `HEAD` (its length kept), and none with a successful
+/// `CONNECT`.
+fn finish(method: &Method, mut response: Response) -> Response {
+    if *method == Method::CONNECT && response.status().is_success() {
+        if response.headers().contains_key(CONTENT_LENGTH)
+            || response.headers().contains_key(TRANSFER_ENCODING)
+            || response.body().size_hint().lower() != 0
+        {
+            tracing::error!("response to CONNECT with nonempty body");
+            response = response.map(|_| Body::empty());
+        }
+        return response;
+    }
+    if !response.headers().contains_key(CONTENT_LENGTH)
+        && let Some(size) = response.body().size_hint().exact()
+    {
+        response
+            .headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from(size));
+    }
+    if *method == Method::HEAD {
+        *response.body_mut() = Body::empty();
+    }
+    response
+}
+
 /// Answers every request: normalise the path, pick the route, let its service answer;
 /// measured from here to the end of the response's body, when the traffic metrics are on.
-async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Response {
-    let method = request.method().clone();
-    let normalized = match path::normalize(request.uri().path()) {
+async fn dispatch(live: &Arc<Live>, mut request: Request<Body>) -> Response {
+    let normalized = match path::normalized(request.uri().path()) {
         Ok(path) => path,
         Err(error) => {
-            tracing::debug!(%method, uri = %request.uri(), %error, "bad request path");
+            tracing::debug!(method = %request.method(), uri = %request.uri(), %error, "bad request path");
             let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
-            return unmatched(&live, &mut request, response);
+            return unmatched(live, &mut request, response);
         }
     };
     // One look at the route table: a reload during this request does not change it.
@@ -509,32 +594,44 @@ async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Respon
             .map(|(service, metrics)| (service.clone(), metrics.cloned()))
     };
     let Some((service, metrics)) = routed else {
-        tracing::debug!(%method, path = normalized, "no route");
+        tracing::debug!(method = %request.method(), path = %normalized, "no route");
         let response = proxy::status(StatusCode::NOT_FOUND, "no route\n");
-        return unmatched(&live, &mut request, response);
+        return unmatched(live, &mut request, response);
     };
-    let tracker = metrics.map(|metrics| metrics.start(&mut request));
     // Limits and upstream both see the normalised path, so they agree on the route; a
     // path already normal in origin form (most are) is kept as it is.
     let uri = request.uri();
-    if uri.path() != normalized || uri.scheme().is_some() || uri.authority().is_some() {
+    let rewritten = if matches!(normalized, Cow::Owned(_))
+        || uri.scheme().is_some()
+        || uri.authority().is_some()
+    {
         let path_and_query = match uri.query() {
             Some(query) => format!("{normalized}?{query}"),
-            None => normalized.clone(),
+            None => normalized.into_owned(),
         };
-        match path_and_query.parse::<PathAndQuery>() {
-            Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
-            Err(_) => {
-                let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
-                return respond(tracker, response);
-            }
+        Some(path_and_query.parse::<PathAndQuery>())
+    } else {
+        None
+    };
+    let tracker = metrics.map(|metrics| metrics.start(&mut request));
+    match rewritten {
+        Some(Ok(path_and_query)) => *request.uri_mut() = Uri::from(path_and_query),
+        Some(Err(_)) => {
+            let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
+            return respond(tracker, response);
         }
+        None => {}
     }
+    // Only for the log line, and only when it is written.
+    let logged = tracing::enabled!(tracing::Level::DEBUG)
+        .then(|| (request.method().clone(), request.uri().path().to_owned()));
     let response = match service.oneshot(request).await {
         Ok(response) => response,
         Err(never) => match never {},
     };
-    tracing::debug!(%method, path = normalized, status = response.status().as_u16(), "answered");
+    if let Some((method, path)) = logged {
+        tracing::debug!(%method, path, status = response.status().as_u16(), "answered");
+    }
     respond(tracker, response)
 }
 
@@ -549,7 +646,7 @@ fn respond(tracker: Option<traffic::Tracker>, response: Response) -> Response {
 /// The gateway's `response` to a request that matches no route, counted under
 /// `traffic::UNMATCHED` if the traffic metrics are on.
 #[inline(never)]
-fn unmatched(live: &Live, request: &mut Request, response: Response) -> Response {
+fn unmatched(live: &Live, request: &mut Request<Body>, response: Response) -> Response {
     let metrics = live.gateway.load().unmatched().cloned();
     respond(metrics.map(|metrics| metrics.start(request)), response)
 }
