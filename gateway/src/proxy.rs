@@ -269,16 +269,16 @@ pub(crate) fn status(status: StatusCode, body: &'static str) -> Response<Body> {
 
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus
 /// every header the `Connection` header names.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+const HOP_BY_HOP: [HeaderName; 9] = [
+    CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
 fn remove_hop_by_hop(headers: &mut HeaderMap) {
@@ -296,8 +296,7 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
             // apart before a `HeaderName` is made: `keep-alive`, the usual one, would
             // be copied.)
             let known = |known: &str| known.eq_ignore_ascii_case(name);
-            if HOP_BY_HOP.iter().any(|h| known(h)) || FORWARDING.iter().any(|f| known(f.as_str()))
-            {
+            if HOP_BY_HOP.iter().chain(&FORWARDING).any(|h| known(h.as_str())) {
                 continue;
             }
             let Ok(name) = HeaderName::from_bytes(name.as_bytes()) else {
@@ -313,7 +312,7 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
     }
     if headers
         .keys()
-        .any(|name| HOP_BY_HOP.contains(&name.as_str()))
+        .any(|name| HOP_BY_HOP.contains(name))
     {
         for name in HOP_BY_HOP {
             headers.remove(name);
@@ -476,8 +475,8 @@ fn forwarded_for(ip: IpAddr) -> String {
 }
 
 /// Whether an error of type `E` caused `error`. The request body's own errors show so:
-/// `LengthLimitError` when it passed `server.max_body_bytes` (tower-http's
-/// `RequestBodyLimitLayer`), `axum::Error` when the client's body broke (a malformed
+/// `LengthLimitError` when it passed `server.max_body_bytes` (the body's `Limited`,
+/// `server::Front`), `axum::Error` when the client's body broke (a malformed
 /// chunk, oversized trailers, a hang-up mid-body); an upstream's failures are hyper's and
 /// I/O errors.
 fn in_the_chain<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {

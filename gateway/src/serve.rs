@@ -7,6 +7,10 @@
 //! a request and never reads the response holds its connection slot, and the upstream
 //! connection streaming that response, for ever (the socket's send buffer fills and the
 //! write waits).
+//!
+//! The main listener's connections run on [`Workers`]: a current-thread runtime per core.
+//! Its accept loop stays on the main runtime, which also runs the admin listener, the
+//! reload watcher and the store's connections.
 
 use std::{
     convert::Infallible,

@@ -523,7 +523,7 @@ impl hyper::service::Service<Request<Incoming>> for Front {
     type Future = FrontFuture;
 
     fn call(&self, request: Request<Incoming>) -> FrontFuture {
-        // The body limit comes first (as tower-http's `RequestBodyLimit`): a body
+        // The body limit comes first (as tower-http's `RequestBodyLimit` did): a body
         // announced too large is refused before a route or a limit is looked at; one
         // that grows too large while streamed fails the proxy's upstream request, which
         // answers 413 too.

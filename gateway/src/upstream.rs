@@ -11,6 +11,9 @@
 //! and is closed when the body is dropped before its end (the client went away), as any
 //! half-read HTTP/1 connection must be.
 //!
+//! Each worker thread (`serve::Workers`) keeps its own idle connections, so a connection
+//! is always polled on the thread whose runtime registered its socket.
+//!
 //! An idle connection is polled by no one: one the upstream closed is found closed when
 //! it is taken (and a request that could not be written on it is sent again on a new
 //! connection), or dropped after [`IDLE_TIMEOUT`].
