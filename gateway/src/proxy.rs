@@ -296,7 +296,11 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
             // apart before a `HeaderName` is made: `keep-alive`, the usual one, would
             // be copied.)
             let known = |known: &str| known.eq_ignore_ascii_case(name);
-            if HOP_BY_HOP.iter().chain(&FORWARDING).any(|h| known(h.as_str())) {
+            if HOP_BY_HOP
+                .iter()
+                .chain(&FORWARDING)
+                .any(|h| known(h.as_str()))
+            {
                 continue;
             }
             let Ok(name) = HeaderName::from_bytes(name.as_bytes()) else {
@@ -310,10 +314,7 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    if headers
-        .keys()
-        .any(|name| HOP_BY_HOP.contains(name))
-    {
+    if headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
         for name in HOP_BY_HOP {
             headers.remove(name);
         }
@@ -547,7 +548,13 @@ mod tests {
 
     #[test]
     fn ipv4_items_print_as_display_does() {
-        for ip in ["0.0.0.0", "9.10.99.100", "192.0.2.7", "255.255.255.255", "10.0.200.1"] {
+        for ip in [
+            "0.0.0.0",
+            "9.10.99.100",
+            "192.0.2.7",
+            "255.255.255.255",
+            "10.0.200.1",
+        ] {
             let ip: IpAddr = ip.parse().unwrap();
             let mut item = Item::new();
             item.address(ip);
@@ -559,11 +566,19 @@ mod tests {
 
     #[test]
     fn plain_authorities_are_the_ones_the_parser_takes_as_they_are() {
-        for host in ["example.com", "127.0.0.1:8080", "a-b.c:1", "x", "localhost:65535"] {
+        for host in [
+            "example.com",
+            "127.0.0.1:8080",
+            "a-b.c:1",
+            "x",
+            "localhost:65535",
+        ] {
             assert!(plain_authority(host.as_bytes()), "{host}");
             assert!(host.parse::<Authority>().is_ok_and(|a| a.as_str() == host));
         }
-        for host in ["", ":80", "a:", "a:b", "[::1]:80", "a@b", "a b", "a/b", "a:1:2", "é"] {
+        for host in [
+            "", ":80", "a:", "a:b", "[::1]:80", "a@b", "a b", "a/b", "a:1:2", "é",
+        ] {
             assert!(!plain_authority(host.as_bytes()), "{host}");
         }
     }

@@ -254,8 +254,9 @@ pub(crate) async fn serve<M, S>(
 /// `into_make_service_with_connect_info`.
 pub(crate) fn router(
     app: Router,
-) -> impl Fn(SocketAddr) -> TowerToHyperService<BoxCloneSyncService<Request<Incoming>, Response, Infallible>>
-{
+) -> impl Fn(
+    SocketAddr,
+) -> TowerToHyperService<BoxCloneSyncService<Request<Incoming>, Response, Infallible>> {
     move |peer| {
         let app = app.clone();
         TowerToHyperService::new(BoxCloneSyncService::new(tower::service_fn(

@@ -6,8 +6,8 @@ use std::{
     future::Future,
     io,
     net::SocketAddr,
-    pin::Pin,
     path::PathBuf,
+    pin::Pin,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -20,15 +20,10 @@ use axum::{
     Router,
     body::Body,
     extract::ConnectInfo,
-    http::{
-        HeaderValue, Method, Request, StatusCode, Uri,
-        header::{CONTENT_LENGTH, TRANSFER_ENCODING},
-        uri::PathAndQuery,
-    },
+    http::{Request, StatusCode, Uri, header::CONTENT_LENGTH, uri::PathAndQuery},
     response::Response,
     routing::get,
 };
-use http_body::Body as _;
 use http_body_util::Limited;
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -531,11 +526,11 @@ impl hyper::service::Service<Request<Incoming>> for Front {
             .headers()
             .get(CONTENT_LENGTH)
             .and_then(|value| value.to_str().ok()?.parse::<usize>().ok());
-        let method = request.method().clone();
         let limit = match announced {
             Some(length) if length > self.max_body_bytes => {
-                let response = proxy::status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
-                return Box::pin(std::future::ready(Ok(finish(&method, response))));
+                let response =
+                    proxy::status(StatusCode::PAYLOAD_TOO_LARGE, "length limit exceeded");
+                return Box::pin(std::future::ready(Ok(response)));
             }
             Some(length) => length.min(self.max_body_bytes),
             None => self.max_body_bytes,
@@ -544,35 +539,8 @@ impl hyper::service::Service<Request<Incoming>> for Front {
         // The `ip` key and the forwarding headers read the peer from here.
         request.extensions_mut().insert(ConnectInfo(self.peer));
         let live = self.live.clone();
-        Box::pin(async move { Ok(finish(&method, dispatch(&live, request).await)) })
+        Box::pin(async move { Ok(dispatch(&live, request).await) })
     }
-}
-
-/// What axum's router did to every answer: a `Content-Length` from an exact body size
-/// when there is none, no body for `HEAD` (its length kept), and none with a successful
-/// `CONNECT`.
-fn finish(method: &Method, mut response: Response) -> Response {
-    if *method == Method::CONNECT && response.status().is_success() {
-        if response.headers().contains_key(CONTENT_LENGTH)
-            || response.headers().contains_key(TRANSFER_ENCODING)
-            || response.body().size_hint().lower() != 0
-        {
-            tracing::error!("response to CONNECT with nonempty body");
-            response = response.map(|_| Body::empty());
-        }
-        return response;
-    }
-    if !response.headers().contains_key(CONTENT_LENGTH)
-        && let Some(size) = response.body().size_hint().exact()
-    {
-        response
-            .headers_mut()
-            .insert(CONTENT_LENGTH, HeaderValue::from(size));
-    }
-    if *method == Method::HEAD {
-        *response.body_mut() = Body::empty();
-    }
-    response
 }
 
 /// Answers every request: normalise the path, pick the route, let its service answer;

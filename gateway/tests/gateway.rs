@@ -264,9 +264,9 @@ async fn proxies_method_path_query_headers_and_body_intact() {
     gw.stop().await.unwrap();
 }
 
-/// `HEAD` is answered as axum's router answered it before the gateway served its listener
-/// itself: the length of the body a `GET` would get, and no body, from the upstream and
-/// from the gateway's own answers alike.
+/// `HEAD` is answered as it was when axum's router served the listener: the length of the
+/// body a `GET` would get, and no body, from the upstream and from the gateway's own
+/// answers alike (hyper's server sees to both).
 #[tokio::test]
 async fn head_gets_the_length_and_no_body() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -290,7 +290,10 @@ async fn head_gets_the_length_and_no_body() {
     let proxied = head("/api/x").await;
     assert!(proxied.starts_with("http/1.1 200"), "{proxied}");
     assert!(proxied.contains("\r\ncontent-length: 20\r\n"), "{proxied}");
-    assert!(proxied.ends_with("\r\n\r\n"), "a body after the head: {proxied}");
+    assert!(
+        proxied.ends_with("\r\n\r\n"),
+        "a body after the head: {proxied}"
+    );
     // The gateway's own `no route\n`, 9 bytes.
     let own = head("/elsewhere").await;
     assert!(own.starts_with("http/1.1 404"), "{own}");
