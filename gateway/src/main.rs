@@ -10,11 +10,12 @@
 //! Modules: `config` (the TOML contract and its validation), `path` (path normalisation
 //! and prefix matching), `proxy` (forwarding: headers, errors), `upstream` (the upstream
 //! connections, driven by the requests that use them), `serve` (connections:
-//! header-read timeout, connection cap, bounded shutdown, a worker thread per core), `routes` (each route's layers, and what a reload keeps of them), `server` (starting, reloading and stopping; the main listener's service), `reload` (SIGHUP and file changes), `traffic` (the HTTP traffic metrics). `tests/gateway.rs` includes the same modules to start
+//! header-read timeout, connection cap, bounded shutdown, a worker thread per core), `routes` (each route's layers, and what a reload keeps of them), `server` (starting, reloading and stopping), `front` (the main listener's service), `reload` (SIGHUP and file changes), `traffic` (the HTTP traffic metrics). `tests/gateway.rs` includes the same modules to start
 //! gateways in-process. The reference is `README.md` (of this package).
 
 mod admin;
 mod config;
+mod front;
 mod path;
 mod proxy;
 mod reload;
