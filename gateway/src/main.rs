@@ -10,11 +10,12 @@
 //! Modules: `config` (the TOML contract and its validation), `path` (path normalisation
 //! and prefix matching), `proxy` (forwarding: headers, errors), `upstream` (the upstream
 //! connections, driven by the requests that use them), `serve` (connections:
-//! header-read timeout, connection cap, bounded shutdown), `routes` (each route's layers, and what a reload keeps of them), `server` (starting, reloading and stopping), `reload` (SIGHUP and file changes), `traffic` (the HTTP traffic metrics). `tests/gateway.rs` includes the same modules to start
+//! header-read timeout, connection cap, bounded shutdown, a worker thread per core), `routes` (each route's layers, and what a reload keeps of them), `server` (starting, reloading and stopping), `front` (the main listener's service), `reload` (SIGHUP and file changes), `traffic` (the HTTP traffic metrics). `tests/gateway.rs` includes the same modules to start
 //! gateways in-process. The reference is `README.md` (of this package).
 
 mod admin;
 mod config;
+mod front;
 mod path;
 mod proxy;
 mod reload;
@@ -29,6 +30,10 @@ mod upstream;
 use std::{path::PathBuf, process::ExitCode};
 
 use tracing_subscriber::EnvFilter;
+
+/// The binary's allocator (see Cargo.toml).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "\
 usage: gateway [--config PATH]

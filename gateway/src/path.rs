@@ -15,7 +15,7 @@
 //! Matching is case-sensitive and on whole segments: `/api` matches `/api`, `/api/` and
 //! `/api/x`, never `/apix`.
 
-use std::fmt;
+use std::{borrow::Cow, fmt};
 
 /// Why a request path was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,13 +42,19 @@ impl std::error::Error for PathError {}
 
 /// The normalised form of `raw` (a request path, without the query).
 pub(crate) fn normalize(raw: &str) -> Result<String, PathError> {
+    normalized(raw).map(Cow::into_owned)
+}
+
+/// [`normalize`], borrowing `raw` when it is its own normal form (most paths are): no
+/// copy per request.
+pub(crate) fn normalized(raw: &str) -> Result<Cow<'_, str>, PathError> {
     if !raw.starts_with('/') {
         return Err(PathError::NotAbsolute);
     }
     if is_normal(raw) {
-        return Ok(raw.to_owned());
+        return Ok(Cow::Borrowed(raw));
     }
-    normalize_fully(raw)
+    normalize_fully(raw).map(Cow::Owned)
 }
 
 /// [`normalize`] without its shortcut for a path that is its own normal form.

@@ -230,11 +230,30 @@ fn host_is_valid(headers: &HeaderMap, version: Version) -> bool {
     let mut hosts = headers.get_all(header::HOST).iter();
     match (hosts.next(), hosts.next()) {
         (None, _) => version != Version::HTTP_11,
-        (Some(host), None) => host.to_str().is_ok_and(|host| {
-            !host.contains('@') && host.parse::<Authority>().is_ok_and(|a| a.as_str() == host)
-        }),
+        (Some(host), None) => {
+            plain_authority(host.as_bytes())
+                || host.to_str().is_ok_and(|host| {
+                    !host.contains('@')
+                        && host.parse::<Authority>().is_ok_and(|a| a.as_str() == host)
+                })
+        }
         (Some(_), Some(_)) => false,
     }
+}
+
+/// Whether `host` is a name or IPv4 address with an optional port (`example.com`,
+/// `127.0.0.1:8080`): an authority as [`host_is_valid`] wants it, told without parsing
+/// one (which copies it). Anything else is checked by parsing.
+fn plain_authority(host: &[u8]) -> bool {
+    let (name, port) = match host.iter().position(|&b| b == b':') {
+        Some(colon) => (&host[..colon], Some(&host[colon + 1..])),
+        None => (host, None),
+    };
+    !name.is_empty()
+        && name
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+        && port.is_none_or(|port| !port.is_empty() && port.iter().all(u8::is_ascii_digit))
 }
 
 /// A plain-text answer of the gateway itself.
@@ -250,16 +269,16 @@ pub(crate) fn status(status: StatusCode, body: &'static str) -> Response<Body> {
 
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus
 /// every header the `Connection` header names.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+const HOP_BY_HOP: [HeaderName; 9] = [
+    CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
 fn remove_hop_by_hop(headers: &mut HeaderMap) {
@@ -269,17 +288,25 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
     for value in headers.get_all(CONNECTION) {
         let Ok(value) = value.to_str() else { continue };
         for name in value.split(',') {
-            let Ok(name) = HeaderName::from_bytes(name.trim().as_bytes()) else {
-                continue;
-            };
+            let name = name.trim();
             // The forwarding headers are the gateway's own to set
             // (`set_forwarding_headers`): a `Connection: X-Forwarded-For` would drop the
             // list the `ip` key read, and the upstream would see the proxy where the
-            // limit counted the client. The hop-by-hop ones go below anyway.
-            if !FORWARDING.contains(&name)
-                && !HOP_BY_HOP.contains(&name.as_str())
-                && headers.contains_key(&name)
+            // limit counted the client. The hop-by-hop ones go below anyway. (Told
+            // apart before a `HeaderName` is made: `keep-alive`, the usual one, would
+            // be copied.)
+            let known = |known: &str| known.eq_ignore_ascii_case(name);
+            if HOP_BY_HOP
+                .iter()
+                .chain(&FORWARDING)
+                .any(|h| known(h.as_str()))
             {
+                continue;
+            }
+            let Ok(name) = HeaderName::from_bytes(name.as_bytes()) else {
+                continue;
+            };
+            if headers.contains_key(&name) {
                 named.push(name);
             }
         }
@@ -287,10 +314,7 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    if headers
-        .keys()
-        .any(|name| HOP_BY_HOP.contains(&name.as_str()))
-    {
+    if headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
         for name in HOP_BY_HOP {
             headers.remove(name);
         }
@@ -383,14 +407,45 @@ impl Item {
 
     /// `ip` as it prints: `192.0.2.7`, `2001:db8::1`.
     fn address(&mut self, ip: IpAddr) {
-        self.write(format_args!("{ip}"));
+        match ip {
+            IpAddr::V4(v4) => {
+                self.len = 0;
+                self.push_v4(v4);
+            }
+            IpAddr::V6(v6) => self.write(format_args!("{v6}")),
+        }
     }
 
     /// One RFC 7239 `Forwarded` element for `ip`: `for=192.0.2.7`, `for="[2001:db8::1]"`.
     fn forwarded_for(&mut self, ip: IpAddr) {
         match ip {
-            IpAddr::V4(v4) => self.write(format_args!("for={v4}")),
+            IpAddr::V4(v4) => {
+                self.buf[..4].copy_from_slice(b"for=");
+                self.len = 4;
+                self.push_v4(v4);
+            }
             IpAddr::V6(v6) => self.write(format_args!("for=\"[{v6}]\"")),
+        }
+    }
+
+    /// Appends `v4` as `Display` prints it, without the formatting machinery (three
+    /// addresses a request).
+    fn push_v4(&mut self, v4: std::net::Ipv4Addr) {
+        for (i, octet) in v4.octets().into_iter().enumerate() {
+            if i > 0 {
+                self.buf[self.len] = b'.';
+                self.len += 1;
+            }
+            if octet >= 100 {
+                self.buf[self.len] = b'0' + octet / 100;
+                self.len += 1;
+            }
+            if octet >= 10 {
+                self.buf[self.len] = b'0' + octet / 10 % 10;
+                self.len += 1;
+            }
+            self.buf[self.len] = b'0' + octet % 10;
+            self.len += 1;
         }
     }
 
@@ -421,8 +476,8 @@ fn forwarded_for(ip: IpAddr) -> String {
 }
 
 /// Whether an error of type `E` caused `error`. The request body's own errors show so:
-/// `LengthLimitError` when it passed `server.max_body_bytes` (tower-http's
-/// `RequestBodyLimitLayer`), `axum::Error` when the client's body broke (a malformed
+/// `LengthLimitError` when it passed `server.max_body_bytes` (the body's `Limited`,
+/// `server::Front`), `axum::Error` when the client's body broke (a malformed
 /// chunk, oversized trailers, a hang-up mid-body); an upstream's failures are hyper's and
 /// I/O errors.
 fn in_the_chain<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
@@ -489,6 +544,43 @@ mod tests {
             "1.1.1.1, 2.2.2.2, 3.3.3.3, 192.0.2.7"
         );
         assert_eq!(headers.get_all("x-forwarded-for").iter().count(), 1);
+    }
+
+    #[test]
+    fn ipv4_items_print_as_display_does() {
+        for ip in [
+            "0.0.0.0",
+            "9.10.99.100",
+            "192.0.2.7",
+            "255.255.255.255",
+            "10.0.200.1",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let mut item = Item::new();
+            item.address(ip);
+            assert_eq!(item.as_str(), ip.to_string());
+            item.forwarded_for(ip);
+            assert_eq!(item.as_str(), format!("for={ip}"));
+        }
+    }
+
+    #[test]
+    fn plain_authorities_are_the_ones_the_parser_takes_as_they_are() {
+        for host in [
+            "example.com",
+            "127.0.0.1:8080",
+            "a-b.c:1",
+            "x",
+            "localhost:65535",
+        ] {
+            assert!(plain_authority(host.as_bytes()), "{host}");
+            assert!(host.parse::<Authority>().is_ok_and(|a| a.as_str() == host));
+        }
+        for host in [
+            "", ":80", "a:", "a:b", "[::1]:80", "a@b", "a b", "a/b", "a:1:2", "é",
+        ] {
+            assert!(!plain_authority(host.as_bytes()), "{host}");
+        }
     }
 
     #[test]

@@ -301,7 +301,7 @@ impl Context<'_> {
         let route = self.route;
         let mut inner: RouteService = match &route.upstream {
             Some(upstream) => {
-                let proxy = Proxy::new(proxy.clone(), upstream.clone(), &route.path);
+                let proxy = Arc::new(Proxy::new(proxy.clone(), upstream.clone(), &route.path));
                 BoxCloneSyncService::new(service_fn(move |request: Request| {
                     let proxy = proxy.clone();
                     async move { Ok(proxy.forward(request).await) }

@@ -7,20 +7,24 @@
 //! a request and never reads the response holds its connection slot, and the upstream
 //! connection streaming that response, for ever (the socket's send buffer fills and the
 //! write waits).
+//!
+//! The main listener's connections run on [`Workers`]: a current-thread runtime per core.
+//! Its accept loop stays on the main runtime, which also runs the admin listener, the
+//! reload watcher and the store's connections.
 
 use std::{
+    convert::Infallible,
     future::Future,
     io,
+    net::SocketAddr,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
     time::{Duration, Instant},
 };
 
-use axum::{
-    Router,
-    extract::{ConnectInfo, Request},
-};
+use axum::{Router, extract::ConnectInfo, response::Response};
+use http::Request;
 use hyper::{body::Incoming, server::conn::http1};
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
@@ -29,12 +33,13 @@ use hyper_util::{
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
-    net::TcpListener,
-    sync::Semaphore,
+    net::{TcpListener, TcpStream},
+    runtime::Handle,
+    sync::{Semaphore, oneshot},
     task::JoinSet,
     time::Sleep,
 };
-use tower::ServiceExt;
+use tower::{ServiceExt, util::BoxCloneSyncService};
 
 /// What one listener allows its clients (`[server]` in the config).
 #[derive(Debug, Clone, Copy)]
@@ -58,16 +63,81 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 /// At most one warning per interval that every connection is taken.
 const FULL_WARNING_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Serves `app` on `listener` until `stop` resolves, then stops accepting, lets the
-/// requests in flight finish for up to `shutdown_timeout`, and closes what is left.
-/// Handlers see the peer as `ConnectInfo<SocketAddr>`, as with axum's
-/// `into_make_service_with_connect_info`.
-pub(crate) async fn serve(
+/// The threads that serve the main listener's connections: one per core, each with a
+/// runtime of its own (current-thread, as nginx's workers), so that a connection, its
+/// timers and its upstream connections ([`crate::upstream`]) stay on one thread and wake
+/// no other. The accept loop hands each new connection to the next one in turn.
+pub(crate) struct Workers {
+    handles: Vec<Handle>,
+    /// Dropped when the workers are: each thread's runtime then stops.
+    _stop: Vec<oneshot::Sender<()>>,
+}
+
+impl Workers {
+    /// `threads` worker threads (at least one).
+    pub(crate) fn start(threads: usize) -> io::Result<Self> {
+        let mut handles = Vec::with_capacity(threads);
+        let mut stop = Vec::with_capacity(threads);
+        for index in 0..threads.max(1) {
+            let (started, handle) = std::sync::mpsc::channel();
+            let (stop_tx, stop_rx) = oneshot::channel::<()>();
+            std::thread::Builder::new()
+                .name(format!("gateway-worker-{index}"))
+                .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(runtime) => runtime,
+                        Err(error) => {
+                            let _ = started.send(Err(error));
+                            return;
+                        }
+                    };
+                    crate::upstream::set_worker(index + 1);
+                    let _ = started.send(Ok(runtime.handle().clone()));
+                    let _ = runtime.block_on(stop_rx);
+                })?;
+            handles.push(handle.recv().map_err(io::Error::other)??);
+            stop.push(stop_tx);
+        }
+        Ok(Self {
+            handles,
+            _stop: stop,
+        })
+    }
+
+    /// One worker thread per core.
+    pub(crate) fn per_core() -> io::Result<Self> {
+        Self::start(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workers")
+            .field("threads", &self.handles.len())
+            .finish()
+    }
+}
+
+/// Serves `listener` until `stop` resolves, then stops accepting, lets the requests in
+/// flight finish for up to `shutdown_timeout`, and closes what is left. Each connection
+/// gets its service from `make` with its peer's address, and runs on the next of
+/// `workers` (on the current runtime without).
+pub(crate) async fn serve<M, S>(
     listener: TcpListener,
-    app: Router,
+    make: M,
     limits: ConnectionLimits,
     stop: impl Future<Output = ()>,
-) {
+    workers: Option<Workers>,
+) where
+    M: Fn(SocketAddr) -> S,
+    S: hyper::service::Service<Request<Incoming>, Response = Response, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
@@ -75,6 +145,7 @@ pub(crate) async fn serve(
     let graceful = GracefulShutdown::new();
     let mut connections = JoinSet::new();
     let mut last_full_warning: Option<Instant> = None;
+    let mut next_worker = 0;
     tokio::pin!(stop);
     loop {
         // A connection is accepted only with a permit, so at most `max_connections` are
@@ -117,20 +188,49 @@ pub(crate) async fn serve(
         while connections.try_join_next().is_some() {}
         // Answers are small and latency matters more than packet count.
         let _ = stream.set_nodelay(true);
-        let app = app.clone();
-        let service = tower::service_fn(move |mut request: Request<Incoming>| {
-            request.extensions_mut().insert(ConnectInfo(peer));
-            app.clone().oneshot(request)
-        });
-        let stream = WriteIdle::new(stream, limits.write_idle_timeout);
-        let connection = graceful
-            .watch(http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service)));
-        connections.spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%peer, %error, "connection ended with an error");
+        let service = make(peer);
+        let http = http.clone();
+        let watcher = graceful.watcher();
+        let write_idle = limits.write_idle_timeout;
+        let Some(workers) = &workers else {
+            let stream = WriteIdle::new(stream, write_idle);
+            let connection = watcher.watch(http.serve_connection(TokioIo::new(stream), service));
+            connections.spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
+                }
+                drop(permit);
+            });
+            continue;
+        };
+        // Registered anew with the worker's own I/O driver.
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(error) => {
+                tracing::debug!(%peer, %error, "cannot hand the connection to a worker");
+                continue;
             }
-            drop(permit);
-        });
+        };
+        let worker = &workers.handles[next_worker % workers.handles.len()];
+        next_worker = next_worker.wrapping_add(1);
+        connections.spawn_on(
+            async move {
+                let stream = match TcpStream::from_std(stream) {
+                    Ok(stream) => WriteIdle::new(stream, write_idle),
+                    Err(error) => {
+                        tracing::debug!(%peer, %error, "cannot register the connection");
+                        return;
+                    }
+                };
+                let connection =
+                    watcher.watch(http.serve_connection(TokioIo::new(stream), service));
+                if let Err(error) = connection.await {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
+                }
+                drop(permit);
+            },
+            worker,
+        );
     }
     drop(listener);
     if tokio::time::timeout(limits.shutdown_timeout, graceful.shutdown())
@@ -146,6 +246,26 @@ pub(crate) async fn serve(
     }
     // Aborts whatever is still open and waits until it is gone.
     connections.shutdown().await;
+    drop(workers);
+}
+
+/// The service of a listener that an axum `Router` answers (the admin listener): handlers
+/// see the peer as `ConnectInfo<SocketAddr>`, as with axum's
+/// `into_make_service_with_connect_info`.
+pub(crate) fn router(
+    app: Router,
+) -> impl Fn(
+    SocketAddr,
+) -> TowerToHyperService<BoxCloneSyncService<Request<Incoming>, Response, Infallible>> {
+    move |peer| {
+        let app = app.clone();
+        TowerToHyperService::new(BoxCloneSyncService::new(tower::service_fn(
+            move |mut request: Request<Incoming>| {
+                request.extensions_mut().insert(ConnectInfo(peer));
+                app.clone().oneshot(request)
+            },
+        )))
+    }
 }
 
 /// Errors of one connection that failed while being accepted: accept the next one.

@@ -13,30 +13,23 @@ use std::{
 };
 
 use arc_swap::ArcSwap;
-use axum::{
-    Router,
-    extract::{Request, State},
-    http::{StatusCode, Uri, uri::PathAndQuery},
-    response::Response,
-    routing::get,
-};
+use axum::{Router, routing::get};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tollgate::{
     FailurePolicy,
     store::{MemoryStore, Permits, Store},
 };
-use tower::ServiceExt;
-use tower_http::limit::RequestBodyLimitLayer;
 
 pub(crate) use crate::routes::Gateway;
 use crate::{
     admin,
     config::{Backend, Config, ConfigError, Route, SentinelBackend, StoreConfig},
-    path, proxy,
+    front::Front,
+    proxy,
     reload::{self, Watcher},
     routes::Lasting,
-    serve::{ConnectionLimits, serve},
+    serve::{self, ConnectionLimits, Workers, serve},
     traffic,
 };
 
@@ -77,6 +70,11 @@ impl Live {
     /// The route table in force.
     pub(crate) fn gateway(&self) -> Arc<Gateway> {
         self.gateway.load_full()
+    }
+
+    /// The route table in force, for one request (no reference count taken).
+    pub(crate) fn routes(&self) -> arc_swap::Guard<Arc<Gateway>> {
+        self.gateway.load()
     }
 
     /// The admin bearer token in force (`admin_token_env`), if any.
@@ -371,9 +369,6 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         shutdown_timeout: config.server.shutdown_timeout,
         write_idle_timeout: config.server.write_idle_timeout,
     };
-    // The body limit comes first: a body announced too large is refused before a route
-    // or a limit is looked at; one that grows too large while streamed fails the proxy's
-    // upstream request, which answers 413 too.
     metrics::describe_gauge!(
         reload::RULES_VERSION,
         "The version of the config in force: 1 at start, one more per applied reload."
@@ -403,15 +398,18 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
         version: AtomicU64::new(1),
         redis_routes: Mutex::new(follow.as_ref().and_then(|f| f.routes.clone())),
     });
-    let app = Router::new()
-        .fallback(dispatch)
-        .with_state(live.clone())
-        .layer(RequestBodyLimitLayer::new(config.server.max_body_bytes));
+    let front = {
+        let live = live.clone();
+        let max_body_bytes = config.server.max_body_bytes;
+        move |peer| Front::new(live.clone(), peer, max_body_bytes)
+    };
+    let workers = Workers::per_core()?;
     let mut tasks = vec![tokio::spawn(serve(
         listener,
-        app,
+        front,
         limits,
         stopped(signal.clone()),
+        Some(workers),
     ))];
     if let Some(follow) = follow {
         tasks.push(follow.spawn(live.clone(), signal.clone()));
@@ -422,9 +420,10 @@ pub(crate) async fn start(mut config: Config) -> Result<Running, Error> {
             .merge(admin::router(live.clone()));
         tasks.push(tokio::spawn(serve(
             listener,
-            admin_app,
+            serve::router(admin_app),
             limits,
             stopped(signal),
+            None,
         )));
     }
     tracing::info!(%addr, ?admin_addr, routes, "gateway started");
@@ -526,71 +525,6 @@ async fn first_rule_set(
 /// Resolves when shutdown is asked for, or when the [`Running`] handle is dropped.
 async fn stopped(mut signal: watch::Receiver<bool>) {
     let _ = signal.wait_for(|stop| *stop).await;
-}
-
-/// Answers every request: normalise the path, pick the route, let its service answer;
-/// measured from here to the end of the response's body, when the traffic metrics are on.
-async fn dispatch(State(live): State<Arc<Live>>, mut request: Request) -> Response {
-    let method = request.method().clone();
-    let normalized = match path::normalize(request.uri().path()) {
-        Ok(path) => path,
-        Err(error) => {
-            tracing::debug!(%method, uri = %request.uri(), %error, "bad request path");
-            let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
-            return unmatched(&live, &mut request, response);
-        }
-    };
-    // One look at the route table: a reload during this request does not change it.
-    let routed = {
-        let gateway = live.gateway.load();
-        gateway
-            .routed(&normalized)
-            .map(|(service, metrics)| (service.clone(), metrics.cloned()))
-    };
-    let Some((service, metrics)) = routed else {
-        tracing::debug!(%method, path = normalized, "no route");
-        let response = proxy::status(StatusCode::NOT_FOUND, "no route\n");
-        return unmatched(&live, &mut request, response);
-    };
-    let tracker = metrics.map(|metrics| metrics.start(&mut request));
-    // Limits and upstream both see the normalised path, so they agree on the route; a
-    // path already normal in origin form (most are) is kept as it is.
-    let uri = request.uri();
-    if uri.path() != normalized || uri.scheme().is_some() || uri.authority().is_some() {
-        let path_and_query = match uri.query() {
-            Some(query) => format!("{normalized}?{query}"),
-            None => normalized.clone(),
-        };
-        match path_and_query.parse::<PathAndQuery>() {
-            Ok(path_and_query) => *request.uri_mut() = Uri::from(path_and_query),
-            Err(_) => {
-                let response = proxy::status(StatusCode::BAD_REQUEST, "bad request path\n");
-                return respond(tracker, response);
-            }
-        }
-    }
-    let response = match service.oneshot(request).await {
-        Ok(response) => response,
-        Err(never) => match never {},
-    };
-    tracing::debug!(%method, path = normalized, status = response.status().as_u16(), "answered");
-    respond(tracker, response)
-}
-
-/// `response`, measured by `tracker` if the traffic metrics are on.
-fn respond(tracker: Option<traffic::Tracker>, response: Response) -> Response {
-    match tracker {
-        Some(tracker) => tracker.respond(response),
-        None => response,
-    }
-}
-
-/// The gateway's `response` to a request that matches no route, counted under
-/// `traffic::UNMATCHED` if the traffic metrics are on.
-#[inline(never)]
-fn unmatched(live: &Live, request: &mut Request, response: Response) -> Response {
-    let metrics = live.gateway.load().unmatched().cloned();
-    respond(metrics.map(|metrics| metrics.start(request)), response)
 }
 
 /// The store, as the rate limits and as the in-flight limits use it, and its leases.

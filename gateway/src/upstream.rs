@@ -11,6 +11,9 @@
 //! and is closed when the body is dropped before its end (the client went away), as any
 //! half-read HTTP/1 connection must be.
 //!
+//! Each worker thread (`serve::Workers`) keeps its own idle connections, so a connection
+//! is always polled on the thread whose runtime registered its socket.
+//!
 //! An idle connection is polled by no one: one the upstream closed is found closed when
 //! it is taken (and a request that could not be written on it is sent again on a new
 //! connection), or dropped after [`IDLE_TIMEOUT`].
@@ -105,11 +108,24 @@ async fn reap(pools: Weak<Mutex<HashMap<Authority, Arc<Pool>>>>) {
     }
 }
 
-/// One upstream's idle connections, and where to open new ones.
+thread_local! {
+    /// The worker thread this is (`serve::Workers`, from 1), 0 on any other thread.
+    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks the current thread as worker `index` (from 1): the connections it opens go back
+/// to its own idle list, so that they are polled by the runtime they were registered
+/// with, on this thread, and never wake another.
+pub(crate) fn set_worker(index: usize) {
+    WORKER.with(|worker| worker.set(index));
+}
+
+/// One upstream's idle connections, one list per worker thread, and where to open new
+/// ones.
 pub(crate) struct Pool {
     host: String,
     port: u16,
-    idle: Mutex<Vec<Idle>>,
+    idle: Box<[Mutex<Vec<Idle>>]>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -141,11 +157,18 @@ impl Pool {
             .strip_prefix('[')
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
+        // One list per worker (one per core) and one for every other thread.
+        let lists = std::thread::available_parallelism().map_or(1, |n| n.get()) + 1;
         Self {
             host: host.to_owned(),
             port: authority.port_u16().unwrap_or(80),
-            idle: Mutex::new(Vec::new()),
+            idle: (0..lists).map(|_| Mutex::new(Vec::new())).collect(),
         }
+    }
+
+    /// The current thread's idle list.
+    fn idle(&self) -> &Mutex<Vec<Idle>> {
+        &self.idle[WORKER.with(std::cell::Cell::get) % self.idle.len()]
     }
 
     /// Sends `request` (origin-form URI) and returns the response head, its body reading
@@ -185,7 +208,7 @@ impl Pool {
         let mut cx = Context::from_waker(Waker::noop());
         loop {
             let Idle { mut conn, since } = {
-                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                let mut idle = self.idle().lock().unwrap_or_else(|e| e.into_inner());
                 idle.pop()?
             };
             if since.elapsed() >= IDLE_TIMEOUT {
@@ -254,7 +277,7 @@ impl Pool {
     }
 
     fn push(&self, conn: Conn) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle().lock().unwrap_or_else(|e| e.into_inner());
         idle.push(Idle {
             conn,
             since: Instant::now(),
@@ -262,8 +285,10 @@ impl Pool {
     }
 
     fn reap(&self) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        idle.retain(|idle| idle.since.elapsed() < IDLE_TIMEOUT);
+        for idle in &self.idle {
+            let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
+            idle.retain(|idle| idle.since.elapsed() < IDLE_TIMEOUT);
+        }
     }
 }
 

@@ -264,6 +264,45 @@ async fn proxies_method_path_query_headers_and_body_intact() {
     gw.stop().await.unwrap();
 }
 
+/// `HEAD` is answered as it was when axum's router served the listener: the length of the
+/// body a `GET` would get, and no body, from the upstream and from the gateway's own
+/// answers alike (hyper's server sees to both).
+#[tokio::test]
+async fn head_gets_the_length_and_no_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::start().await;
+    let gw = gateway(MEMORY, &route("/api", Some(&upstream.url()), None)).await;
+    // Raw HTTP: a body sent after the head would show up before the close.
+    let addr = gw.addr();
+    let head = |path: &'static str| async move {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("HEAD {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(TIMEOUT, stream.read_to_end(&mut answer))
+            .await
+            .expect("no answer in time")
+            .unwrap();
+        String::from_utf8(answer).unwrap().to_ascii_lowercase()
+    };
+    // The upstream's answer to a GET is `upstream saw 0 bytes`, 20 bytes.
+    let proxied = head("/api/x").await;
+    assert!(proxied.starts_with("http/1.1 200"), "{proxied}");
+    assert!(proxied.contains("\r\ncontent-length: 20\r\n"), "{proxied}");
+    assert!(
+        proxied.ends_with("\r\n\r\n"),
+        "a body after the head: {proxied}"
+    );
+    // The gateway's own `no route\n`, 9 bytes.
+    let own = head("/elsewhere").await;
+    assert!(own.starts_with("http/1.1 404"), "{own}");
+    assert!(own.contains("\r\ncontent-length: 9\r\n"), "{own}");
+    assert!(own.ends_with("\r\n\r\n"), "a body after the head: {own}");
+    assert_eq!(upstream.seen()[0].method, Method::HEAD);
+    gw.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn upstream_statuses_pass_through_and_a_base_path_is_prepended() {
     let upstream = Upstream::start().await;

@@ -10,6 +10,9 @@ mod admin;
 #[path = "../../src/config.rs"]
 mod config;
 #[allow(dead_code)]
+#[path = "../../src/front.rs"]
+mod front;
+#[allow(dead_code)]
 #[path = "../../src/path.rs"]
 mod path;
 #[allow(dead_code)]
