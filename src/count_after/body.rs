@@ -44,6 +44,20 @@ impl Drop for Holding {
     }
 }
 
+impl std::ops::Deref for Holding {
+    type Target = Option<Box<Charged>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Holding {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
 /// Drops a body's charge: settles it, gives its permit back.
 #[inline(never)]
 fn let_go(charged: Box<Charged>) {
@@ -67,7 +81,7 @@ impl<B> RateLimitBody<B> {
 
     /// Whether the body still holds its request's in-flight permit.
     pub fn holds_permit(&self) -> bool {
-        self.held.0.as_ref().is_some_and(|held| held.holds_permit())
+        self.held.as_ref().is_some_and(|held| held.holds_permit())
     }
 
     /// The body it wraps.
@@ -104,8 +118,8 @@ impl<B: Body> Body for RateLimitBody<B> {
         let frame = ready!(this.inner.as_mut().poll_frame(cx));
         // The end, or an error (the body is over): the request is no longer in flight,
         // and its charge settles (dropped, with the units decided at the response).
-        if this.held.0.is_some() && (!matches!(frame, Some(Ok(_))) || this.inner.is_end_stream()) {
-            this.held.0.take();
+        if this.held.is_some() && (!matches!(frame, Some(Ok(_))) || this.inner.is_end_stream()) {
+            this.held.take();
         }
         Poll::Ready(frame)
     }
