@@ -8,7 +8,7 @@
 //! last passed).
 //!
 //! Here: the store and its builders. `inner` holds the shards and the decisions, with
-//! `Inner::with_entry`, the one way a request opens a key's state;
+//! `Inner::open`, the one way a request opens a key's state;
 //! `shard` holds a shard's table and entries, `evict` the sweep and the eviction,
 //! `lockout` the blocks; none of them imports this module.
 
