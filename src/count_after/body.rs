@@ -146,7 +146,7 @@ impl<B: Body> Body for RateLimitBody<B> {
     fn is_end_stream(&self) -> bool {
         let end = self.inner.is_end_stream();
         // A server drops a body that says it is over without reading it: its end.
-        if end && let Some(held) = &self.held {
+        if end && let Some(held) = self.held.as_ref() {
             held.saw_end();
         }
         end
