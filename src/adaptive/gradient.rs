@@ -106,6 +106,9 @@ const QUEUEING_WEIGHT: f64 = 0.01;
 /// The lowest gradient: a window at most halves the target.
 const MIN_GRADIENT: f64 = 0.5;
 
+/// What a window with a drop multiplies the limit by.
+const BACKOFF: f64 = 0.9;
+
 impl State {
     pub(super) fn new(settings: Gradient) -> Self {
         Self {
@@ -120,18 +123,16 @@ impl State {
             .map(|us| Duration::from_micros(us.round() as u64))
     }
 
-    pub(super) fn next(&mut self, limit: f64, window: &Window) -> f64 {
-        if window.dropped > 0 {
-            return limit * 0.9;
-        }
+    /// Learns the baseline from a closed window with samples (pressed or not).
+    pub(super) fn learn(&mut self, window: &Window) {
         if window.samples == 0 {
-            return limit;
+            return;
         }
         let mean = window.mean_us();
         let Gradient {
             tolerance,
-            smoothing,
             long_window,
+            ..
         } = self.settings;
         let baseline = match self.baseline_us {
             None => mean,
@@ -149,11 +150,26 @@ impl State {
             }
         };
         self.baseline_us = Some(baseline);
-        let gradient = (tolerance * baseline / mean).clamp(MIN_GRADIENT, 1.0);
-        if gradient >= 1.0 && !window.used(limit) {
+    }
+
+    /// The limit after a pressed window without drops (see `Window::pressed`), once
+    /// [`learn`](Self::learn) has seen it.
+    pub(super) fn next(&self, limit: f64, window: &Window) -> f64 {
+        let (Some(baseline), true) = (self.baseline_us, window.samples > 0) else {
             return limit;
-        }
+        };
+        let Gradient {
+            tolerance,
+            smoothing,
+            ..
+        } = self.settings;
+        let gradient = (tolerance * baseline / window.mean_us()).clamp(MIN_GRADIENT, 1.0);
         let target = limit * gradient + limit.sqrt();
         limit + (target - limit) * smoothing
+    }
+
+    /// The limit after a window with a drop.
+    pub(super) fn back_off(limit: f64) -> f64 {
+        limit * BACKOFF
     }
 }

@@ -233,6 +233,15 @@ impl From<Gradient> for Algorithm {
     }
 }
 
+/// How far a window that did not press against the limit moves it toward its target.
+const EASE: f64 = 0.2;
+
+/// What a window that did not press against the limit moves it toward: this many times its
+/// busiest moment (or `initial`, if larger). 3x leaves the least critical requests about
+/// twice their demand once the shares of the others are kept, and a window counts as
+/// pressed only once the demand grew 2.25x (3/4 of the limit).
+const HEADROOM: f64 = 3.0;
+
 /// The running state of an algorithm.
 #[derive(Debug, Clone)]
 enum Estimate {
@@ -248,11 +257,39 @@ impl Estimate {
         }
     }
 
-    /// The next limit (unclamped) after a closed window.
-    fn next(&mut self, limit: f64, window: &Window) -> f64 {
+    /// The next limit (unclamped) after a closed window: a drop backs off; a window that
+    /// pressed against the limit goes to the algorithm; any other eases the limit toward
+    /// the larger of twice its busiest moment and `initial` (see the [module docs](self)).
+    fn next(&mut self, limit: f64, window: &Window, initial: u32) -> f64 {
+        let pressed = window.pressed(limit);
         match self {
-            Self::Aimd(aimd) => aimd.next(limit, window),
-            Self::Gradient(state) => state.next(limit, window),
+            Self::Aimd(aimd) => {
+                if window.dropped > 0 || (pressed && window.slow > 0) {
+                    return aimd.back_off(limit);
+                }
+                if pressed {
+                    return aimd.grow(limit);
+                }
+            }
+            Self::Gradient(state) => {
+                state.learn(window);
+                if window.dropped > 0 {
+                    return gradient::State::back_off(limit);
+                }
+                if pressed {
+                    return state.next(limit, window);
+                }
+            }
+        }
+        let target = (HEADROOM * f64::from(window.busiest)).max(f64::from(initial));
+        limit + (target - limit) * EASE
+    }
+
+    /// The latency above which a sample is slow ([`Aimd::with_slow`]).
+    fn slow(&self) -> Option<Duration> {
+        match self {
+            Self::Aimd(aimd) => aimd.slow(),
+            Self::Gradient(_) => None,
         }
     }
 
