@@ -57,11 +57,12 @@ impl Aimd {
         Ok(self)
     }
 
-    /// A request slower than `slow` counts as dropped in a window that pressed against
-    /// the limit, so that AIMD also backs off when queueing makes latency grow (set it to
-    /// your latency objective, say 1.5x the service's usual latency). In a window that did
-    /// not press, a slow request is not the limit's doing (a stalled timer, one slow
-    /// call) and does not count. `None` (the default): only drops count.
+    /// Requests slower than `slow` count as a drop in a window that pressed against the
+    /// limit, when they are more than a tenth of its samples (its p90 is slower): so AIMD
+    /// also backs off when queueing makes latency grow (set it to your latency objective,
+    /// say 1.5x the service's usual latency). A few slow requests are a stalled timer or
+    /// a slow call, and a window that did not press says nothing about the limit.
+    /// `None` (the default): only drops count.
     pub fn with_slow(mut self, slow: Option<Duration>) -> Self {
         self.slow = slow;
         self

@@ -10,7 +10,10 @@ use crate::ConfigError;
 /// way to the target. A window with a drop backs off by 0.9 instead. See the
 /// [module docs](super) for how the baseline is learned.
 ///
-/// Defaults: tolerance 1.5, smoothing 0.2, a baseline over 600 windows.
+/// Defaults: tolerance 1.2, smoothing 0.2, a baseline over 600 windows. Under a sustained
+/// overload the limit settles where `gradient = 1 - 1 / sqrt(limit)`: a mean latency of
+/// about `tolerance / (1 - 1 / sqrt(limit))` times the baseline (1.4x at a limit of 50),
+/// so that the p99 stays within 2x.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gradient {
     tolerance: f64,
@@ -25,10 +28,10 @@ impl Default for Gradient {
 }
 
 impl Gradient {
-    /// Tolerance 1.5, smoothing 0.2, long window 600.
+    /// Tolerance 1.2, smoothing 0.2, long window 600.
     pub fn new() -> Self {
         Self {
-            tolerance: 1.5,
+            tolerance: 1.2,
             smoothing: 0.2,
             long_window: 600,
         }
@@ -166,6 +169,12 @@ impl State {
         let gradient = (tolerance * baseline / window.mean_us()).clamp(MIN_GRADIENT, 1.0);
         let target = limit * gradient + limit.sqrt();
         limit + (target - limit) * smoothing
+    }
+
+    /// Whether the window's mean latency is within the tolerance of the baseline.
+    pub(super) fn healthy(&self, window: &Window) -> bool {
+        self.baseline_us
+            .is_none_or(|baseline| window.mean_us() <= self.settings.tolerance * baseline)
     }
 
     /// The limit after a window with a drop.

@@ -56,7 +56,7 @@ pub struct Shares {
 }
 
 impl Default for Shares {
-    /// 10% kept for critical requests, another 10% for default and critical ones.
+    /// At least 10% kept for critical requests, another 10% for default and critical ones.
     fn default() -> Self {
         Self {
             critical: 0.1,
@@ -66,8 +66,9 @@ impl Default for Shares {
 }
 
 impl Shares {
-    /// Keeps `critical` of the limit for critical requests and `default` more for default
-    /// (and critical) ones. Refused when a share is negative or they add up to 1 or more.
+    /// Keeps at least `critical` of the limit for critical requests and `default` more for
+    /// default (and critical) ones, more while their demand needs it. Refused when a share
+    /// is negative or they add up to 1 or more.
     pub fn new(critical: f64, default: f64) -> Result<Self, ConfigError> {
         let valid = |share: f64| (0.0..1.0).contains(&share);
         if !valid(critical) || !valid(default) || critical + default >= 1.0 {
