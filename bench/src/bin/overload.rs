@@ -404,8 +404,7 @@ async fn timeline(name: &str) -> Vec<Sample> {
         offer_into(&service, load, Duration::from_secs(seconds), &tally).await;
     }
     sampler.abort();
-    let samples = samples.lock().unwrap().clone();
-    samples
+    samples.lock().unwrap().clone()
 }
 
 /// The normal-day limit (the median over the last 5 s of the first 0.5x phase) and how
