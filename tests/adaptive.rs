@@ -128,8 +128,9 @@ fn the_least_critical_are_shed_first() {
     assert!(concurrency.try_acquire(Priority::Sheddable, now).is_ok());
 }
 
-/// AIMD, window by window: +1 per window that used half the limit, ×0.9 per window with a
-/// drop, nothing for a window that did not use the limit.
+/// AIMD, window by window: +1 per window that pressed against the limit (3/4 of it in
+/// flight at once), ×0.9 per window with a drop; a window that did not press eases the
+/// limit a fifth of the way toward 3x its busiest moment (or `initial`, if larger).
 #[test]
 fn aimd_adds_and_multiplies() {
     let concurrency = Concurrency::new(
@@ -140,7 +141,7 @@ fn aimd_adds_and_multiplies() {
             .unwrap(),
     );
     let mut now = Duration::ZERO;
-    // A window: 5 requests at once (half of 10), 100 ms later.
+    // A window: `at_once` requests at once, 100 ms later.
     let mut window = |concurrency: &Concurrency, at_once: u32, outcome: Outcome| {
         let permits: Vec<_> = (0..at_once)
             .map(|_| concurrency.try_acquire(Priority::Default, now).unwrap())
@@ -151,20 +152,24 @@ fn aimd_adds_and_multiplies() {
         }
         concurrency.snapshot().limit
     };
-    assert_eq!(window(&concurrency, 5, Outcome::Success), 11);
-    assert_eq!(window(&concurrency, 6, Outcome::Success), 12);
-    // 5 of 12 is under half: the traffic kept the limit from mattering.
-    assert_eq!(window(&concurrency, 5, Outcome::Success), 12);
-    assert_eq!(window(&concurrency, 5, Outcome::Dropped), 10); // 12 * 0.9 = 10.8
-    assert_eq!(window(&concurrency, 5, Outcome::Dropped), 9); // 9.72
+    // (A window closes at its 5th sample; the rest of its requests count in the next.)
+    assert_eq!(window(&concurrency, 8, Outcome::Success), 11);
+    assert_eq!(window(&concurrency, 9, Outcome::Success), 12);
+    // At most 7 of 12 (the last window's) is under 3/4: the traffic kept the limit from
+    // mattering. It eases toward max(3 * 7, 10): 12 + 9 / 5 = 13.8.
+    assert_eq!(window(&concurrency, 5, Outcome::Success), 13);
+    assert_eq!(window(&concurrency, 5, Outcome::Dropped), 12); // 13.8 * 0.9 = 12.42
+    assert_eq!(window(&concurrency, 5, Outcome::Dropped), 11); // 11.18
     // Ignored outcomes (a client that hung up) are no samples: the window stays open.
-    assert_eq!(window(&concurrency, 5, Outcome::Ignore), 9);
-    assert_eq!(concurrency.snapshot().samples, 16);
+    assert_eq!(window(&concurrency, 5, Outcome::Ignore), 11);
+    assert_eq!(concurrency.snapshot().samples, 22);
 }
 
-/// AIMD with a latency threshold backs off on slow requests too.
+/// AIMD with a latency threshold backs off on slow requests too, when the traffic presses
+/// against the limit; a slow request while it does not (a stalled timer at low load) is
+/// not the limit's doing.
 #[test]
-fn aimd_counts_slow_requests_as_drops() {
+fn aimd_counts_slow_requests_as_drops_when_pressed() {
     let concurrency = Concurrency::new(
         AdaptiveLimit::new(Aimd::new().with_slow(Some(Duration::from_millis(50))))
             .with_bounds(1, 10, 100)
@@ -175,7 +180,23 @@ fn aimd_counts_slow_requests_as_drops() {
     let start = Duration::ZERO;
     let permit = concurrency.try_acquire(Priority::Default, start).unwrap();
     permit.finish(start + Duration::from_millis(80), Outcome::Success);
-    assert_eq!(concurrency.snapshot().limit, 9);
+    assert_eq!(
+        concurrency.snapshot().limit,
+        10,
+        "1 of 10 in flight: not pressed"
+    );
+    let start = start + Duration::from_millis(100);
+    let permits: Vec<_> = (0..8)
+        .map(|_| concurrency.try_acquire(Priority::Default, start).unwrap())
+        .collect();
+    for permit in permits {
+        permit.finish(start + Duration::from_millis(80), Outcome::Success);
+    }
+    assert_eq!(
+        concurrency.snapshot().limit,
+        9,
+        "8 of 10 in flight: pressed"
+    );
 }
 
 /// The gradient limit under 4x its upstream's capacity keeps admitted latency within 2x
@@ -338,4 +359,241 @@ fn critical_requests_are_served_while_sheddable_ones_are_shed() {
         snapshot.shed
     );
     assert!(snapshot.shed[0] > 0, "sheddable requests were shed");
+}
+
+/// What is kept for critical requests follows their demand: 1.25x the most of them in
+/// flight lately, with the static share (10%) as a floor; sheddable requests get the rest
+/// less what is kept for default ones.
+#[test]
+fn the_share_kept_for_critical_follows_their_demand() {
+    let concurrency = Concurrency::new(
+        AdaptiveLimit::new(Aimd::new())
+            .with_bounds(20, 20, 20)
+            .unwrap()
+            .with_window(MS, 1)
+            .unwrap(),
+    );
+    let now = Duration::ZERO;
+    let admit = |priority, count| -> Vec<_> {
+        (0..count)
+            .map_while(|_| concurrency.try_acquire(priority, now).ok())
+            .collect()
+    };
+    // Nothing critical in flight: the static shares, 2 and 2 of 20 (the 16 admitted are
+    // dropped at once).
+    assert_eq!(admit(Priority::Sheddable, 30).len(), 16);
+    assert_eq!(concurrency.snapshot().in_flight, 0);
+
+    // 8 critical in flight: 10 kept for them, 2 for default ones, 8 left for sheddable.
+    let critical = admit(Priority::Critical, 8);
+    let sheddable = admit(Priority::Sheddable, 30);
+    assert_eq!(sheddable.len(), 8);
+    // Default ones may use what is kept for them: 20 - 10 - 8.
+    let default = admit(Priority::Default, 30);
+    assert_eq!(default.len(), 2);
+    // Critical ones may use all of the limit.
+    let more = admit(Priority::Critical, 30);
+    assert_eq!(more.len(), 2);
+    assert_eq!(concurrency.snapshot().in_flight, 20);
+    assert_eq!(concurrency.snapshot().shed, [2, 1, 1]);
+
+    // Their demand gone for two windows, the floor is back.
+    drop((critical, more, sheddable, default));
+    for at in [2, 4] {
+        let later = Duration::from_millis(at);
+        let permit = concurrency.try_acquire(Priority::Sheddable, later).unwrap();
+        permit.finish(later + MS, Outcome::Success);
+    }
+    assert_eq!(admit(Priority::Sheddable, 30).len(), 16);
+}
+
+/// An open-loop load on a FIFO upstream of `CAPACITY` workers, 1 ms a step: `load` x the
+/// capacity arrives whatever the answers, every 10th request critical, the others
+/// sheddable; an admitted request waits for the first free worker, which holds it for
+/// `service(now)`.
+struct OpenLoop {
+    now: Duration,
+    /// When each worker is free.
+    workers: Vec<Duration>,
+    /// Admitted requests and when they end.
+    running: Vec<(Duration, tollgate::adaptive::Permit)>,
+    sent: u64,
+    due: f64,
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    admitted: u64,
+    shed: u64,
+    critical: u64,
+    critical_served: u64,
+    latencies: Vec<Duration>,
+}
+
+impl Tally {
+    fn p99(&mut self) -> Duration {
+        self.latencies.sort_unstable();
+        self.latencies[(self.latencies.len() - 1) * 99 / 100]
+    }
+
+    /// Admitted requests per second, as a share of the capacity.
+    fn goodput(&self, length: Duration) -> f64 {
+        let capacity = f64::from(CAPACITY) / SERVICE.as_secs_f64();
+        self.admitted as f64 / length.as_secs_f64() / capacity
+    }
+}
+
+impl OpenLoop {
+    fn new() -> Self {
+        Self {
+            now: Duration::ZERO,
+            workers: vec![Duration::ZERO; CAPACITY as usize],
+            running: Vec::new(),
+            sent: 0,
+            due: 0.0,
+        }
+    }
+
+    fn run(
+        &mut self,
+        concurrency: &Concurrency,
+        length: Duration,
+        load: f64,
+        service: impl Fn(Duration) -> Duration,
+    ) -> Tally {
+        let per_ms = load * f64::from(CAPACITY) / SERVICE.as_secs_f64() / 1000.0;
+        let end = self.now + length;
+        let mut tally = Tally::default();
+        while self.now < end {
+            let now = self.now;
+            self.running.sort_by_key(|(ends, _)| *ends);
+            let done = self.running.partition_point(|(ends, _)| *ends <= now);
+            for (ends, permit) in self.running.drain(..done) {
+                permit.finish(ends, Outcome::Success);
+            }
+            self.due += per_ms;
+            while (self.sent as f64) < self.due {
+                self.sent += 1;
+                let priority = if self.sent.is_multiple_of(10) {
+                    Priority::Critical
+                } else {
+                    Priority::Sheddable
+                };
+                let critical = priority == Priority::Critical;
+                tally.critical += u64::from(critical);
+                let Ok(permit) = concurrency.try_acquire(priority, now) else {
+                    tally.shed += 1;
+                    continue;
+                };
+                let worker = (0..self.workers.len())
+                    .min_by_key(|&w| self.workers[w])
+                    .unwrap();
+                let ends = self.workers[worker].max(now) + service(now);
+                self.workers[worker] = ends;
+                self.running.push((ends, permit));
+                tally.admitted += 1;
+                tally.critical_served += u64::from(critical);
+                tally.latencies.push(ends - now);
+            }
+            self.now += MS;
+        }
+        tally
+    }
+}
+
+fn service(_: Duration) -> Duration {
+    SERVICE
+}
+
+/// The algorithms as the overload benchmark runs them.
+fn both() -> [(&'static str, Concurrency); 2] {
+    let bounds = |limit: AdaptiveLimit| Concurrency::new(limit.with_bounds(1, 10, 1000).unwrap());
+    [
+        (
+            "aimd",
+            bounds(AdaptiveLimit::new(
+                Aimd::new().with_slow(Some(SERVICE * 3 / 2)),
+            )),
+        ),
+        ("gradient", bounds(AdaptiveLimit::new(Gradient::new()))),
+    ]
+}
+
+/// At 4x the capacity, with critical requests 40% of the capacity: at least 99% of them
+/// are served while sheddable ones are shed, the upstream stays busy, and the admitted
+/// requests' p99 stays within 2x the service time.
+#[test]
+fn critical_requests_are_served_at_4x_when_they_need_40_percent() {
+    for (name, concurrency) in both() {
+        let mut upstream = OpenLoop::new();
+        upstream.run(&concurrency, Duration::from_secs(10), 0.5, service);
+        let length = Duration::from_secs(30);
+        let mut tally = upstream.run(&concurrency, length, 4.0, service);
+        let served = tally.critical_served as f64 / tally.critical as f64;
+        eprintln!(
+            "{name}: critical {served:.4}, goodput {:.3}, p99 {:?}, {:?}",
+            tally.goodput(length),
+            tally.p99(),
+            concurrency.snapshot()
+        );
+        assert!(served >= 0.99, "{name}: critical served {served}");
+        assert!(tally.shed > 0, "{name}: sheddable requests shed");
+        assert!(tally.goodput(length) >= 0.9, "{name}: {tally:?}");
+        assert!(tally.p99() <= 2 * SERVICE, "{name}: p99 {:?}", tally.p99());
+    }
+}
+
+/// At half the capacity, after a normal day, timer stalls that make every request 50%
+/// slower for 200 ms each second (as a loaded machine's timer does) shed nothing: a window
+/// that does not press against the limit says nothing about it.
+#[test]
+fn nothing_is_shed_at_half_load_with_a_stalling_timer() {
+    let stalling = |now: Duration| {
+        if now.subsec_millis() < 200 {
+            SERVICE * 3 / 2
+        } else {
+            SERVICE
+        }
+    };
+    for (name, concurrency) in both() {
+        let mut upstream = OpenLoop::new();
+        upstream.run(&concurrency, Duration::from_secs(5), 0.5, service);
+        let tally = upstream.run(&concurrency, Duration::from_secs(60), 0.5, stalling);
+        assert_eq!(tally.shed, 0, "{name}: {:?}", concurrency.snapshot());
+    }
+}
+
+/// After 30 s at 4x, back at 0.5x: the limit is within 10% of its value on the normal day
+/// before within 30 s (from above or below), and nothing is shed once what the overload
+/// left in flight has drained.
+#[test]
+fn the_limit_comes_back_to_its_normal_day_value_after_an_overload() {
+    for (name, concurrency) in both() {
+        let mut upstream = OpenLoop::new();
+        upstream.run(&concurrency, Duration::from_secs(30), 0.5, service);
+        let normal = f64::from(concurrency.snapshot().limit);
+        upstream.run(&concurrency, Duration::from_secs(30), 4.0, service);
+        let overloaded = concurrency.snapshot().limit;
+        let mut back = None;
+        for second in 1..=30 {
+            let tally = upstream.run(&concurrency, Duration::from_secs(1), 0.5, service);
+            // (The first second drains what the overload left in flight.)
+            if second > 1 {
+                assert_eq!(tally.shed, 0, "{name}: shed at 0.5x after the overload");
+            }
+            let limit = f64::from(concurrency.snapshot().limit);
+            if back.is_none() && (limit - normal).abs() <= 0.1 * normal {
+                back = Some(second);
+            }
+        }
+        let limit = concurrency.snapshot().limit;
+        eprintln!(
+            "{name}: normal {normal}, overloaded {overloaded}, back after {back:?} s, {limit}"
+        );
+        assert!(back.is_some(), "{name}: limit {limit}, normal day {normal}");
+        assert!(
+            (f64::from(limit) - normal).abs() <= 0.1 * normal,
+            "{name}: limit {limit} at the end, normal day {normal}"
+        );
+    }
 }

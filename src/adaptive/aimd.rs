@@ -2,13 +2,13 @@
 
 use std::time::Duration;
 
-use super::window::Window;
 use crate::ConfigError;
 
-/// Additive increase, multiplicative decrease: a window with a dropped request multiplies
-/// the limit by [`backoff`](Self::with_backoff) (0.9); a window that used at least half of
-/// the limit and dropped nothing adds [`increase`](Self::with_increase) (1). See the
-/// [module docs](super).
+/// Additive increase, multiplicative decrease: a window with a dropped request (or, while
+/// the traffic presses against the limit, a request slower than [`slow`](Self::with_slow))
+/// multiplies the limit by [`backoff`](Self::with_backoff) (0.9); a window that pressed
+/// against the limit and dropped nothing adds [`increase`](Self::with_increase) (1). See
+/// the [module docs](super).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Aimd {
     backoff: f64,
@@ -57,8 +57,12 @@ impl Aimd {
         Ok(self)
     }
 
-    /// A request slower than `slow` counts as dropped, so that AIMD also backs off when
-    /// latency grows. `None` (the default): only drops count.
+    /// Requests slower than `slow` count as a drop in a window that pressed against the
+    /// limit, when they are more than a tenth of its samples (its p90 is slower): so AIMD
+    /// also backs off when queueing makes latency grow (set it to your latency objective,
+    /// say 1.5x the service's usual latency). A few slow requests are a stalled timer or
+    /// a slow call, and a window that did not press says nothing about the limit.
+    /// `None` (the default): only drops count.
     pub fn with_slow(mut self, slow: Option<Duration>) -> Self {
         self.slow = slow;
         self
@@ -79,13 +83,13 @@ impl Aimd {
         self.slow
     }
 
-    pub(super) fn next(&self, limit: f64, window: &Window) -> f64 {
-        if window.dropped > 0 {
-            limit * self.backoff
-        } else if window.used(limit) {
-            limit + f64::from(self.increase)
-        } else {
-            limit
-        }
+    /// The limit after a pressed window without drops (see `Window::pressed`).
+    pub(super) fn grow(&self, limit: f64) -> f64 {
+        limit + f64::from(self.increase)
+    }
+
+    /// The limit after a window with a drop, or a pressed one with a slow request.
+    pub(super) fn back_off(&self, limit: f64) -> f64 {
+        limit * self.backoff
     }
 }

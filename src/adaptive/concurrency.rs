@@ -41,7 +41,12 @@ struct State {
     /// The limit, unrounded: the algorithms move it by fractions.
     limit: f64,
     in_flight: u32,
+    /// Requests in flight by priority (indexed by `Priority as usize`).
+    in_flight_by: [u32; 3],
     window: Window,
+    /// The last closed window's busiest moments by priority: with the current window's,
+    /// what [`Shares`](super::Shares) keeps for each priority follows.
+    last_busiest_by: [u32; 3],
     estimate: Estimate,
     samples: u64,
     /// Shed requests, by priority (sheddable, default, critical).
@@ -104,7 +109,9 @@ impl Concurrency {
         let state = State {
             limit: f64::from(settings.initial()),
             in_flight: 0,
-            window: Window::new(Duration::ZERO, 0),
+            in_flight_by: [0; 3],
+            window: Window::new(Duration::ZERO, 0, [0; 3]),
+            last_busiest_by: [0; 3],
             estimate: Estimate::new(settings.algorithm()),
             samples: 0,
             shed: [0; 3],
@@ -123,8 +130,13 @@ impl Concurrency {
     pub fn try_acquire(&self, priority: Priority, now: Duration) -> Result<Permit, Shed> {
         let mut state = self.inner.lock();
         let limit = state.limit as u32;
-        if state.in_flight >= self.inner.settings.shares().allowed(limit, priority) {
+        let peaks: [u32; 3] =
+            std::array::from_fn(|p| state.window.busiest_by[p].max(state.last_busiest_by[p]));
+        let allowed = self.inner.settings.shares().allowed(limit, priority, peaks);
+        let at_or_below: u32 = state.in_flight_by[..=priority as usize].iter().sum();
+        if state.in_flight >= limit || at_or_below >= allowed {
             state.shed[priority as usize] += 1;
+            state.window.shed += 1;
             return Err(Shed {
                 priority,
                 limit,
@@ -132,10 +144,14 @@ impl Concurrency {
             });
         }
         state.in_flight += 1;
+        let p = priority as usize;
+        state.in_flight_by[p] += 1;
         state.window.busiest = state.window.busiest.max(state.in_flight);
+        state.window.busiest_by[p] = state.window.busiest_by[p].max(state.in_flight_by[p]);
         Ok(Permit {
             inner: self.inner.clone(),
             started: now,
+            priority,
             done: false,
         })
     }
@@ -166,21 +182,17 @@ impl Inner {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn release(&self, started: Duration, now: Duration, outcome: Outcome) {
+    fn release(&self, priority: Priority, started: Duration, now: Duration, outcome: Outcome) {
         let settings = &self.settings;
         let mut state = self.lock();
         state.in_flight -= 1;
+        state.in_flight_by[priority as usize] -= 1;
         let latency = now.saturating_sub(started);
-        let outcome = match (outcome, &state.estimate) {
-            (Outcome::Success, Estimate::Aimd(aimd))
-                if aimd.slow().is_some_and(|slow| latency > slow) =>
-            {
-                Outcome::Dropped
-            }
-            (outcome, _) => outcome,
-        };
         match outcome {
             Outcome::Success => {
+                if state.estimate.slow().is_some_and(|slow| latency > slow) {
+                    state.window.slow += 1;
+                }
                 state.samples += 1;
                 state.window.samples += 1;
                 state.window.latency_us = state
@@ -200,11 +212,14 @@ impl Inner {
                 window,
                 estimate,
                 in_flight,
+                in_flight_by,
+                last_busiest_by,
                 ..
             } = &mut *state;
-            let next = estimate.next(*limit, window);
+            let next = estimate.next(*limit, window, settings.initial());
             *limit = next.clamp(f64::from(settings.min()), f64::from(settings.max()));
-            *window = Window::new(now, *in_flight);
+            *last_busiest_by = window.busiest_by;
+            *window = Window::new(now, *in_flight, *in_flight_by);
         }
     }
 }
@@ -216,6 +231,7 @@ impl Inner {
 pub struct Permit {
     inner: Arc<Inner>,
     started: Duration,
+    priority: Priority,
     done: bool,
 }
 
@@ -223,6 +239,7 @@ impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
             .field("started", &self.started)
+            .field("priority", &self.priority)
             .finish_non_exhaustive()
     }
 }
@@ -232,7 +249,8 @@ impl Permit {
     /// latency (`now` less the time it was admitted) is a sample.
     pub fn finish(mut self, now: Duration, outcome: Outcome) {
         self.done = true;
-        self.inner.release(self.started, now, outcome);
+        self.inner
+            .release(self.priority, self.started, now, outcome);
     }
 
     /// Counts the request's latency from `now` instead of its admission: it starts being
@@ -247,7 +265,7 @@ impl Drop for Permit {
     fn drop(&mut self) {
         if !self.done {
             self.inner
-                .release(self.started, self.started, Outcome::Ignore);
+                .release(self.priority, self.started, self.started, Outcome::Ignore);
         }
     }
 }

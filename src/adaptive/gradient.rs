@@ -10,7 +10,10 @@ use crate::ConfigError;
 /// way to the target. A window with a drop backs off by 0.9 instead. See the
 /// [module docs](super) for how the baseline is learned.
 ///
-/// Defaults: tolerance 1.5, smoothing 0.2, a baseline over 600 windows.
+/// Defaults: tolerance 1.2, smoothing 0.2, a baseline over 600 windows. Under a sustained
+/// overload the limit settles where `gradient = 1 - 1 / sqrt(limit)`: a mean latency of
+/// about `tolerance / (1 - 1 / sqrt(limit))` times the baseline (1.4x at a limit of 50),
+/// so that the p99 stays within 2x.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gradient {
     tolerance: f64,
@@ -25,10 +28,10 @@ impl Default for Gradient {
 }
 
 impl Gradient {
-    /// Tolerance 1.5, smoothing 0.2, long window 600.
+    /// Tolerance 1.2, smoothing 0.2, long window 600.
     pub fn new() -> Self {
         Self {
-            tolerance: 1.5,
+            tolerance: 1.2,
             smoothing: 0.2,
             long_window: 600,
         }
@@ -106,6 +109,9 @@ const QUEUEING_WEIGHT: f64 = 0.01;
 /// The lowest gradient: a window at most halves the target.
 const MIN_GRADIENT: f64 = 0.5;
 
+/// What a window with a drop multiplies the limit by.
+const BACKOFF: f64 = 0.9;
+
 impl State {
     pub(super) fn new(settings: Gradient) -> Self {
         Self {
@@ -120,18 +126,16 @@ impl State {
             .map(|us| Duration::from_micros(us.round() as u64))
     }
 
-    pub(super) fn next(&mut self, limit: f64, window: &Window) -> f64 {
-        if window.dropped > 0 {
-            return limit * 0.9;
-        }
+    /// Learns the baseline from a closed window with samples (pressed or not).
+    pub(super) fn learn(&mut self, window: &Window) {
         if window.samples == 0 {
-            return limit;
+            return;
         }
         let mean = window.mean_us();
         let Gradient {
             tolerance,
-            smoothing,
             long_window,
+            ..
         } = self.settings;
         let baseline = match self.baseline_us {
             None => mean,
@@ -149,11 +153,32 @@ impl State {
             }
         };
         self.baseline_us = Some(baseline);
-        let gradient = (tolerance * baseline / mean).clamp(MIN_GRADIENT, 1.0);
-        if gradient >= 1.0 && !window.used(limit) {
+    }
+
+    /// The limit after a pressed window without drops (see `Window::pressed`), once
+    /// [`learn`](Self::learn) has seen it.
+    pub(super) fn next(&self, limit: f64, window: &Window) -> f64 {
+        let (Some(baseline), true) = (self.baseline_us, window.samples > 0) else {
             return limit;
-        }
+        };
+        let Gradient {
+            tolerance,
+            smoothing,
+            ..
+        } = self.settings;
+        let gradient = (tolerance * baseline / window.mean_us()).clamp(MIN_GRADIENT, 1.0);
         let target = limit * gradient + limit.sqrt();
         limit + (target - limit) * smoothing
+    }
+
+    /// Whether the window's mean latency is within the tolerance of the baseline.
+    pub(super) fn healthy(&self, window: &Window) -> bool {
+        self.baseline_us
+            .is_none_or(|baseline| window.mean_us() <= self.settings.tolerance * baseline)
+    }
+
+    /// The limit after a window with a drop.
+    pub(super) fn back_off(limit: f64) -> f64 {
+        limit * BACKOFF
     }
 }

@@ -10,13 +10,34 @@
 //! - [`Aimd`]: additive increase, multiplicative decrease. A window with a dropped
 //!   request (a 5xx, a timeout, gRPC `UNAVAILABLE` / `DEADLINE_EXCEEDED`, or what your
 //!   predicate says) multiplies the limit by [`backoff`](Aimd::with_backoff) (0.9); a
-//!   window whose busiest moment used at least half of the limit adds
-//!   [`increase`](Aimd::with_increase) (1). It reacts to errors only, not to latency
-//!   (unless a request slower than [`slow`](Aimd::with_slow) counts as dropped).
+//!   pressed window (below) without one adds [`increase`](Aimd::with_increase) (1). It
+//!   reacts to errors only, not to latency, unless requests slower than
+//!   [`slow`](Aimd::with_slow) count as drops (more than a tenth of a pressed window's).
 //! - [`Gradient`]: the ratio of a long-run latency to the window's (a gradient, as in
-//!   Netflix's Gradient2 and Envoy's adaptive concurrency). With `tolerance` 1.5, the
+//!   Netflix's Gradient2 and Envoy's adaptive concurrency). With `tolerance` 1.2, the
 //!   limit grows (by about its square root, smoothed) while the window's mean latency is
-//!   within 1.5x of the long-run one, and shrinks (at most halving) as it goes beyond.
+//!   within 1.2x of the long-run one, and shrinks (at most halving) as it goes beyond.
+//!
+//! # Pressed windows, and the limit between overloads
+//!
+//! Latency says something about the limit only while the traffic presses against it: a
+//! window is *pressed* when it shed a request or its busiest moment used 3/4 of the
+//! limit. Only then do the algorithms grow or shrink the limit from latency (Gradient2
+//! likewise ignores windows under half the limit). A slow window that did not press is a
+//! stalled timer or a slow dependency at low load, which a lower limit would not make
+//! faster: on a loaded machine it was what made a 0.5x load shed.
+//!
+//! A window that did not press (and dropped nothing) eases the limit a fifth of the way
+//! toward 3x its busiest moment, or [`initial`](AdaptiveLimit::initial) if larger. So
+//! between overloads the limit follows the demand with room to spare (the least critical
+//! requests keep about twice their demand once the shares below are kept, and a window
+//! presses only once the demand grew 2.25x), it comes back to the same normal-day value
+//! after an overload (from above or below), a quiet night does not leave a huge limit for
+//! the morning, and it never eases below `initial`. A pressed window keeps whatever the
+//! algorithm decides, and the easing raises the limit only while the latency shows no
+//! queueing (few slow requests for AIMD, a mean within the tolerance for the gradient):
+//! the traffic cannot raise the limit without the latency agreeing, even while a queue
+//! grows too slowly to press.
 //!
 //! # How the baseline latency is learned, without a probe
 //!
@@ -34,17 +55,18 @@
 //!   learned during a slow period comes down once the service is fast again, and the limit
 //!   recovers after an overload ends.
 //!
-//! A window whose busiest moment used less than half of the limit says nothing about the
-//! limit (the traffic, not the service, kept it low): the limit does not grow then, so a
-//! quiet night does not leave a huge limit for the morning.
-//!
 //! # Priorities
 //!
 //! A request's [`Priority`] decides how much of the limit it may use: critical requests
-//! all of it, default requests all but [`critical_share`](Shares::critical_share) (10%), and
-//! sheddable ones all but that and [`default_share`](Shares::default_share) (another 10%). So
-//! when the service is saturated, sheddable requests are turned away first and a share of
-//! the capacity stays for critical traffic.
+//! all of it; default ones (with the sheddable ones in flight) all but what is kept for
+//! critical requests; sheddable ones all but that and what is kept for default ones. What
+//! is kept for a priority follows its demand: 1.25x the most of its requests in flight at
+//! once in the current and the last window, with its static share of the limit
+//! ([`critical_share`](Shares::critical_share) and [`default_share`](Shares::default_share),
+//! 10% each) as a floor. So when the service is saturated, sheddable requests are turned
+//! away first, and critical traffic keeps what it uses, however large a share of the
+//! capacity that is (a fixed 10% shed 14% of the critical requests when they were 40% of
+//! the capacity at 4x, BENCHMARKS.md "Overload"); when it needs little, the floor stands.
 //!
 //! [`Concurrency`] is the running state, one per process (or per key): it admits
 //! requests ([`Concurrency::try_acquire`]) and takes each finished one's latency and
@@ -328,6 +350,15 @@ impl From<Gradient> for Algorithm {
     }
 }
 
+/// How far a window that did not press against the limit moves it toward its target.
+const EASE: f64 = 0.2;
+
+/// What a window that did not press against the limit moves it toward: this many times its
+/// busiest moment (or `initial`, if larger). 3x leaves the least critical requests about
+/// twice their demand once the shares of the others are kept, and a window counts as
+/// pressed only once the demand grew 2.25x (3/4 of the limit).
+const HEADROOM: f64 = 3.0;
+
 /// The running state of an algorithm.
 #[derive(Debug, Clone)]
 enum Estimate {
@@ -343,11 +374,54 @@ impl Estimate {
         }
     }
 
-    /// The next limit (unclamped) after a closed window.
-    fn next(&mut self, limit: f64, window: &Window) -> f64 {
+    /// The next limit (unclamped) after a closed window: a drop backs off; a window that
+    /// pressed against the limit goes to the algorithm; any other eases the limit toward
+    /// the larger of twice its busiest moment and `initial` (see the [module docs](self)).
+    fn next(&mut self, limit: f64, window: &Window, initial: u32) -> f64 {
+        let pressed = window.pressed(limit);
         match self {
-            Self::Aimd(aimd) => aimd.next(limit, window),
-            Self::Gradient(state) => state.next(limit, window),
+            Self::Aimd(aimd) => {
+                // Queueing makes every request slow; one slow request in ten is a stalled
+                // timer or a slow call.
+                if window.dropped > 0 || (pressed && window.slow * 10 > window.samples) {
+                    return aimd.back_off(limit);
+                }
+                if pressed {
+                    return aimd.grow(limit);
+                }
+            }
+            Self::Gradient(state) => {
+                state.learn(window);
+                if window.dropped > 0 {
+                    return gradient::State::back_off(limit);
+                }
+                if pressed {
+                    return state.next(limit, window);
+                }
+            }
+        }
+        let target = (HEADROOM * f64::from(window.busiest)).max(f64::from(initial));
+        // Up only while the latency agrees: a queue that grows slowly does not press yet.
+        if target > limit && !self.healthy(window) {
+            return limit;
+        }
+        limit + (target - limit) * EASE
+    }
+
+    /// Whether the window's latency shows no queueing: few slow samples (AIMD), a mean
+    /// within the tolerance of the baseline (gradient).
+    fn healthy(&self, window: &Window) -> bool {
+        match self {
+            Self::Aimd(_) => window.slow * 10 <= window.samples,
+            Self::Gradient(state) => state.healthy(window),
+        }
+    }
+
+    /// The latency above which a sample is slow ([`Aimd::with_slow`]).
+    fn slow(&self) -> Option<Duration> {
+        match self {
+            Self::Aimd(aimd) => aimd.slow(),
+            Self::Gradient(_) => None,
         }
     }
 

@@ -37,10 +37,18 @@ impl Priority {
     }
 }
 
-/// The shares of the limit that only more critical requests may use: default requests may
-/// not use the last [`critical_share`](Self::critical_share) (10% by default), sheddable
-/// ones not the last `critical_share + default_share` (20%). Each share is rounded down to whole requests, so a
-/// limit of 1 to 4 keeps nothing apart.
+/// The shares of the limit kept for more critical requests: default requests may not use
+/// what is kept for critical ones, sheddable ones neither that nor what is kept for
+/// default ones.
+///
+/// What is kept for a priority follows its demand: the larger of its static share of the
+/// limit ([`critical_share`](Self::critical_share), 10% by default; rounded down to whole
+/// requests) and 1.25x the most requests of that priority in flight at once during the
+/// current and the last window (rounded up). So when critical traffic needs 40% of the
+/// capacity during an overload, 50% is kept for it, and the sheddable requests it pushes
+/// out are what gets shed; when it needs little, the static share still stands as a
+/// floor. The static shares alone would hold back a fixed 10%: a burst of critical
+/// requests beyond it would be shed while sheddable ones still held most of the limit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Shares {
     critical: f64,
@@ -48,7 +56,7 @@ pub struct Shares {
 }
 
 impl Default for Shares {
-    /// 10% kept for critical requests, another 10% for default and critical ones.
+    /// At least 10% kept for critical requests, another 10% for default and critical ones.
     fn default() -> Self {
         Self {
             critical: 0.1,
@@ -58,8 +66,9 @@ impl Default for Shares {
 }
 
 impl Shares {
-    /// Keeps `critical` of the limit for critical requests and `default` more for default
-    /// (and critical) ones. Refused when a share is negative or they add up to 1 or more.
+    /// Keeps at least `critical` of the limit for critical requests and `default` more for
+    /// default (and critical) ones, more while their demand needs it. Refused when a share
+    /// is negative or they add up to 1 or more.
     pub fn new(critical: f64, default: f64) -> Result<Self, ConfigError> {
         let valid = |share: f64| (0.0..1.0).contains(&share);
         if !valid(critical) || !valid(default) || critical + default >= 1.0 {
@@ -84,14 +93,24 @@ impl Shares {
         self.default
     }
 
-    /// How many requests of `priority` may be in flight under `limit`.
-    pub(crate) fn allowed(&self, limit: u32, priority: Priority) -> u32 {
-        let kept = match priority {
-            Priority::Critical => 0.0,
-            Priority::Default => self.critical,
-            Priority::Sheddable => self.critical + self.default,
+    /// How many requests of `priority` and less critical ones may be in flight under
+    /// `limit` (besides all of them together: `limit`), when at most `peaks[p]` requests of
+    /// priority `p` were in flight at once lately (indexed by `Priority as usize`).
+    pub(crate) fn allowed(&self, limit: u32, priority: Priority, peaks: [u32; 3]) -> u32 {
+        let kept = |share: f64, peak: u32| {
+            let demand = (f64::from(peak) * DEMAND_HEADROOM).ceil() as u32;
+            ((f64::from(limit) * share).floor() as u32).max(demand)
         };
-        let kept = (f64::from(limit) * kept).floor() as u32;
+        let kept = match priority {
+            Priority::Critical => 0,
+            Priority::Default => kept(self.critical, peaks[Priority::Critical as usize]),
+            Priority::Sheddable => kept(self.critical, peaks[Priority::Critical as usize])
+                .saturating_add(kept(self.default, peaks[Priority::Default as usize])),
+        };
         limit - kept.min(limit)
     }
 }
+
+/// What is kept for a priority beyond the most of it lately in flight at once: room for
+/// its demand to grow until the next window sees it.
+const DEMAND_HEADROOM: f64 = 1.25;

@@ -13,15 +13,26 @@ pub(crate) struct Window {
     pub(crate) latency_us: u64,
     /// Requests that were dropped (a sign of overload).
     pub(crate) dropped: u32,
+    /// Samples slower than [`Aimd`](super::Aimd)'s latency threshold.
+    pub(crate) slow: u32,
+    /// Requests shed during the window.
+    pub(crate) shed: u32,
     /// The most requests in flight at once during the window.
     pub(crate) busiest: u32,
+    /// The same by priority (indexed by `Priority as usize`).
+    pub(crate) busiest_by: [u32; 3],
 }
 
+/// The share of the limit whose use in a window makes it *pressed*: see
+/// [`Window::pressed`].
+const PRESSED: f64 = 0.75;
+
 impl Window {
-    pub(crate) fn new(started: Duration, in_flight: u32) -> Self {
+    pub(crate) fn new(started: Duration, in_flight: u32, in_flight_by: [u32; 3]) -> Self {
         Self {
             started,
             busiest: in_flight,
+            busiest_by: in_flight_by,
             ..Self::default()
         }
     }
@@ -39,9 +50,10 @@ impl Window {
         self.samples + self.dropped >= min_samples && now.saturating_sub(self.started) >= length
     }
 
-    /// Whether the busiest moment used at least half of `limit`: else the traffic, not the
-    /// service, kept the limit from mattering, and it should not grow.
-    pub(crate) fn used(&self, limit: f64) -> bool {
-        f64::from(self.busiest) * 2.0 >= limit
+    /// Whether the traffic pressed against `limit`: a request was shed, or the busiest
+    /// moment used at least 3/4 of it. Only then does latency say something about the
+    /// limit; else the traffic, not the limit, kept requests out of the queue.
+    pub(crate) fn pressed(&self, limit: f64) -> bool {
+        self.shed > 0 || f64::from(self.busiest) >= PRESSED * limit
     }
 }
