@@ -4,8 +4,9 @@
 //!
 //! The upstream is a tower `Service` of `WORKERS` workers and a service time of `SERVICE`:
 //! a request waits for a free worker (FIFO, unbounded queue), so beyond capacity latency
-//! grows with load. Every mode is a tower layer around that same service. Load is open
-//! loop: requests arrive at a fixed rate whatever the answers, every 10th critical, the
+//! grows with load. Every mode is a tower layer around that same service (tollgate's:
+//! `RateLimitLayer::with_adaptive`, as users add it, the priority in the request's
+//! extensions). Load is open loop: requests arrive at a fixed rate whatever the answers, every 10th critical, the
 //! others sheddable. Times are real (tokio's timer), since what is measured is sleeping,
 //! not CPU; so the run first measures the unloaded latency (one request at a time) on the
 //! machine as it is, and the goals are read against it.
@@ -38,9 +39,16 @@ use std::{
     time::{Duration, Instant},
 };
 
+use axum::body::{Body, HttpBody as _};
+use http::{Request, Response, StatusCode};
 use plotters::prelude::*;
 use tokio::sync::Semaphore;
-use tollgate::adaptive::{AdaptiveLimit, Aimd, Concurrency, Gradient, Outcome, Priority};
+use tollgate::{
+    DefaultRejection, Limit, RateLimitLayer,
+    adaptive::{Adaptive, AdaptiveHandle, AdaptiveLimit, Aimd, Gradient, Priority},
+    headers::HeaderStyle,
+    key::GlobalKey,
+};
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt, util::BoxCloneService};
 
 const WORKERS: usize = 20;
@@ -94,29 +102,45 @@ impl Service<Priority> for Upstream {
     }
 }
 
-/// tollgate's adaptive limit as a layer around `S`. The one function to swap for
-/// `RateLimitLayer::with_adaptive` once that stage exists.
-fn tollgate_layer<S>(
-    concurrency: Concurrency,
-    start: Instant,
-) -> impl Layer<S, Service = Adaptive<S>> {
-    tower::layer::layer_fn(move |inner| Adaptive {
-        inner,
-        concurrency: concurrency.clone(),
-        start,
-    })
-}
+/// The benchmark's request type around tollgate's layer around `S`.
+type Tollgate<S> = FromHttp<tollgate::RateLimit<ToHttp<S>, GlobalKey, u32, DefaultRejection>>;
 
-#[derive(Clone)]
-struct Adaptive<S> {
-    inner: S,
-    concurrency: Concurrency,
-    start: Instant,
-}
-
-impl<S> Service<Priority> for Adaptive<S>
+/// tollgate's adaptive limit as users add it: `RateLimitLayer::with_adaptive` (one global
+/// rate limit too high to deny, the memory store, no header fields) around `S`, between
+/// two adapters from and to the benchmark's `Priority` requests (the priority rides in the
+/// HTTP request's extensions, which the stage reads). A 503 is a shed request.
+fn tollgate_layer<S>(limit: AdaptiveLimit) -> (impl Layer<S, Service = Tollgate<S>>, AdaptiveHandle)
 where
-    S: Service<Priority, Response = (), Error = BoxError, Future = BoxFuture>,
+    S: Service<Priority, Response = (), Error = BoxError, Future = BoxFuture>
+        + Clone
+        + Send
+        + 'static,
+{
+    let layer = RateLimitLayer::new(Limit::per_second(u32::MAX).expect("valid limit"))
+        .with_key(GlobalKey)
+        .with_headers(HeaderStyle::NONE)
+        .with_adaptive(Adaptive::new(limit));
+    let handle = layer.adaptive_handle().expect("an adaptive stage");
+    let layer = tower::layer::layer_fn(move |inner| FromHttp {
+        inner: layer.layer(ToHttp { inner }),
+    });
+    (layer, handle)
+}
+
+/// `Priority` requests to HTTP ones, for the layer.
+#[derive(Clone)]
+struct FromHttp<S> {
+    inner: S,
+}
+
+impl<S> Service<Priority> for FromHttp<S>
+where
+    S: Service<
+            Request<()>,
+            Response = Response<tollgate::count_after::RateLimitBody<Body>>,
+            Error = BoxError,
+        >,
+    S::Future: Send + 'static,
 {
     type Response = ();
     type Error = BoxError;
@@ -127,18 +151,51 @@ where
     }
 
     fn call(&mut self, priority: Priority) -> BoxFuture {
-        let start = self.start;
-        match self.concurrency.try_acquire(priority, start.elapsed()) {
-            Err(shed) => Box::pin(async move { Err(shed.into()) }),
-            Ok(permit) => {
-                let call = self.inner.call(priority);
-                Box::pin(async move {
-                    let answer = call.await;
-                    permit.finish(start.elapsed(), Outcome::Success);
-                    answer
-                })
+        let mut request = Request::new(());
+        request.extensions_mut().insert(priority);
+        let call = self.inner.call(request);
+        Box::pin(async move {
+            let response = call.await?;
+            // A server asks an empty body whether it is over and drops it unread: its
+            // end, which gives the permit back with its sample.
+            let _ = response.body().is_end_stream();
+            if response.status() == StatusCode::SERVICE_UNAVAILABLE {
+                return Err("shed".into());
             }
-        }
+            Ok(())
+        })
+    }
+}
+
+/// HTTP requests back to `Priority` ones, for the upstream.
+#[derive(Clone)]
+struct ToHttp<S> {
+    inner: S,
+}
+
+impl<S> Service<Request<()>> for ToHttp<S>
+where
+    S: Service<Priority, Response = (), Error = BoxError, Future = BoxFuture>,
+{
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<()>) -> Self::Future {
+        let priority = request
+            .extensions()
+            .get::<Priority>()
+            .copied()
+            .unwrap_or_default();
+        let call = self.inner.call(priority);
+        Box::pin(async move {
+            call.await?;
+            Ok(Response::new(Body::empty()))
+        })
     }
 }
 
@@ -200,12 +257,11 @@ const MODES: [&str; 6] = [
 const ADAPTIVE: [&str; 4] = ["aimd", "gradient", "tower-acc", "resilience"];
 
 /// Mode `name` around `upstream`, and its probe.
-fn mode(name: &str, upstream: Upstream, start: Instant) -> (Mode, Probe) {
+fn mode(name: &str, upstream: Upstream) -> (Mode, Probe) {
     let tollgate = |limit: Result<AdaptiveLimit, tollgate::ConfigError>| {
-        let concurrency = Concurrency::new(limit.expect("valid settings"));
-        let probe = concurrency.clone();
-        let service = tollgate_layer(concurrency, start).layer(upstream.clone());
-        let probe: Probe = Arc::new(move || Some(probe.snapshot().limit));
+        let (layer, handle) = tollgate_layer(limit.expect("valid settings"));
+        let service = layer.layer(upstream.clone());
+        let probe: Probe = Arc::new(move || Some(handle.snapshot().limit));
         (BoxCloneService::new(service), probe)
     };
     match name {
@@ -380,7 +436,7 @@ const TIMELINE: [(f64, u64); 3] = [(0.5, 10), (4.0, 10), (0.5, 30)];
 async fn timeline(name: &str) -> Vec<Sample> {
     let upstream = Upstream::new();
     let start = Instant::now();
-    let (service, probe) = mode(name, upstream.clone(), start);
+    let (service, probe) = mode(name, upstream.clone());
     let tally = Arc::new(Tally::default());
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampler = {
@@ -563,8 +619,7 @@ async fn main() -> Result<(), BoxError> {
     for &load in &loads {
         for name in &modes {
             let upstream = Upstream::new();
-            let start = Instant::now();
-            let (service, probe) = mode(name, upstream, start);
+            let (service, probe) = mode(name, upstream);
             // Each run starts from a normal day, so the adaptive limits have learned.
             offer(&service, 0.5, Duration::from_secs(5)).await;
             let tally = offer(&service, load, length).await;
