@@ -467,6 +467,8 @@ async fn with_count_when_the_permit_and_the_count_both_settle_at_the_end() {
 #[tokio::test(start_paused = true)]
 async fn a_request_that_waits_does_not_count_its_wait_as_latency() {
     // Anything slower than 500 ms is a drop: a wait of 1 s counted would lower the limit.
+    // Latency speaks only in a window that pressed against the limit (3/4 of it in
+    // flight at once): 8 requests of a limit of 10 at once.
     let aimd = Aimd::new().with_slow(Some(Duration::from_millis(500)));
     let limit = AdaptiveLimit::new(aimd)
         .with_bounds(1, 10, 20)
@@ -475,35 +477,51 @@ async fn a_request_that_waits_does_not_count_its_wait_as_latency() {
         .unwrap();
     let layer = RateLimitLayer::new(Limit::gcra(1, Duration::from_secs(1)).unwrap())
         .with_key(GlobalKey)
-        .with_max_wait(Some(Duration::from_secs(3)))
+        .with_max_wait(Some(Duration::from_secs(10)))
         .with_adaptive(adaptive(limit));
     let handle = handle(&layer);
     let mut service = layer.layer(handler());
     let first = served(&mut service, request(&[])).await;
     assert_eq!(first, Ok(StatusCode::OK));
     let started = tokio::time::Instant::now();
-    // Waits ~1 s for its turn, holding its permit.
-    let waiting = tokio::spawn({
-        let mut service = service.clone();
-        async move { served(&mut service, request(&[])).await }
-    });
-    tokio::task::yield_now().await;
-    assert_eq!(in_flight(&handle), 1, "a waiting request holds its permit");
-    assert_eq!(waiting.await.unwrap(), Ok(StatusCode::OK));
-    assert!(started.elapsed() >= Duration::from_millis(900));
+    // Each waits 1 s more than the one before for its turn, holding its permit.
+    let waiting: Vec<_> = (0..8)
+        .map(|_| {
+            let mut service = service.clone();
+            tokio::spawn(async move { served(&mut service, request(&[])).await })
+        })
+        .collect();
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(in_flight(&handle), 8, "waiting requests hold their permits");
+    // The first one's turn: a pressed window with one fast sample grows the limit by 1
+    // (its second of waiting counted would be slow: 10 x 0.9 = 9).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // (The first request was a sample too.)
+    assert_eq!(handle.snapshot().samples, 2, "{:?}", handle.snapshot());
     assert_eq!(
         handle.snapshot().limit,
-        10,
+        11,
         "no drop: the wait is not latency"
     );
+    for task in waiting {
+        assert_eq!(task.await.unwrap(), Ok(StatusCode::OK));
+    }
+    assert!(started.elapsed() >= Duration::from_secs(8));
 
-    // A slow service is: 600 ms, without a wait.
+    // A slow service is: 600 ms, without a wait, 8 at once.
     let layer = self::layer(adaptive(limit));
     let handle = self::handle(&layer);
-    let mut service = layer.layer(handler());
-    for _ in 0..2 {
-        let slow = served(&mut service, request(&[("x-slow", "600")])).await;
-        assert_eq!(slow, Ok(StatusCode::OK));
+    let service = layer.layer(handler());
+    let slow: Vec<_> = (0..8)
+        .map(|_| {
+            let mut service = service.clone();
+            tokio::spawn(async move { served(&mut service, request(&[("x-slow", "600")])).await })
+        })
+        .collect();
+    for task in slow {
+        assert_eq!(task.await.unwrap(), Ok(StatusCode::OK));
     }
     assert!(handle.snapshot().limit < 10, "{:?}", handle.snapshot());
 }
