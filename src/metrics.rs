@@ -189,15 +189,51 @@ pub(crate) struct LayerMetrics {
     #[cfg(feature = "metrics")]
     route: Arc<str>,
     #[cfg(feature = "metrics")]
-    handles: arc_swap::ArcSwapOption<Handles>,
+    handles: PerRecorder<Handles>,
+}
+
+/// Metric handles `H`, registered with the current recorder the first time they are
+/// used, and again when the current recorder is another one. Kept with the address of
+/// the recorder they were registered with. (A recorder dropped and another made at the
+/// same address would pass for the first: only local recorders, in tests, come and go
+/// like that.)
+#[cfg(feature = "metrics")]
+pub(crate) struct PerRecorder<H> {
+    cached: arc_swap::ArcSwapOption<(usize, H)>,
+}
+
+#[cfg(feature = "metrics")]
+impl<H> PerRecorder<H> {
+    pub(crate) fn new() -> Self {
+        Self {
+            cached: arc_swap::ArcSwapOption::empty(),
+        }
+    }
+
+    /// Runs `f` with the handles of the current recorder, made by `register` when they
+    /// are not those.
+    pub(crate) fn with(
+        &self,
+        register: impl FnOnce(&dyn ::metrics::Recorder) -> H,
+        f: impl FnOnce(&H),
+    ) {
+        ::metrics::with_recorder(|recorder| {
+            let address = std::ptr::from_ref(recorder).cast::<()>() as usize;
+            let cached = self.cached.load();
+            match cached.as_deref() {
+                Some((registered, handles)) if *registered == address => f(handles),
+                _ => {
+                    let fresh = Arc::new((address, register(recorder)));
+                    f(&fresh.1);
+                    self.cached.store(Some(fresh));
+                }
+            }
+        });
+    }
 }
 
 #[cfg(feature = "metrics")]
 struct Handles {
-    /// The address of the recorder they were registered with. (A recorder dropped and
-    /// another made at the same address would pass for the first: only local recorders,
-    /// in tests, come and go like that.)
-    recorder: usize,
     /// By [`Outcome`], in its order.
     requests: [::metrics::Counter; 6],
     latency: ::metrics::Histogram,
@@ -205,7 +241,7 @@ struct Handles {
 
 #[cfg(feature = "metrics")]
 impl Handles {
-    fn register(recorder: &dyn ::metrics::Recorder, address: usize, route: &Arc<str>) -> Self {
+    fn register(recorder: &dyn ::metrics::Recorder, route: &Arc<str>) -> Self {
         let metadata =
             ::metrics::Metadata::new(module_path!(), ::metrics::Level::INFO, Some(module_path!()));
         let counter = |outcome: Outcome| {
@@ -221,7 +257,6 @@ impl Handles {
             vec![::metrics::Label::new("route", route.to_string())],
         );
         Self {
-            recorder: address,
             requests: Outcome::ALL.map(counter),
             latency: recorder.register_histogram(&latency, &metadata),
         }
@@ -236,25 +271,15 @@ impl LayerMetrics {
             #[cfg(feature = "metrics")]
             route: route.clone(),
             #[cfg(feature = "metrics")]
-            handles: arc_swap::ArcSwapOption::empty(),
+            handles: PerRecorder::new(),
         }
     }
 
     /// Runs `f` with the handles of the current recorder.
     #[cfg(feature = "metrics")]
     fn with_handles(&self, f: impl FnOnce(&Handles)) {
-        ::metrics::with_recorder(|recorder| {
-            let address = std::ptr::from_ref(recorder).cast::<()>() as usize;
-            let cached = self.handles.load();
-            match cached.as_deref() {
-                Some(handles) if handles.recorder == address => f(handles),
-                _ => {
-                    let handles = Arc::new(Handles::register(recorder, address, &self.route));
-                    f(&handles);
-                    self.handles.store(Some(handles));
-                }
-            }
-        });
+        self.handles
+            .with(|recorder| Handles::register(recorder, &self.route), f);
     }
 
     /// Counts one request with `outcome`.

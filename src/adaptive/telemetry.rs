@@ -14,12 +14,11 @@ pub(crate) struct StageMetrics {
     #[cfg(feature = "metrics")]
     one: bool,
     #[cfg(feature = "metrics")]
-    handles: arc_swap::ArcSwapOption<Handles>,
+    handles: crate::metrics::PerRecorder<Handles>,
 }
 
 #[cfg(feature = "metrics")]
 struct Handles {
-    recorder: usize,
     limit: ::metrics::Gauge,
     in_flight: ::metrics::Gauge,
     min_rtt: ::metrics::Gauge,
@@ -30,7 +29,7 @@ struct Handles {
 
 #[cfg(feature = "metrics")]
 impl Handles {
-    fn register(recorder: &dyn ::metrics::Recorder, address: usize, route: &Arc<str>) -> Self {
+    fn register(recorder: &dyn ::metrics::Recorder, route: &Arc<str>) -> Self {
         use crate::metrics::{
             ADAPTIVE_IN_FLIGHT, ADAPTIVE_LIMIT, ADAPTIVE_MIN_RTT_SECONDS, ADAPTIVE_SAMPLES_TOTAL,
             ADAPTIVE_SHED_TOTAL,
@@ -53,7 +52,6 @@ impl Handles {
             })
         };
         Self {
-            recorder: address,
             limit: gauge(ADAPTIVE_LIMIT),
             in_flight: gauge(ADAPTIVE_IN_FLIGHT),
             min_rtt: gauge(ADAPTIVE_MIN_RTT_SECONDS),
@@ -73,24 +71,14 @@ impl StageMetrics {
             #[cfg(feature = "metrics")]
             one,
             #[cfg(feature = "metrics")]
-            handles: arc_swap::ArcSwapOption::empty(),
+            handles: crate::metrics::PerRecorder::new(),
         }
     }
 
     #[cfg(feature = "metrics")]
     fn with_handles(&self, f: impl FnOnce(&Handles)) {
-        ::metrics::with_recorder(|recorder| {
-            let address = std::ptr::from_ref(recorder).cast::<()>() as usize;
-            let cached = self.handles.load();
-            match cached.as_deref() {
-                Some(handles) if handles.recorder == address => f(handles),
-                _ => {
-                    let handles = Arc::new(Handles::register(recorder, address, &self.route));
-                    f(&handles);
-                    self.handles.store(Some(handles));
-                }
-            }
-        });
+        self.handles
+            .with(|recorder| Handles::register(recorder, &self.route), f);
     }
 
     /// A request took a permit of `concurrency`: with one limit for the layer, the limit
